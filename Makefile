@@ -1,0 +1,41 @@
+# xlakit: every target calls a script; the variables it reads are listed here.
+#
+#   PYTHON         interpreter that creates the venv (3.11 or newer)   [python3]
+#   VENV           the development virtual environment                [.venv]
+#   PROFILE        VERSIONS.toml profile installed by `setup`          [cpu-dev]
+#   PYTEST_ARGS    extra arguments for `make test`                     []
+#   BENCH_ARGS     extra arguments for `make bench`                    []
+
+PYTHON ?= python3
+VENV ?= .venv
+PROFILE ?= cpu-dev
+PYTEST_ARGS ?=
+BENCH_ARGS ?=
+
+VPY := $(VENV)/bin/python
+SETUP_STAMP := $(VENV)/.xlakit-setup
+
+.PHONY: setup test demo bench clean
+
+setup: $(SETUP_STAMP)
+
+# Re-run when the pins or the package definition change.
+$(SETUP_STAMP): VERSIONS.toml pyproject.toml setup.py
+	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "xlakit needs Python 3.11+, found " + sys.version.split()[0])'
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --upgrade pip setuptools wheel
+	$(VPY) -m pip install $$($(PYTHON) build/xlakit_build.py requirements --profile $(PROFILE))
+	$(VPY) -m pip install -e '.[test]'
+	touch $@
+
+test: setup
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) examples/demo.py
+
+bench: setup
+	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_save.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) wheels build/_out python/*.egg-info

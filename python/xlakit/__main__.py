@@ -1,0 +1,5 @@
+import sys
+
+from xlakit.cli import main
+
+sys.exit(main())

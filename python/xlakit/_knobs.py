@@ -1,0 +1,76 @@
+"""Every environment variable xlakit reads, in one place.
+
+An explicit argument always beats the environment; the environment beats the
+built-in default. Getters parse and validate, naming the variable on error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+MiB = 1 << 20
+
+SAVE_TIMEOUT_S = "XLAKIT_SAVE_TIMEOUT_S"
+MAX_INFLIGHT_BYTES = "XLAKIT_MAX_INFLIGHT_BYTES"
+STALL_WARNING_S = "XLAKIT_STALL_WARNING_S"
+PROGRESS_INTERVAL_S = "XLAKIT_PROGRESS_INTERVAL_S"
+TRANSFER_BACKEND = "XLAKIT_TRANSFER_BACKEND"
+
+DEFAULTS: dict[str, float | int | str] = {
+    SAVE_TIMEOUT_S: 3600.0,
+    MAX_INFLIGHT_BYTES: 256 * MiB,
+    STALL_WARNING_S: 60.0,
+    PROGRESS_INTERVAL_S: 10.0,
+    TRANSFER_BACKEND: "auto",
+}
+
+
+def get_float(name: str) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return float(DEFAULTS[name])
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r}: expected a positive number")
+    return value
+
+
+def get_int(name: str) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return int(DEFAULTS[name])
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a whole number") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r}: expected a positive number")
+    return value
+
+
+def get_str(name: str) -> str:
+    return os.environ.get(name) or str(DEFAULTS[name])
+
+
+@contextlib.contextmanager
+def override(**env: str | None) -> Iterator[None]:
+    """Set (or unset, with None) variables for a block; restores them in `finally`."""
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

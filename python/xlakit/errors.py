@@ -1,0 +1,73 @@
+"""xlakit's exceptions: a small set, each also a builtin so existing handlers work.
+
+`except TimeoutError` catches a checkpoint timeout, `except OSError` a write
+failure, `except ValueError` a corrupt file. Every message says what was
+expected, what was found and how to fix it; hints go in `add_note`.
+"""
+
+from __future__ import annotations
+
+
+class XlakitError(Exception):
+    """Base of every error xlakit raises on purpose."""
+
+
+class CheckpointError(XlakitError):
+    """Base of checkpoint save/load errors."""
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """The save or load ran past its deadline.
+
+    Attributes name where it stopped: `stage` (sync, transfer, write, commit,
+    ...), `tensor` (the one in flight, or None), `bytes_done`, `elapsed_s`.
+    """
+
+    def __init__(self, message: str, *, stage: str, tensor: str | None = None,
+                 bytes_done: int = 0, elapsed_s: float = 0.0, rank: int | None = None):
+        super().__init__(message)
+        self.stage = stage
+        self.tensor = tensor
+        self.bytes_done = bytes_done
+        self.elapsed_s = elapsed_s
+        self.rank = rank
+
+
+class CheckpointCorruptError(CheckpointError, ValueError):
+    """The file does not match what was written (checksum, truncation, structure)."""
+
+    def __init__(self, message: str, *, tensor: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
+
+
+class CheckpointIncompleteError(CheckpointCorruptError):
+    """A multi-file checkpoint has no commit record or misses a shard."""
+
+
+class CheckpointFormatError(CheckpointError, ValueError):
+    """The file is a readable checkpoint but not one xlakit can verify."""
+
+
+class CheckpointSerializationError(CheckpointError, TypeError):
+    """The state holds an object a weights-only checkpoint cannot store."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing failed (no folder, no permission, disk full); the old file is intact."""
+
+
+class CheckpointBusyError(CheckpointError, RuntimeError):
+    """An earlier save is still running (async, or abandoned after a timeout)."""
+
+
+class CheckpointPeerError(CheckpointError, RuntimeError):
+    """Another rank of a coordinated save failed; carries that rank and its error."""
+
+    def __init__(self, message: str, *, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class RuntimeFeatureError(XlakitError, NotImplementedError):
+    """The running torch_xla lacks what was asked (stock build, unsupported platform)."""

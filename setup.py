@@ -1,0 +1,5 @@
+"""Build hooks for the xlakit package (metadata lives in pyproject.toml)."""
+
+from setuptools import setup
+
+setup()

@@ -1,0 +1,37 @@
+"""Test configuration: run XLA on the CPU PJRT client, skip hardware we lack.
+
+Markers (declared in pyproject.toml): `xla` needs torch_xla, `cuda` a CUDA
+device, `build` an upstream torch_xla source in XLAKIT_TORCH_XLA_GIT.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+# Before any torch_xla import: the test bed is the CPU PJRT client.
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    reasons = {}
+    if importlib.util.find_spec("torch_xla") is None:
+        reasons["xla"] = "torch_xla is not installed (run `make setup`)"
+    if "cuda" in {m for item in items for m in item.keywords} and not _has_cuda():
+        reasons["cuda"] = "no CUDA device on this machine"
+    if not os.environ.get("XLAKIT_TORCH_XLA_GIT"):
+        reasons["build"] = "set XLAKIT_TORCH_XLA_GIT to a torch_xla git URL or local mirror"
+    for item in items:
+        for marker, reason in reasons.items():
+            if marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -5,6 +5,8 @@ patched binding exists it is used, otherwise the stock path that behaves best.
 """
 
 from xlakit._version import __version__
+from xlakit.checkpoint import load, save
+from xlakit.options import LoadOptions, Progress, SaveOptions
 from xlakit.errors import (
     CheckpointBusyError,
     CheckpointCorruptError,
@@ -21,6 +23,11 @@ from xlakit.errors import (
 
 __all__ = [
     "__version__",
+    "save",
+    "load",
+    "SaveOptions",
+    "LoadOptions",
+    "Progress",
     "CheckpointBusyError",
     "CheckpointCorruptError",
     "CheckpointError",

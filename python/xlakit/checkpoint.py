@@ -1,0 +1,183 @@
+"""`save` and `load`: the synchronized, timeout-guarded checkpoint.
+
+A save is four stages under one deadline: *sync* (one graph materialises all
+pending XLA tensors), *transfer* (byte-capped batches to host), *write*
+(streamed into a temporary file beside the target, checksummed) and *commit*
+(fsync, rename, fsync the folder). Nothing touches the final name before
+commit, so every failure, timeout or kill leaves the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xlakit import _archive, _job, _tree, atomic, transfer
+from xlakit.errors import CheckpointCorruptError, CheckpointWriteError
+from xlakit.options import LoadOptions, SaveOptions, resolve
+
+log = logging.getLogger("xlakit")
+
+
+def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = None,
+         **overrides: Any) -> None:
+    """Save a training state atomically, verified and within one deadline.
+
+    Args:
+        obj: nested state: dicts/lists/tuples of tensors (XLA, CUDA or CPU), numbers,
+            strings, bools, None; e.g. ``{"model": m.state_dict(), "step": 10}``.
+        path: the checkpoint file; its folder must exist.
+        options: a `SaveOptions`; keyword overrides (``timeout_s=600``) win over it.
+
+    Raises:
+        CheckpointTimeoutError: the deadline passed (stage, tensor and bytes named).
+        CheckpointSerializationError: `obj` holds something a weights-only file cannot.
+        CheckpointWriteError: no folder, no permission, disk full.
+        CheckpointBusyError: a save abandoned at its deadline is still stuck in the runtime.
+
+    Example:
+        >>> import torch, xlakit
+        >>> xlakit.save({"w": torch.ones(2)}, getfixture("tmp_path") / "ckpt.pt")
+    """
+    opts: SaveOptions = resolve(SaveOptions, options, overrides)
+    final = Path(path)
+    _job.check_no_abandoned_work()
+    entries = _tree.collect(obj)
+    pickled = _archive.pickle_state(obj, entries)
+    if not final.parent.is_dir():
+        raise atomic.write_error(FileNotFoundError(2, "No such file or directory"), final,
+                                 stage="open")
+    atomic.remove_stale_temps(final)
+    tmp = atomic.temp_path(final)
+    job = _job.Job("save", str(final), sum(e.nbytes for e in entries))
+
+    def on_timeout(j: _job.Job) -> str:
+        atomic.discard(tmp)
+        return (f"The temporary file was removed; the previous checkpoint at {final}, if any, is "
+                f"untouched. The abandoned {j.stage} continues in the background until the runtime "
+                f"returns; the next save refuses to start while it is stuck.")
+
+    watch = _job.Watch(opts.timeout_s, opts.stall_warning_s, opts.progress_interval_s,
+                       opts.progress_callback)
+    _job.run(job, lambda j: _write(j, entries, pickled, tmp, final, opts), watch, on_timeout)
+
+
+def _write(job: _job.Job, entries: list[_tree.TensorEntry], pickled: bytes, tmp: Path,
+           final: Path, opts: SaveOptions) -> None:
+    deadline = job.started + opts.timeout_s
+    groups = [list(g) for _, g in itertools.groupby(
+        sorted(entries, key=lambda e: e.device_type), key=lambda e: e.device_type)]
+    backends = [transfer.backend_for(g[0].device_type, g[0].tensor) for g in groups]
+    job.enter("open")
+    try:
+        f = open(tmp, "xb")
+    except OSError as e:
+        raise atomic.write_error(e, final, stage="open") from e
+    committed = False
+    try:
+        with f:
+            writer = _archive.ArchiveWriter(f, compute_crc32=opts.compute_crc32)
+            for group, backend in zip(groups, backends):
+                job.enter("sync", None)
+                backend.prepare([e.tensor for e in group])
+            job.enter("write")
+            writer.write_header(pickled)
+            for group, backend in zip(groups, backends):
+                for batch in transfer.batches(group, opts.max_inflight_bytes):
+                    job.enter("transfer", batch[0].path)
+                    remaining = max(deadline - job.started - (job.progress().elapsed_s), 0.001)
+                    hosts = backend.to_host([e.tensor for e in batch], timeout_s=remaining)
+                    for entry, host in zip(batch, hosts):
+                        job.enter("write", entry.path)
+                        writer.write_tensor(entry, host)
+                        job.advance(entry.nbytes)
+                    del hosts
+            writer.finish()
+            job.enter("commit")
+            f.flush()
+            os.fsync(f.fileno())
+        with job.lock:
+            if job.cancelled:
+                raise _job.Cancelled("commit")
+            atomic.commit(tmp, final)
+            committed = True
+    except OSError as e:
+        if isinstance(e, CheckpointWriteError):
+            raise
+        raise atomic.write_error(e, final, stage=job.stage, bytes_done=job.bytes_done) from e
+    except RuntimeError as e:
+        # The zip writer reports the file object's OSError as a RuntimeError.
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, OSError):
+            raise atomic.write_error(cause, final, stage=job.stage, bytes_done=job.bytes_done) from e
+        raise
+    finally:
+        if not committed:
+            atomic.discard(tmp)
+
+
+def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overrides: Any) -> Any:
+    """Load a checkpoint after verifying every checksum; tensors come back on the CPU.
+
+    Weights-only: no pickled code is ever run. Move tensors to the device with
+    ``model.load_state_dict(state)`` as usual.
+
+    Args:
+        path: a file written by `xlakit.save` (with ``verify=False``, any torch.save file).
+        options: a `LoadOptions`; keyword overrides (``verify=False``) win over it.
+
+    Raises:
+        CheckpointCorruptError: a checksum does not match (the tensor is named), or the
+            file is truncated or not an archive.
+        CheckpointFormatError: the file has no xlakit checksums and `verify` is on.
+        CheckpointTimeoutError: the deadline passed.
+
+    Example:
+        >>> import torch, xlakit
+        >>> p = getfixture("tmp_path") / "ckpt.pt"
+        >>> xlakit.save({"w": torch.ones(2)}, p)
+        >>> xlakit.load(p)["w"]
+        tensor([1., 1.])
+    """
+    opts: LoadOptions = resolve(LoadOptions, options, overrides)
+    final = Path(path)
+    if not final.is_file():
+        raise FileNotFoundError(2, f"no checkpoint at {final}", str(final))
+    job = _job.Job("load", str(final), final.stat().st_size)
+    watch = _job.Watch(opts.timeout_s, opts.stall_warning_s, opts.progress_interval_s,
+                       opts.progress_callback)
+    return _job.run(job, lambda j: _read(j, final, opts), watch,
+                    lambda j: "Nothing was changed on disk.")
+
+
+def _read(job: _job.Job, path: Path, opts: LoadOptions) -> Any:
+    if opts.verify:
+        job.enter("verify")
+        verify_file(path, job)
+    job.enter("read")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=opts.mmap)
+    except RuntimeError as e:
+        raise CheckpointCorruptError(f"{path}: torch.load failed on the archive: {e}") from e
+
+
+def verify_file(path: Path, job: _job.Job | None = None) -> None:
+    """Check the pickle and every storage of `path` against its recorded checksums."""
+    meta, reader = _archive.read_checksums(str(path))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        pk = meta["pickle"]
+        _archive.verify_record(mapped, reader, "data.pkl", pk["nbytes"], pk[_archive.HASH],
+                               "the pickled structure (data.pkl)", str(path), None)
+        for check in _archive.iter_checks(meta):
+            if job is not None:
+                job.enter("verify", check.path)
+            _archive.verify_record(mapped, reader, f"data/{check.key}", check.nbytes,
+                                   check.expected, f"tensor {check.path!r}", str(path), check.path)
+            if job is not None:
+                job.advance(check.nbytes)

@@ -1,0 +1,115 @@
+"""Options for save and load: frozen dataclasses, units in the names, validated when built.
+
+Defaults come from the environment (`_knobs`) when a field is not given, so a
+job can raise every save's timeout with one variable; an explicit argument
+always wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from xlakit import _knobs
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A snapshot of a running save or load, passed to `progress_callback`."""
+
+    path: str
+    stage: str
+    tensor: str | None
+    bytes_done: int
+    bytes_total: int
+    elapsed_s: float
+
+    @property
+    def rate_bytes_per_s(self) -> float:
+        return self.bytes_done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        rate = self.rate_bytes_per_s
+        if rate <= 0:
+            return None
+        return max(self.bytes_total - self.bytes_done, 0) / rate
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How `xlakit.save` runs.
+
+    Attributes:
+        timeout_s: one deadline for the whole save (sync, transfer, write, commit).
+        max_inflight_bytes: cap on tensor bytes held on the host at once.
+        stall_warning_s: warn when no progress was made for this long.
+        progress_interval_s: log progress of long saves at this interval.
+        progress_callback: called with a `Progress` while the save runs and at the end.
+        compute_crc32: also write zip CRC32s (for tools other than torch.load).
+    """
+
+    timeout_s: float = field(default_factory=lambda: _knobs.get_float(_knobs.SAVE_TIMEOUT_S))
+    max_inflight_bytes: int = field(default_factory=lambda: _knobs.get_int(_knobs.MAX_INFLIGHT_BYTES))
+    stall_warning_s: float = field(default_factory=lambda: _knobs.get_float(_knobs.STALL_WARNING_S))
+    progress_interval_s: float = field(
+        default_factory=lambda: _knobs.get_float(_knobs.PROGRESS_INTERVAL_S))
+    progress_callback: ProgressCallback | None = None
+    compute_crc32: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("timeout_s", self.timeout_s)
+        _positive("max_inflight_bytes", self.max_inflight_bytes)
+        _positive("stall_warning_s", self.stall_warning_s)
+        _positive("progress_interval_s", self.progress_interval_s)
+        if self.progress_callback is not None and not callable(self.progress_callback):
+            raise TypeError(f"progress_callback must be callable, got {type(self.progress_callback).__name__}")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How `xlakit.load` runs.
+
+    Attributes:
+        verify: check every checksum before returning (refuses files without them).
+        timeout_s: deadline for the whole load.
+        mmap: map tensor data from the file instead of reading it into memory.
+        stall_warning_s, progress_interval_s, progress_callback: as for saving.
+    """
+
+    verify: bool = True
+    timeout_s: float = field(default_factory=lambda: _knobs.get_float(_knobs.SAVE_TIMEOUT_S))
+    mmap: bool = False
+    stall_warning_s: float = field(default_factory=lambda: _knobs.get_float(_knobs.STALL_WARNING_S))
+    progress_interval_s: float = field(
+        default_factory=lambda: _knobs.get_float(_knobs.PROGRESS_INTERVAL_S))
+    progress_callback: ProgressCallback | None = None
+
+    def __post_init__(self) -> None:
+        _positive("timeout_s", self.timeout_s)
+        _positive("stall_warning_s", self.stall_warning_s)
+        _positive("progress_interval_s", self.progress_interval_s)
+
+
+def resolve(cls: type, options: Any, overrides: dict[str, Any]) -> Any:
+    """`options` (or the defaults) with keyword overrides; unknown names are a TypeError."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(unknown)} for {cls.__name__}; "
+                        f"valid: {', '.join(sorted(names))}")
+    if options is None:
+        return cls(**overrides)
+    if not isinstance(options, cls):
+        raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
+    return dataclasses.replace(options, **overrides) if overrides else options

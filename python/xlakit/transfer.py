@@ -1,0 +1,145 @@
+"""Moving tensors to host memory: one sync, then byte-capped batches, no device copies.
+
+One backend per device type, chosen once per save:
+
+* XLA: every pending tensor is materialised by a single `_xla_sync_multi`
+  (one graph, one compile), then copied in batches. The patched binding
+  `_xla_transfer_to_host` is preferred (deadline-bounded, GIL released,
+  sharded data assembled on the host). On stock torch_xla the CPU PJRT client
+  exports its buffers through DLPack zero-copy (its `_xla_get_cpu_tensors`
+  copies at ~0.1-0.2 GB/s); other clients use `_xla_get_cpu_tensors`.
+* CUDA (and other accelerators with storages): copied into host tensors; a
+  non-contiguous tensor is copied as the raw byte span of its storage and
+  compacted on the host, so nothing is ever cloned on the device.
+* CPU: used in place (made contiguous on the host when it is a view).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from xlakit import _features, _knobs
+from xlakit._tree import TensorEntry
+
+log = logging.getLogger("xlakit")
+
+
+class HostTransfer:
+    """Base backend: `prepare` once for all tensors, then `to_host` per batch."""
+
+    name = "cpu"
+
+    def prepare(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Materialise pending values (one sync for all of them)."""
+
+    def to_host(self, tensors: Sequence[torch.Tensor], *, timeout_s: float) -> list[torch.Tensor]:
+        """Contiguous CPU tensors with the values of `tensors`, in order."""
+        return [t.detach().contiguous() for t in tensors]
+
+
+def copy_to_host(t: torch.Tensor) -> torch.Tensor:
+    """Copy a tensor with a storage to a contiguous host tensor, never cloning it on its device."""
+    t = t.detach()
+    if t.is_contiguous():
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        host.copy_(t)
+        return host
+    # Copy the byte span the view covers (contiguous on the device), compact it on the host.
+    esize = t.element_size()
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+    raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+    raw.set_(t.untyped_storage(), t.storage_offset() * esize, (span * esize,), (1,))
+    host_raw = torch.empty(span * esize, dtype=torch.uint8, device="cpu")
+    host_raw.copy_(raw)
+    return host_raw.view(t.dtype).as_strided(t.shape, t.stride(), 0).contiguous()
+
+
+class DeviceTransfer(HostTransfer):
+    """CUDA and other storage-backed accelerators."""
+
+    name = "device-copy"
+
+    def to_host(self, tensors, *, timeout_s):
+        hosts = [copy_to_host(t) for t in tensors]
+        if tensors and tensors[0].device.type == "cuda":
+            torch.cuda.synchronize(tensors[0].device)
+        return hosts
+
+
+class XlaTransfer(HostTransfer):
+    """torch_xla tensors; picks the best copy the running build offers."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.name = f"xla-{mode}"
+
+    def prepare(self, tensors):
+        import torch_xla
+
+        torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=True, sync_xla_data=False)
+
+    def to_host(self, tensors, *, timeout_s):
+        import torch_xla
+
+        tensors = list(tensors)
+        if self.mode == "patched":
+            fn = getattr(torch_xla._XLAC, _features.TRANSFER_TO_HOST)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            return list(fn(tensors, max_inflight_bytes=max(nbytes, 1), timeout_s=timeout_s))
+        if self.mode == "dlpack":
+            return [_dlpack_view(t) for t in tensors]
+        return [h.contiguous() for h in torch_xla._XLAC._xla_get_cpu_tensors(tensors)]
+
+
+def _dlpack_view(t: torch.Tensor) -> torch.Tensor:
+    """A zero-copy host view of a CPU-PJRT buffer; a real copy where DLPack refuses."""
+    import torch_xla
+    from torch.utils.dlpack import from_dlpack
+
+    try:
+        host = from_dlpack(torch_xla._XLAC._to_dlpack(t))
+    except RuntimeError as e:  # sharded or otherwise non-exportable data
+        log.debug("xlakit: DLPack export refused (%s); copying instead", e)
+        return torch_xla._XLAC._xla_get_cpu_tensors([t])[0].contiguous()
+    if host.device.type != "cpu":
+        return torch_xla._XLAC._xla_get_cpu_tensors([t])[0].contiguous()
+    return host.contiguous()
+
+
+def _xla_mode(sample: torch.Tensor) -> str:
+    forced = _knobs.get_str(_knobs.TRANSFER_BACKEND)
+    if forced != "auto":
+        if forced not in ("patched", "dlpack", "stock"):
+            raise ValueError(f"{_knobs.TRANSFER_BACKEND}={forced!r}: expected auto, patched, dlpack or stock")
+        return forced
+    if _features.has_binding(_features.TRANSFER_TO_HOST):
+        return "patched"
+    import torch_xla.core.xla_model as xm
+
+    return "dlpack" if xm.xla_device_hw(sample.device) == "CPU" else "stock"
+
+
+def backend_for(device_type: str, sample: torch.Tensor) -> HostTransfer:
+    """The transfer backend for tensors of `device_type` (tests replace this function)."""
+    if device_type == "xla":
+        return XlaTransfer(_xla_mode(sample))
+    if device_type == "cpu":
+        return HostTransfer()
+    return DeviceTransfer()
+
+
+def batches(entries: Sequence[TensorEntry], max_bytes: int) -> Iterator[list[TensorEntry]]:
+    """Consecutive groups of at most `max_bytes` (a larger tensor travels alone)."""
+    batch: list[TensorEntry] = []
+    size = 0
+    for e in entries:
+        if batch and size + e.nbytes > max_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(e)
+        size += e.nbytes
+    if batch:
+        yield batch

@@ -138,11 +138,37 @@ def pickle_state(state: object, entries: list[TensorEntry]) -> bytes:
     return data
 
 
+class _Sink:
+    """The file as torch's zip writer sees it; inert once the save is abandoned.
+
+    torch's writer finishes the archive from its destructor when it was not
+    finished explicitly; writing then into a closed file would abort the
+    process, so after `close()` every write is dropped.
+    """
+
+    def __init__(self, file: BinaryIO):
+        self._file: BinaryIO | None = file
+
+    def write(self, data) -> int:
+        if self._file is None:
+            return len(data)
+        return self._file.write(data)
+
+    def close(self) -> None:
+        self._file = None
+
+
 class ArchiveWriter:
-    """Streams one checkpoint archive into an open binary file."""
+    """Streams one checkpoint archive into an open binary file.
+
+    Use as a context manager: on an error the archive is abandoned without
+    another byte reaching the file.
+    """
 
     def __init__(self, file: BinaryIO, *, compute_crc32: bool):
-        self._zip = torch._C.PyTorchFileWriter(file, compute_crc32, _ALIGNMENT)
+        self._sink = _Sink(file)
+        self._zip = torch._C.PyTorchFileWriter(self._sink, compute_crc32, _ALIGNMENT)
+        self._finished = False
         self._checksums: dict[str, dict] = {}
         self._pickle = {}
 
@@ -169,6 +195,21 @@ class ArchiveWriter:
         blob = json.dumps(meta, sort_keys=True).encode()
         self._zip.write_record(CHECKSUMS_RECORD, blob, len(blob))
         self._zip.write_end_of_file()
+        self._finished = True
+
+    def __enter__(self) -> "ArchiveWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._finished:
+            return
+        # Abandoned: finalise now, into the inert sink, so that torch's destructor
+        # does not (a C++ exception there would abort the process).
+        self._sink.close()
+        try:
+            self._zip.write_end_of_file()
+        except RuntimeError:
+            pass  # the writer's position check fails after a failed write; nothing reaches the file
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,14 @@ import itertools
 import logging
 import mmap
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from xlakit import _archive, _job, _tree, atomic, transfer
-from xlakit.errors import CheckpointCorruptError, CheckpointWriteError
+from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointWriteError
 from xlakit.options import LoadOptions, SaveOptions, resolve
 
 log = logging.getLogger("xlakit")
@@ -81,8 +82,7 @@ def _write(job: _job.Job, entries: list[_tree.TensorEntry], pickled: bytes, tmp:
         raise atomic.write_error(e, final, stage="open") from e
     committed = False
     try:
-        with f:
-            writer = _archive.ArchiveWriter(f, compute_crc32=opts.compute_crc32)
+        with f, _archive.ArchiveWriter(f, compute_crc32=opts.compute_crc32) as writer:
             for group, backend in zip(groups, backends):
                 job.enter("sync", None)
                 backend.prepare([e.tensor for e in group])
@@ -163,8 +163,16 @@ def _read(job: _job.Job, path: Path, opts: LoadOptions) -> Any:
     job.enter("read")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=opts.mmap)
-    except RuntimeError as e:
-        raise CheckpointCorruptError(f"{path}: torch.load failed on the archive: {e}") from e
+    except pickle.UnpicklingError as e:
+        err = CheckpointFormatError(f"{path} holds pickled objects that a weights-only load refuses "
+                                    f"to run: {str(e).splitlines()[0]}")
+        err.add_note("xlakit.load never executes pickled code. If you trust the file, load it with "
+                     "torch.load(path, weights_only=False).")
+        raise err from e
+    except (RuntimeError, ValueError, KeyError, EOFError) as e:
+        # The checked records were intact; damage elsewhere (names, headers) surfaces here.
+        raise CheckpointCorruptError(f"{path}: the archive is damaged outside the checksummed "
+                                     f"records and torch.load failed: {type(e).__name__}: {e}") from e
 
 
 def verify_file(path: Path, job: _job.Job | None = None) -> None:

@@ -1,0 +1,59 @@
+"""Fakes for what cannot be real here: a device that hangs, a device that is slow.
+
+They replace `xlakit.transfer.backend_for` (the one seam) and otherwise behave
+like the CPU backend, so everything around the transfer is the real code.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from xlakit.transfer import HostTransfer
+
+
+class FakeSlowDevice(HostTransfer):
+    """Each batch takes `delay_s` to reach the host."""
+
+    name = "fake-slow"
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def to_host(self, tensors, *, timeout_s):
+        time.sleep(self.delay_s)
+        return super().to_host(tensors, timeout_s=timeout_s)
+
+
+class FakeHungDevice(HostTransfer):
+    """A device whose sync or device-to-host copy never returns until `release()`."""
+
+    name = "fake-hung"
+
+    def __init__(self, *, hang_in: str = "transfer"):
+        assert hang_in in ("sync", "transfer")
+        self.hang_in = hang_in
+        self.entered = threading.Event()
+        self._released = threading.Event()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def _hang(self) -> None:
+        self.entered.set()
+        self._released.wait(600)  # releases the GIL, like a native call that drops it
+
+    def prepare(self, tensors):
+        if self.hang_in == "sync":
+            self._hang()
+
+    def to_host(self, tensors, *, timeout_s):
+        if self.hang_in == "transfer":
+            self._hang()
+        return super().to_host(tensors, timeout_s=timeout_s)
+
+
+def install(monkeypatch, backend: HostTransfer) -> None:
+    from xlakit import transfer
+
+    monkeypatch.setattr(transfer, "backend_for", lambda device_type, sample: backend)

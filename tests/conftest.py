@@ -15,6 +15,15 @@ import pytest
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 
+def pytest_configure(config):
+    # torch's autograd engine sizes its per-device queues on the first backward;
+    # the XLA runtime must be up before any test runs one on the CPU.
+    if importlib.util.find_spec("torch_xla") is not None:
+        import torch_xla
+
+        torch_xla.device()
+
+
 def _has_cuda() -> bool:
     try:
         import torch

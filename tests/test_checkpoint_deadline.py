@@ -14,6 +14,14 @@ from tests import fakes
 MARGIN_S = 1.5
 
 
+@pytest.fixture(autouse=True)
+def no_stuck_workers_left():
+    yield
+    from xlakit import _job
+
+    assert _job.wait_for_abandoned(10), "a fake hung device was never released"
+
+
 @pytest.fixture
 def previous(tmp_path):
     path = tmp_path / "ckpt.pt"

@@ -103,6 +103,14 @@ def check_no_abandoned_work() -> None:
         raise err
 
 
+def wait_for_abandoned(timeout_s: float) -> bool:
+    """Wait until every abandoned worker has returned; False if some are still stuck."""
+    deadline = time.monotonic() + timeout_s
+    with _abandoned_lock:
+        stuck = list(_abandoned)
+    return all(j.done.wait(max(deadline - time.monotonic(), 0)) for j in stuck)
+
+
 def _log_progress(job: Job) -> None:
     p = job.progress()
     eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None else ""

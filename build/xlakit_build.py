@@ -62,7 +62,11 @@ def cmd_patches_check(args: argparse.Namespace) -> int:
     runner = Runner(dry_run=args.dry_run)
     commit = cfg.sources()["torch_xla"].commit
     patches = series.read()
-    with tempfile.TemporaryDirectory(prefix="xlakit-patches-check-") as tmp:
+    # Under --work, not /tmp: a torch_xla checkout is large and callers
+    # (tests, CI) choose where scratch space lives.
+    if not args.dry_run:
+        cfg.work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="patches-check-", dir=cfg.work if cfg.work.exists() else None) as tmp:
         tree = Path(tmp) / "torch_xla"
         pipeline.fetch(runner, cfg.url("torch_xla"), commit, tree)
         pipeline.verify(runner, cfg, tree, with_pytorch=False)

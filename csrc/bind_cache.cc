@@ -28,8 +28,8 @@ EntryKind KindFromName(const std::string& name) {
 // Header strings come from disk and may be corrupt; never let a bad byte turn
 // a report into a UnicodeDecodeError.
 py::object Text(const std::string& s) {
-  PyObject* obj = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()),
-                                       "replace");
+  PyObject* obj = PyUnicode_DecodeUTF8(
+      s.data(), static_cast<Py_ssize_t>(s.size()), "replace");
   if (obj == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(obj);
 }
@@ -51,8 +51,7 @@ py::dict ResultToDict(const DecodeResult& r) {
   d["kind"] = parsed ? py::cast(EntryKindName(h.kind)) : py::none();
   d["platform_name"] = parsed ? Text(h.platform_name) : py::none();
   d["platform_version"] = parsed ? Text(h.platform_version) : py::none();
-  d["torch_xla_revision"] =
-      parsed ? Text(h.torch_xla_revision) : py::none();
+  d["torch_xla_revision"] = parsed ? Text(h.torch_xla_revision) : py::none();
   d["patch_series_id"] = parsed ? Text(h.patch_series_id) : py::none();
   d["payload_length"] = parsed ? py::cast(h.payload_length) : py::none();
   return d;

@@ -28,9 +28,8 @@ std::string DirName(const std::string& path) {
 std::string WriteFileAtomic(const std::string& path, std::string_view data) {
   static std::atomic<unsigned long> counter{0};
   std::string dir = DirName(path);
-  std::string base =
-      path.substr(path.rfind('/') == std::string::npos ? 0
-                                                       : path.rfind('/') + 1);
+  std::string base = path.substr(
+      path.rfind('/') == std::string::npos ? 0 : path.rfind('/') + 1);
   // pid + counter: unique across concurrent writers in and across processes.
   std::string tmp = dir + "/" + kTempPrefix + base + "." +
                     std::to_string(::getpid()) + "." +

@@ -59,13 +59,11 @@ std::string ValidateRuntimeDevice(const std::string& device,
   if (out->is_virtual) {
     if (allow_virtual && out->ordinal == 0) return "";
     return "'" + device + "' is the SPMD virtual device, which " +
-           (allow_virtual ? "only exists as SPMD:0"
-                          : "is not accepted here") +
+           (allow_virtual ? "only exists as SPMD:0" : "is not accepted here") +
            "; valid devices: " + Join(known);
   }
   if (std::find(known.begin(), known.end(), device) == known.end()) {
-    return "unknown device '" + device +
-           "': this process has " + Join(known);
+    return "unknown device '" + device + "': this process has " + Join(known);
   }
   return "";
 }

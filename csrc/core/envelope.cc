@@ -39,9 +39,7 @@ DecodeResult Fail(EntryStatus status, std::string message) {
   return r;
 }
 
-std::string Quote(std::string_view s) {
-  return "'" + std::string(s) + "'";
-}
+std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
 }  // namespace
 
@@ -168,7 +166,8 @@ DecodeResult DecodeHeader(std::string_view data, uint64_t total_size) {
   if (h.payload_length > total_size || expected > total_size) {
     return Fail(EntryStatus::kTruncated,
                 "entry is truncated: header promises " +
-                    std::to_string(h.payload_length) + " payload bytes, file has " +
+                    std::to_string(h.payload_length) +
+                    " payload bytes, file has " +
                     std::to_string(total_size - h.payload_offset));
   }
   if (expected < total_size) {
@@ -184,9 +183,8 @@ DecodeResult DecodeEntry(std::string_view data) {
   DecodeResult r = DecodeHeader(data, data.size());
   if (r.status != EntryStatus::kOk) return r;
   const EntryHeader& h = r.header;
-  uint64_t actual =
-      Fnv1a64(data.substr(h.payload_offset),
-              Fnv1a64(data.substr(0, h.payload_offset - 8)));
+  uint64_t actual = Fnv1a64(data.substr(h.payload_offset),
+                            Fnv1a64(data.substr(0, h.payload_offset - 8)));
   if (actual != h.checksum) {
     char buf[96];
     std::snprintf(buf, sizeof(buf),

@@ -8,13 +8,15 @@ namespace runtime {
 namespace xlakit {
 
 const BuildInfo& GetBuildInfo() {
-  static const BuildInfo* info = new BuildInfo{
-      XLAKIT_PATCH_SET,
-      {XLAKIT_PATCHES},
-      XLAKIT_SERIES_SHA256,
-      XLAKIT_TORCH_XLA_COMMIT,
-      XLAKIT_XLA_COMMIT,
-  };
+  static const BuildInfo* info = [] {
+    auto* b = new BuildInfo();
+    b->patch_set = XLAKIT_PATCH_SET;
+    b->patches = {XLAKIT_PATCHES};
+    b->series_sha256 = XLAKIT_SERIES_SHA256;
+    b->torch_xla_commit = XLAKIT_TORCH_XLA_COMMIT;
+    b->xla_commit = XLAKIT_XLA_COMMIT;
+    return b;
+  }();
   return *info;
 }
 

@@ -5,10 +5,10 @@
 #ifndef XLA_TORCH_XLA_CSRC_RUNTIME_XLAKIT_CACHE_IO_H_
 #define XLA_TORCH_XLA_CSRC_RUNTIME_XLAKIT_CACHE_IO_H_
 
-#include <torch/csrc/lazy/core/metrics.h>
-
 #include <iostream>
 #include <string>
+
+#include <torch/csrc/lazy/core/metrics.h>
 
 #include "torch_xla/csrc/runtime/xlakit/core/atomic_file.h"
 

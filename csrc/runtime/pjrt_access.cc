@@ -19,16 +19,21 @@
 #include <string_view>
 #include <utility>
 
+#include <torch/csrc/lazy/core/hash.h>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "xla/hlo/builder/xla_computation.h"
+
 #include "torch_xla/csrc/device.h"
 #include "torch_xla/csrc/runtime/debug_macros.h"
+#include "torch_xla/csrc/runtime/metrics.h"
 #include "torch_xla/csrc/runtime/pjrt_computation_client.h"
 #include "torch_xla/csrc/runtime/tf_logging.h"
 #include "torch_xla/csrc/runtime/xlakit/build_info.h"
 #include "torch_xla/csrc/runtime/xlakit/core/device_string.h"
 #include "torch_xla/csrc/runtime/xlakit/core/envelope.h"
-#include "xla/hlo/builder/xla_computation.h"
+#include "torch_xla/csrc/status.h"
 
 namespace torch_xla {
 namespace runtime {
@@ -56,8 +61,7 @@ std::string PjRtAccess::SerializeComputation(
     PjRtComputationClient& client,
     const ComputationClient::ComputationPtr& computation) {
   const auto& pjrt =
-      dynamic_cast<const PjRtComputationClient::PjRtComputation&>(
-          *computation);
+      dynamic_cast<const PjRtComputationClient::PjRtComputation&>(*computation);
   ::xlakit::RuntimeIdentity self = Identity(client.client_.get());
   ::xlakit::EntryHeader header;
   header.platform_name = self.platform_name;
@@ -71,8 +75,7 @@ std::string PjRtAccess::SerializeComputation(
   }
   if (!absl::IsUnimplemented(blob.status())) {
     // Empty means "do not write" to the cache hook; the process goes on.
-    TF_LOG(WARNING) << "xlakit: cannot serialize executable: "
-                    << blob.status();
+    TF_LOG(WARNING) << "xlakit: cannot serialize executable: " << blob.status();
     return "";
   }
   header.kind = ::xlakit::EntryKind::kHloModule;
@@ -130,9 +133,9 @@ ComputationClient::ComputationPtr PjRtAccess::DeserializeComputation(
   }
   if (!loaded.ok()) return Reject("load_failed", loaded.status().ToString());
 
-  absl::StatusOr<std::vector<std::shared_ptr<xla::HloModule>>> modules =
-      (*loaded)->GetHloModules();
-  if (!modules.ok()) return Reject("no_hlo_module", modules.status().ToString());
+  auto modules = (*loaded)->GetHloModules();
+  if (!modules.ok())
+    return Reject("no_hlo_module", modules.status().ToString());
   if (modules->size() != 1) {
     // Upstream aborts the process here; a cache entry must never do that.
     return Reject("multiple_hlo_modules",
@@ -170,10 +173,10 @@ absl::StatusOr<RuntimeMemoryInfo> PjRtAccess::GetRuntimeMemoryInfo(
     absl::StatusOr<tsl::AllocatorStats> stats =
         pjrt_device->GetAllocatorStats();
     if (!stats.ok()) {
-      return absl::UnimplementedError(absl::StrCat(
-          "platform ", client.client_->platform_name(),
-          " keeps no allocator stats for ", target, " (",
-          stats.status().message(), ")"));
+      return absl::UnimplementedError(
+          absl::StrCat("platform ", client.client_->platform_name(),
+                       " keeps no allocator stats for ", target, " (",
+                       stats.status().message(), ")"));
     }
     total.bytes_used += stats->bytes_in_use;
     *total.peak_bytes_used += stats->peak_bytes_in_use;
@@ -206,8 +209,7 @@ absl::StatusOr<DataPieces> PjRtAccess::GetDataPieces(
     return out;
   }
   auto sharded =
-      std::dynamic_pointer_cast<PjRtComputationClient::PjRtShardedData>(
-          handle);
+      std::dynamic_pointer_cast<PjRtComputationClient::PjRtShardedData>(handle);
   if (sharded == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "expected PjRtData or PjRtShardedData, got ", handle->ToString()));

@@ -14,8 +14,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "torch_xla/csrc/runtime/computation_client.h"
 #include "xla/pjrt/pjrt_client.h"
+
+#include "torch_xla/csrc/runtime/computation_client.h"
 
 namespace torch_xla {
 namespace runtime {

@@ -17,6 +17,9 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "xla/literal.h"
+#include "xla/shape_util.h"
+
 #include "torch_xla/csrc/aten_xla_bridge.h"
 #include "torch_xla/csrc/runtime/pjrt_computation_client.h"
 #include "torch_xla/csrc/runtime/runtime.h"
@@ -26,8 +29,6 @@
 #include "torch_xla/csrc/unwrap_data.h"
 #include "torch_xla/csrc/xla_graph_executor.h"
 #include "torch_xla/csrc/xla_sharding_util.h"
-#include "xla/literal.h"
-#include "xla/shape_util.h"
 
 namespace torch_xla {
 namespace xlakit {
@@ -59,10 +60,9 @@ std::string Describe(const at::Tensor& t, size_t i, size_t n) {
 
 absl::Status Expired(std::string_view stage, const std::string& what,
                      int64_t bytes_done, double timeout_s) {
-  return absl::DeadlineExceededError(
-      absl::StrCat("transfer to host ran past its ", timeout_s,
-                   " s deadline while ", stage, " ", what, "; ", bytes_done,
-                   " bytes were on the host"));
+  return absl::DeadlineExceededError(absl::StrCat(
+      "transfer to host ran past its ", timeout_s, " s deadline while ", stage,
+      " ", what, "; ", bytes_done, " bytes were on the host"));
 }
 
 // Placeholders get their buffers when the async execution finishes; there is
@@ -107,8 +107,8 @@ absl::StatusOr<std::vector<at::Tensor>> TransferToHost(
     runtime::ComputationClient::DataPtr data =
         UnwrapXlaData(xtensors[i]->GetXlaData());
     if (!WaitForData(data, deadline)) {
-      return Expired("waiting for", Describe(tensors[i], i, tensors.size()),
-                     0, timeout_s);
+      return Expired("waiting for", Describe(tensors[i], i, tensors.size()), 0,
+                     timeout_s);
     }
     XLA_ASSIGN_OR_RETURN(DataPieces dp,
                          PjRtAccess::GetDataPieces(*pjrt_client, data));
@@ -116,14 +116,29 @@ absl::StatusOr<std::vector<at::Tensor>> TransferToHost(
     results[i] = at::empty(t.sizes(), t.options().device(at::kCPU));
     std::vector<std::pair<int, std::vector<at::indexing::TensorIndex>>>
         replica_and_index;
-    if (dp.is_sharded && dp.sharding.type() != xla::OpSharding::REPLICATED) {
-      xla::Shape shard_shape = dp.pieces[0].buffer->on_device_shape();
+    if (dp.is_sharded && dp.sharding.type() != xla::OpSharding::REPLICATED &&
+        dp.sharding.type() != xla::OpSharding::OTHER) {
+      // The shard index math upstream supports covers these two only.
+      return absl::UnimplementedError(absl::StrCat(
+          "_xla_transfer_to_host: ", Describe(t, i, tensors.size()),
+          " has sharding type ", xla::OpSharding::Type_Name(dp.sharding.type()),
+          "; only REPLICATED and OTHER (tiled) shardings are supported"));
+    }
+    if (dp.is_sharded && dp.sharding.type() == xla::OpSharding::OTHER) {
+      // As _get_local_shard_replica_and_indices computes it upstream: the
+      // shard shape from the tensor's sharding spec, devices from the shards.
+      XLATensor::ShardingSpecPtr spec = xtensors[i]->sharding_spec();
+      std::vector<int64_t> shard_shape;
+      if (spec != nullptr) {
+        shard_shape = ShardingUtil::GetShardShape(spec);
+      } else {
+        const xla::Shape& s = dp.pieces[0].buffer->on_device_shape();
+        shard_shape.assign(s.dimensions().begin(), s.dimensions().end());
+      }
       std::vector<std::string> devices;
       for (const auto& p : dp.pieces) devices.push_back(p.device);
       replica_and_index = ShardingUtil::GetShardReplicaAndIndicesForDevices(
-          std::vector<int64_t>(shard_shape.dimensions().begin(),
-                               shard_shape.dimensions().end()),
-          t.sizes().vec(), dp.sharding, devices);
+          shard_shape, t.sizes().vec(), dp.sharding, devices);
     }
     for (size_t s = 0; s < dp.pieces.size(); ++s) {
       // Replicated data, or a replica of a shard already taken: copy once.
@@ -133,8 +148,9 @@ absl::StatusOr<std::vector<at::Tensor>> TransferToHost(
       if (!replica_and_index.empty()) {
         piece.index = replica_and_index[s].second;
       }
-      piece.bytes = xla::ShapeUtil::ByteSizeOf(xla::ShapeUtil::DeviceShapeToHostShape(
-          piece.buffer->on_device_shape()));
+      piece.bytes =
+          xla::ShapeUtil::ByteSizeOf(xla::ShapeUtil::DeviceShapeToHostShape(
+              piece.buffer->on_device_shape()));
       pieces.push_back(std::move(piece));
     }
   }
@@ -153,7 +169,8 @@ absl::StatusOr<std::vector<at::Tensor>> TransferToHost(
       auto copy = std::make_shared<PendingCopy>();
       copy->literal = xla::Literal(xla::ShapeUtil::DeviceShapeToHostShape(
           pieces[k].buffer->on_device_shape()));
-      pieces[k].buffer->ToLiteral(&copy->literal)
+      pieces[k]
+          .buffer->ToLiteral(&copy->literal)
           .OnReady([copy](absl::Status status) {
             copy->status = std::move(status);
             copy->done.Notify();
@@ -164,10 +181,10 @@ absl::StatusOr<std::vector<at::Tensor>> TransferToHost(
       const Piece& piece = pieces[k];
       PendingCopy& copy = *copies[k - batch.begin];
       if (!copy.done.WaitForNotificationWithTimeout(deadline - absl::Now())) {
-        return Expired("copying",
-                       Describe(tensors[piece.tensor], piece.tensor,
-                                tensors.size()),
-                       bytes_done, timeout_s);
+        return Expired(
+            "copying",
+            Describe(tensors[piece.tensor], piece.tensor, tensors.size()),
+            bytes_done, timeout_s);
       }
       XLA_RETURN_IF_ERROR(copy.status);
       at::Tensor host = MakeTensorFromXlaLiteral(

@@ -6,10 +6,10 @@
 #ifndef XLA_TORCH_XLA_CSRC_XLAKIT_HOST_TRANSFER_H_
 #define XLA_TORCH_XLA_CSRC_XLAKIT_HOST_TRANSFER_H_
 
-#include <ATen/Tensor.h>
-
 #include <cstdint>
 #include <vector>
+
+#include <ATen/Tensor.h>
 
 #include "absl/status/statusor.h"
 

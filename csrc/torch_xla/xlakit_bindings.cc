@@ -3,9 +3,11 @@
 #include "torch_xla/csrc/xlakit/xlakit_bindings.h"
 
 #include <pybind11/stl.h>
+
 #include <torch/csrc/utils/pybind.h>
 
 #include "absl/status/status.h"
+
 #include "torch_xla/csrc/runtime/pjrt_computation_client.h"
 #include "torch_xla/csrc/runtime/runtime.h"
 #include "torch_xla/csrc/runtime/xlakit/build_info.h"
@@ -59,14 +61,14 @@ void AddXlakitBindings(py::module& m) {
         absl::StatusOr<runtime::xlakit::RuntimeMemoryInfo> info;
         {
           py::gil_scoped_release nogil;
-          info = runtime::xlakit::PjRtAccess::GetRuntimeMemoryInfo(
-              PjRtClient(), device);
+          info = runtime::xlakit::PjRtAccess::GetRuntimeMemoryInfo(PjRtClient(),
+                                                                   device);
         }
         if (!info.ok()) Raise(info.status());
         py::dict d;
         d["bytes_used"] = info->bytes_used;
-        d["bytes_limit"] = info->bytes_limit ? py::cast(*info->bytes_limit)
-                                             : py::none();
+        d["bytes_limit"] =
+            info->bytes_limit ? py::cast(*info->bytes_limit) : py::none();
         d["peak_bytes_used"] = info->peak_bytes_used
                                    ? py::cast(*info->peak_bytes_used)
                                    : py::none();

@@ -132,3 +132,42 @@ def test_patches_check_against_the_pinned_torch_xla(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"patches-check: \d+ patches apply with zero fuzz to torch_xla c04e61c", proc.stdout)
     assert "verify: commits, WORKSPACE xla_hash and .torch_commit match VERSIONS.toml" in proc.stdout
+
+
+@pytest.fixture
+def pinned_tree(tmp_path):
+    import pipeline
+
+    cfg = pipeline.Config(work=tmp_path, wheels=tmp_path / "wheels",
+                          git_urls={"torch_xla": os.environ["XLAKIT_TORCH_XLA_GIT"]})
+    tree = tmp_path / "torch_xla"
+    pipeline.fetch(Runner(out=io.StringIO()), cfg.url("torch_xla"), cfg.sources()["torch_xla"].commit, tree)
+    return cfg, tree
+
+
+@pytest.mark.build
+def test_verify_catches_a_workspace_that_pins_another_openxla(pinned_tree):
+    import pipeline
+
+    cfg, tree = pinned_tree
+    pipeline.verify(Runner(out=io.StringIO()), cfg, tree, with_pytorch=False)
+    ws = tree / "WORKSPACE"
+    ws.write_text(re.sub(r"^xla_hash = '[0-9a-f]{40}'", "xla_hash = '" + "1" * 40 + "'", ws.read_text(), flags=re.M))
+    with pytest.raises(pipeline.StepError, match="WORKSPACE pins openxla 1111111111111111111111111111111111111111"):
+        pipeline.verify(Runner(out=io.StringIO()), cfg, tree, with_pytorch=False)
+
+
+@pytest.mark.build
+def test_real_series_names_the_patch_that_stops_applying(pinned_tree):
+    cfg, tree = pinned_tree
+    cache_h = tree / "torch_xla/csrc/runtime/cache.h"
+    cache_h.write_text(cache_h.read_text().replace("std::ofstream out(path, std::ios::binary);",
+                                                   "std::ofstream out(path, std::ios::binary);  // drift"))
+    before = cache_h.read_text()
+    patches = series.read()
+    (failing,) = [p for p in patches if "cache.h" in p.path.read_text() and "WriteCacheEntry" in p.path.read_text()]
+    commit = cfg.sources()["torch_xla"].commit
+    with pytest.raises(series.SeriesError, match=rf"patch {re.escape(failing.name)} does not apply to torch_xla {commit}"):
+        series.check_and_apply(Runner(out=io.StringIO()), tree, patches, commit)
+    assert cache_h.read_text() == before
+    assert "xlakit" not in (tree / "torch_xla/csrc/runtime/BUILD").read_text(), "nothing may be applied"

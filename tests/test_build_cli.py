@@ -153,3 +153,12 @@ def test_unchanged_inputs_skip_the_build(tmp_path):
 def test_requirements_subcommand_still_works(tmp_path):
     rc, out = _run(tmp_path, "requirements", "--profile", "cpu-dev")
     assert rc == 0 and "torch==2.9.0" in out.split()
+
+
+def test_build_stops_at_the_preflight_before_anything_long(tmp_path):
+    rc, out = _run(tmp_path, "build", "--work", str(tmp_path / "w"), "--wheels", str(tmp_path / "wh"),
+                   "--torch-xla-git", str(tmp_path / "no-xla"), "--pytorch-git", str(tmp_path / "no-pytorch"))
+    assert rc == 2, out
+    assert "preflight failed: this host lacks" in out and "torch_xla source" in out
+    assert "git fetch" not in out, "nothing may be fetched when the preflight fails"
+    assert not (tmp_path / "w" / "pytorch").exists()

@@ -18,7 +18,8 @@ from pathlib import Path
 FALLBACK_BAZEL_VERSION = "7.4.1"  # torch_xla c04e61c .bazelversion
 MIN_FREE_DISK_GIB = 120  # pytorch + torch_xla checkouts, bazel cache, wheels
 MIN_MEMORY_GIB = 32  # bazel + the XLA compile at default parallelism
-COMPILERS = ("cc", "c++", "git", "patch")
+# git applies the series (no `patch` needed); cc/c++ build torch and the ext.
+COMPILERS = ("cc", "c++", "git")
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def test_preflight_fails_clearly_and_names_every_gap(tmp_path):
     # PATH without bazel; sources that cannot be reached.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("git", "cc", "c++", "patch"):
+    for tool in ("git", "cc", "c++"):
         real = subprocess.run(["which", tool], capture_output=True, text=True).stdout.strip()
         if real:
             (bin_dir / tool).symlink_to(real)

@@ -16,6 +16,7 @@
 //       (bytes_limit is std::optional<int64_t>; UNIMPLEMENTED on CPU)
 #include "torch_xla/csrc/runtime/xlakit/pjrt_access.h"
 
+#include <exception>
 #include <string_view>
 #include <utility>
 
@@ -114,7 +115,13 @@ ComputationClient::ComputationPtr PjRtAccess::DeserializeComputation(
                            client.GetCompilationDevices(device, {}), &result,
                            /*parameter_is_tupled_arguments=*/false,
                            /*is_sharded=*/UseVirtualDevice());
-    return client.Compile(std::move(instances)).front();
+    // Compile reports errors by throwing; a cache entry must not take the
+    // process down, so a failure here is one more counted miss.
+    try {
+      return client.Compile(std::move(instances)).front();
+    } catch (const std::exception& e) {
+      return Reject("compile_failed", e.what());
+    }
   }
 
   // LoadSerializedExecutable is what the PJRT C API client (TPU plugins) and

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from runner import Runner
 
 FALLBACK_BAZEL_VERSION = "7.4.1"  # torch_xla c04e61c .bazelversion
 MIN_FREE_DISK_GIB = 120  # pytorch + torch_xla checkouts, bazel cache, wheels
@@ -43,33 +44,29 @@ def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _bazel(want: str) -> Check:
+def _bazel(runner: Runner, want: str) -> Check:
     exe = shutil.which("bazelisk") or shutil.which("bazel")
     if exe is None:
         return Check("bazel", False, f"expected bazel {want} (or bazelisk) on PATH, found none")
     if os.path.basename(exe) == "bazelisk":
         return Check("bazel", True, f"bazelisk at {exe} will fetch {want} from .bazelversion")
-    try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120).stdout
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return Check("bazel", False, f"{exe} --version failed: {e}")
-    found = out.split()[-1] if out.split() else "?"
+    r = runner.capture([exe, "--version"], check=False, timeout_s=120)
+    if r.returncode != 0:
+        return Check("bazel", False, f"{exe} --version failed: {r.stderr.strip()}")
+    found = r.stdout.split()[-1] if r.stdout.split() else "?"
     return Check("bazel", found == want, f"expected bazel {want}, found {found} at {exe}")
 
 
-def _reachable(url: str) -> Check:
+def _reachable(runner: Runner, url: str) -> Check:
     # `git ls-remote` proves both the network path and that it is a git repo.
-    try:
-        r = subprocess.run(["git", "ls-remote", "--heads", url], capture_output=True, text=True, timeout=30,
-                           env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
-        ok, why = r.returncode == 0, (r.stderr.strip().splitlines() or ["no output"])[-1]
-    except (OSError, subprocess.TimeoutExpired) as e:
-        ok, why = False, str(e)
-    return Check(f"source {url}", ok, "reachable" if ok else f"not reachable: {why}")
+    r = runner.capture(["git", "ls-remote", "--heads", url], check=False, timeout_s=30,
+                       env={"GIT_TERMINAL_PROMPT": "0"})
+    why = (r.stderr.strip().splitlines() or ["no output"])[-1]
+    return Check(f"source {url}", r.returncode == 0, "reachable" if r.returncode == 0 else f"not reachable: {why}")
 
 
-def run(*, work: Path, bazel_version: str, sources: dict[str, str]) -> list[Check]:
-    checks = [_bazel(bazel_version)]
+def run(runner: Runner, *, work: Path, bazel_version: str, sources: dict[str, str]) -> list[Check]:
+    checks = [_bazel(runner, bazel_version)]
     probe = work if work.exists() else next(p for p in [work, *work.parents] if p.exists())
     free = shutil.disk_usage(probe).free
     checks.append(Check("disk", free >= MIN_FREE_DISK_GIB * 2**30,
@@ -81,7 +78,7 @@ def run(*, work: Path, bazel_version: str, sources: dict[str, str]) -> list[Chec
         path = shutil.which(tool)
         checks.append(Check(tool, path is not None, f"found {path}" if path else f"expected {tool} on PATH"))
     for name, url in sources.items():
-        c = _reachable(url)
+        c = _reachable(runner, url)
         checks.append(Check(f"{name} source", c.ok, f"{url}: {c.detail}"))
     return checks
 

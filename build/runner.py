@@ -43,10 +43,21 @@ class Runner:
         if result.returncode != 0:
             raise CommandError(f"`{shlex.join(cmd)}` exited with {result.returncode}:\n{result.stdout.strip()}")
 
-    def capture(self, cmd: list[str], *, cwd: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
-        """Run a read-only command and return its output; logged, run even in a dry run."""
-        print(self.describe(cmd, cwd, None), file=self.out, flush=True)
-        result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    def capture(self, cmd: list[str], *, cwd: Path | None = None, check: bool = True,
+                env: dict[str, str] | None = None, timeout_s: float | None = None) -> subprocess.CompletedProcess:
+        """Run a read-only command and return its output; logged, run even in a dry run.
+
+        A timeout or a missing executable comes back as a failed result
+        (returncode 124 / 127, the reason in stderr) so probes can report it.
+        """
+        print(self.describe(cmd, cwd, env), file=self.out, flush=True)
+        try:
+            result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
+                                    env={**os.environ, **(env or {})}, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            result = subprocess.CompletedProcess(cmd, 124, "", f"timed out after {timeout_s} s")
+        except OSError as e:
+            result = subprocess.CompletedProcess(cmd, 127, "", str(e))
         if check and result.returncode != 0:
             raise CommandError(f"`{shlex.join(cmd)}` exited with {result.returncode}: {result.stderr.strip()}")
         return result

@@ -52,7 +52,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     tree_version = cfg.torch_xla_dir / ".bazelversion"
     want = tree_version.read_text().strip() if tree_version.exists() else preflight.FALLBACK_BAZEL_VERSION
     urls = {name: cfg.url(name) for name in ("pytorch", "torch_xla")}
-    ok = preflight.report(preflight.run(work=cfg.work, bazel_version=want, sources=urls), sys.stdout)
+    ok = preflight.report(preflight.run(Runner(), work=cfg.work, bazel_version=want, sources=urls), sys.stdout)
     return 0 if ok else 1
 
 

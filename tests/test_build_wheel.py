@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -39,12 +40,16 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(tmp_path):
     assert any(n.startswith("xlakit/_C.") and n.endswith(".so") for n in names), names
     assert "xlakit/_C.pyi" in names and "xlakit/_pins.toml" in names
 
+    # The fresh venv must see only what the wheel installed: a PYTHONPATH
+    # pointing at a source tree (how developers run the suite) would make pip
+    # think xlakit is already installed and the import succeed from the tree.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
     # The outer pip installs into the venv; --no-deps keeps it offline.
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
-                   check=True, capture_output=True, timeout=120)
+                   check=True, capture_output=True, timeout=120, env=env)
     probe = (
         "import xlakit, xlakit._C as c, xlakit.cli;"
         "assert xlakit.__file__.startswith(%r), xlakit.__file__;"
@@ -52,6 +57,6 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(tmp_path):
         " torch_xla_revision='c', patch_series_id='d');"
         "print(c.verify_entry(e)['status'])" % str(venv)
     )
-    out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

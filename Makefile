@@ -5,17 +5,27 @@
 #   PROFILE        VERSIONS.toml profile installed by `setup`          [cpu-dev]
 #   PYTEST_ARGS    extra arguments for `make test`                     []
 #   BENCH_ARGS     extra arguments for `make bench`                    []
+#   TORCH_XLA_GIT  torch_xla git URL or local mirror (build, patches-check,
+#                  preflight)                             [VERSIONS.toml URL]
+#   PYTORCH_GIT    pytorch git URL or local mirror (build, preflight)
+#                                                         [VERSIONS.toml URL]
+#   BUILD_ARGS     extra arguments for build/xlakit_build.py, e.g. --dry-run []
+#   INSTALL_PYTHON interpreter whose environment `make install` fills [python3]
 
 PYTHON ?= python3
 VENV ?= .venv
 PROFILE ?= cpu-dev
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+TORCH_XLA_GIT ?=
+PYTORCH_GIT ?=
+BUILD_ARGS ?=
+INSTALL_PYTHON ?= python3
 
 VPY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.xlakit-setup
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench clean build patches-check wheel install preflight
 
 setup: $(SETUP_STAMP)
 
@@ -36,6 +46,25 @@ demo: setup
 
 bench: setup
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_save.py $(BENCH_ARGS)
+
+# Source build (build/xlakit_build.py; `BUILD_ARGS=--dry-run` prints the plan).
+XB := $(PYTHON) build/xlakit_build.py
+GIT_ARGS := --torch-xla-git="$(TORCH_XLA_GIT)" --pytorch-git="$(PYTORCH_GIT)"
+
+build:
+	$(XB) build $(GIT_ARGS) $(BUILD_ARGS)
+
+preflight:
+	$(XB) preflight $(GIT_ARGS) $(BUILD_ARGS)
+
+patches-check:
+	$(XB) patches-check --torch-xla-git="$(TORCH_XLA_GIT)" $(BUILD_ARGS)
+
+wheel:
+	$(XB) wheel $(BUILD_ARGS)
+
+install:
+	$(XB) install --python $(INSTALL_PYTHON) $(BUILD_ARGS)
 
 clean:
 	rm -rf $(VENV) wheels build/_out python/*.egg-info

@@ -5,7 +5,6 @@ patched binding exists it is used, otherwise the stock path that behaves best.
 """
 
 from xlakit._version import __version__
-from xlakit.checkpoint import load, save
 from xlakit.options import LoadOptions, Progress, SaveOptions
 from xlakit.errors import (
     CheckpointBusyError,
@@ -20,6 +19,19 @@ from xlakit.errors import (
     RuntimeFeatureError,
     XlakitError,
 )
+
+# Loaded on first use so that `import xlakit` (and the CLI) works where torch is
+# missing or broken; `xlakit doctor` has to run exactly there.
+_LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'xlakit' has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",

@@ -14,7 +14,7 @@ import sys
 from xlakit.errors import XlakitError
 
 # Modules that define subcommands, in help order.
-_COMMAND_MODULES: tuple[str, ...] = ()
+_COMMAND_MODULES: tuple[str, ...] = ("xlakit.cache_files",)
 
 
 def parser() -> argparse.ArgumentParser:

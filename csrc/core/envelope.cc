@@ -1,0 +1,234 @@
+// Cache entry envelope encode/decode; see envelope.h for the layout.
+#include "envelope.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+namespace xlakit {
+namespace {
+
+constexpr size_t kFixedPrefix = 8;  // magic + version + kind + reserved
+constexpr size_t kStringCount = 4;
+constexpr size_t kMaxString = 0xffff;
+
+void PutU16(std::string* out, uint16_t v) {
+  out->push_back(static_cast<char>(v & 0xff));
+  out->push_back(static_cast<char>(v >> 8));
+}
+
+void PutU64(std::string* out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>(v >> (8 * i)));
+}
+
+uint64_t GetU64(const char* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(p[i]);
+  return v;
+}
+
+uint16_t GetU16(const char* p) {
+  return static_cast<uint16_t>(static_cast<uint8_t>(p[0]) |
+                               (static_cast<uint8_t>(p[1]) << 8));
+}
+
+DecodeResult Fail(EntryStatus status, std::string message) {
+  DecodeResult r;
+  r.status = status;
+  r.message = std::move(message);
+  return r;
+}
+
+std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
+
+}  // namespace
+
+const char* EntryStatusName(EntryStatus status) {
+  switch (status) {
+    case EntryStatus::kOk:
+      return "ok";
+    case EntryStatus::kBadMagic:
+      return "bad_magic";
+    case EntryStatus::kUnsupportedVersion:
+      return "unsupported_version";
+    case EntryStatus::kBadKind:
+      return "bad_kind";
+    case EntryStatus::kTruncated:
+      return "truncated";
+    case EntryStatus::kTrailingBytes:
+      return "trailing_bytes";
+    case EntryStatus::kChecksumMismatch:
+      return "checksum_mismatch";
+    case EntryStatus::kPlatformMismatch:
+      return "platform_mismatch";
+    case EntryStatus::kPlatformVersionMismatch:
+      return "platform_version_mismatch";
+    case EntryStatus::kPatchSeriesMismatch:
+      return "patch_series_mismatch";
+  }
+  return "unknown";
+}
+
+const char* EntryKindName(EntryKind kind) {
+  switch (kind) {
+    case EntryKind::kExecutable:
+      return "executable";
+    case EntryKind::kHloModule:
+      return "hlo_module";
+  }
+  return "unknown";
+}
+
+uint64_t Fnv1a64(std::string_view data, uint64_t seed) {
+  uint64_t h = seed;
+  for (unsigned char c : data) {
+    h ^= c;
+    h *= 1099511628211u;
+  }
+  return h;
+}
+
+std::string EncodeEntry(const EntryHeader& header, std::string_view payload) {
+  std::string out(kEnvelopeMagic, sizeof(kEnvelopeMagic));
+  PutU16(&out, kEnvelopeFormatVersion);
+  out.push_back(static_cast<char>(header.kind));
+  out.push_back('\0');
+  for (const std::string* s :
+       {&header.platform_name, &header.platform_version,
+        &header.torch_xla_revision, &header.patch_series_id}) {
+    // Identity strings are short; clipping keeps the format total rather than
+    // failing a cache write over an absurd platform_version.
+    size_t n = s->size() < kMaxString ? s->size() : kMaxString;
+    PutU16(&out, static_cast<uint16_t>(n));
+    out.append(s->data(), n);
+  }
+  PutU64(&out, payload.size());
+  uint64_t checksum = Fnv1a64(payload, Fnv1a64(out));
+  PutU64(&out, checksum);
+  out.reserve(out.size() + payload.size());
+  out.append(payload.data(), payload.size());
+  return out;
+}
+
+DecodeResult DecodeHeader(std::string_view data, uint64_t total_size) {
+  auto truncated = [&](const char* where) {
+    return Fail(EntryStatus::kTruncated,
+                "entry is truncated inside the " + std::string(where) +
+                    " (file has " + std::to_string(total_size) + " bytes)");
+  };
+  // Magic first, so a short foreign file is reported as foreign.
+  size_t magic_len = std::min(data.size(), sizeof(kEnvelopeMagic));
+  if (std::memcmp(data.data(), kEnvelopeMagic, magic_len) != 0) {
+    return Fail(EntryStatus::kBadMagic,
+                "not an xlakit cache entry: expected magic 'XLKC', found " +
+                    Quote(data.substr(0, magic_len)) +
+                    " (an entry from a stock torch_xla, or another file)");
+  }
+  if (data.size() < kFixedPrefix) return truncated("fixed header");
+  DecodeResult r;
+  EntryHeader& h = r.header;
+  h.format_version = GetU16(data.data() + 4);
+  if (h.format_version != kEnvelopeFormatVersion) {
+    return Fail(EntryStatus::kUnsupportedVersion,
+                "expected envelope format version " +
+                    std::to_string(kEnvelopeFormatVersion) + ", found " +
+                    std::to_string(h.format_version));
+  }
+  uint8_t kind = static_cast<uint8_t>(data[6]);
+  if (kind != static_cast<uint8_t>(EntryKind::kExecutable) &&
+      kind != static_cast<uint8_t>(EntryKind::kHloModule)) {
+    return Fail(EntryStatus::kBadKind,
+                "expected entry kind 1 (executable) or 2 (hlo_module), found " +
+                    std::to_string(kind));
+  }
+  h.kind = static_cast<EntryKind>(kind);
+  if (data[7] != '\0') {
+    return Fail(EntryStatus::kBadKind, "reserved header byte is not zero");
+  }
+  size_t pos = kFixedPrefix;
+  std::string* fields[kStringCount] = {&h.platform_name, &h.platform_version,
+                                       &h.torch_xla_revision,
+                                       &h.patch_series_id};
+  for (std::string* field : fields) {
+    if (data.size() < pos + 2) return truncated("identity strings");
+    uint16_t n = GetU16(data.data() + pos);
+    pos += 2;
+    if (data.size() < pos + n) return truncated("identity strings");
+    field->assign(data.data() + pos, n);
+    pos += n;
+  }
+  if (data.size() < pos + 16) return truncated("length and checksum");
+  h.payload_length = GetU64(data.data() + pos);
+  h.checksum = GetU64(data.data() + pos + 8);
+  h.payload_offset = pos + 16;
+  uint64_t expected = h.payload_offset + h.payload_length;
+  // A corrupt length can be huge; compare without overflowing.
+  if (h.payload_length > total_size || expected > total_size) {
+    return Fail(EntryStatus::kTruncated,
+                "entry is truncated: header promises " +
+                    std::to_string(h.payload_length) +
+                    " payload bytes, file has " +
+                    std::to_string(total_size - h.payload_offset));
+  }
+  if (expected < total_size) {
+    return Fail(EntryStatus::kTrailingBytes,
+                "entry has " + std::to_string(total_size - expected) +
+                    " bytes after the payload (expected exactly " +
+                    std::to_string(expected) + ")");
+  }
+  return r;
+}
+
+DecodeResult DecodeEntry(std::string_view data) {
+  DecodeResult r = DecodeHeader(data, data.size());
+  if (r.status != EntryStatus::kOk) return r;
+  const EntryHeader& h = r.header;
+  uint64_t actual = Fnv1a64(data.substr(h.payload_offset),
+                            Fnv1a64(data.substr(0, h.payload_offset - 8)));
+  if (actual != h.checksum) {
+    char buf[96];
+    std::snprintf(buf, sizeof(buf),
+                  "checksum mismatch: header says %016llx, content hashes to "
+                  "%016llx",
+                  static_cast<unsigned long long>(h.checksum),
+                  static_cast<unsigned long long>(actual));
+    return Fail(EntryStatus::kChecksumMismatch, buf);
+  }
+  return r;
+}
+
+DecodeResult VerifyEntry(std::string_view data, const RuntimeIdentity& self) {
+  DecodeResult r = DecodeEntry(data);
+  if (r.status != EntryStatus::kOk) return r;
+  const EntryHeader& h = r.header;
+  if (h.platform_name != self.platform_name) {
+    r.status = EntryStatus::kPlatformMismatch;
+    r.message = "entry was compiled for platform " + Quote(h.platform_name) +
+                ", this runtime is " + Quote(self.platform_name);
+  } else if (h.platform_version != self.platform_version) {
+    r.status = EntryStatus::kPlatformVersionMismatch;
+    r.message = "entry was compiled for platform version " +
+                Quote(h.platform_version) + ", this runtime has " +
+                Quote(self.platform_version) +
+                " (the plugin, e.g. libtpu, changed; it will be recompiled)";
+  } else if (h.patch_series_id != self.patch_series_id) {
+    r.status = EntryStatus::kPatchSeriesMismatch;
+    r.message = "entry was written by patch series " +
+                Quote(h.patch_series_id) + ", this runtime has " +
+                Quote(self.patch_series_id);
+  }
+  return r;
+}
+
+std::string CacheKeyMaterial(const RuntimeIdentity& self) {
+  // NUL separators keep ("a", "bc") and ("ab", "c") apart.
+  std::string out = "xlakit-cache-key-v1";
+  for (const std::string* s :
+       {&self.platform_name, &self.platform_version, &self.patch_series_id}) {
+    out.push_back('\0');
+    out.append(*s);
+  }
+  return out;
+}
+
+}  // namespace xlakit

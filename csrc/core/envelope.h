@@ -1,0 +1,103 @@
+// Cache entry envelope: the header xlakit wraps around every persistent
+// compilation-cache payload (encode, decode, verify against this runtime).
+//
+// Layout (all integers little-endian):
+//   magic "XLKC" | u16 format_version | u8 kind | u8 reserved (0)
+//   4 x (u16 length + bytes): platform_name, platform_version,
+//       torch_xla_revision, patch_series_id
+//   u64 payload_length | u64 checksum | payload
+// The checksum (FNV-1a 64) covers every byte before it and the payload, so a
+// flipped bit anywhere is detected. It guards against torn and corrupt files,
+// not against an adversary. No XLA, torch or absl headers: this file is also
+// compiled into xlakit._C and tested there.
+#ifndef XLAKIT_CORE_ENVELOPE_H_
+#define XLAKIT_CORE_ENVELOPE_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace xlakit {
+
+inline constexpr char kEnvelopeMagic[4] = {'X', 'L', 'K', 'C'};
+inline constexpr uint16_t kEnvelopeFormatVersion = 1;
+
+enum class EntryKind : uint8_t {
+  // A PjRtExecutable::SerializeExecutable() blob.
+  kExecutable = 1,
+  // An HloModuleProto, for clients that cannot serialize executables.
+  kHloModule = 2,
+};
+
+// Why an entry was rejected; kOk when it may be used. Every value but kOk is a
+// counted cache miss followed by a recompile.
+enum class EntryStatus : uint8_t {
+  kOk = 0,
+  kBadMagic,
+  kUnsupportedVersion,
+  kBadKind,
+  kTruncated,
+  kTrailingBytes,
+  kChecksumMismatch,
+  kPlatformMismatch,
+  kPlatformVersionMismatch,
+  kPatchSeriesMismatch,
+};
+
+struct EntryHeader {
+  uint16_t format_version = kEnvelopeFormatVersion;
+  EntryKind kind = EntryKind::kExecutable;
+  std::string platform_name;
+  std::string platform_version;
+  std::string torch_xla_revision;
+  std::string patch_series_id;
+  uint64_t payload_length = 0;
+  uint64_t checksum = 0;
+  // Offset of the payload in the encoded entry.
+  uint64_t payload_offset = 0;
+};
+
+struct DecodeResult {
+  EntryStatus status = EntryStatus::kOk;
+  // Says what was expected and what was found; empty when status is kOk.
+  std::string message;
+  EntryHeader header;
+};
+
+// What the running process is; an entry must match all three to be used.
+struct RuntimeIdentity {
+  std::string platform_name;
+  std::string platform_version;
+  std::string patch_series_id;
+};
+
+const char* EntryStatusName(EntryStatus status);
+const char* EntryKindName(EntryKind kind);
+
+// 64-bit FNV-1a, continued from `seed` (pass the result of a previous call to
+// hash data that arrives in pieces).
+uint64_t Fnv1a64(std::string_view data, uint64_t seed = 14695981039346656037u);
+
+// Returns header + payload. `header.payload_length`, `checksum` and
+// `payload_offset` are computed, not read.
+std::string EncodeEntry(const EntryHeader& header, std::string_view payload);
+
+// Parses the header only. `total_size` is the size of the whole entry (which
+// `data` may be a prefix of) so truncation is detected without the payload.
+DecodeResult DecodeHeader(std::string_view data, uint64_t total_size);
+
+// Parses the header and checks length and checksum over the whole entry.
+DecodeResult DecodeEntry(std::string_view data);
+
+// DecodeEntry, then compares the header with the running process. Platform
+// name is checked first, then platform version, then the patch series, so the
+// status names the most fundamental difference.
+DecodeResult VerifyEntry(std::string_view data, const RuntimeIdentity& self);
+
+// The bytes the cache key is salted with, so an entry for another platform
+// version or patch series is never even looked up.
+std::string CacheKeyMaterial(const RuntimeIdentity& self);
+
+}  // namespace xlakit
+
+#endif  // XLAKIT_CORE_ENVELOPE_H_

@@ -1,0 +1,33 @@
+// Provenance of the running binary: the patch set, the applied patches in
+// series order, the series hash and the upstream commits. The values come
+// from build_info_generated.h, which build/xlakit_build.py (`stamp`) writes
+// into the tree before bazel runs; a checkout without it fails to compile
+// rather than report made-up provenance.
+#ifndef XLA_TORCH_XLA_CSRC_RUNTIME_XLAKIT_BUILD_INFO_H_
+#define XLA_TORCH_XLA_CSRC_RUNTIME_XLAKIT_BUILD_INFO_H_
+
+#include <string>
+#include <vector>
+
+namespace torch_xla {
+namespace runtime {
+namespace xlakit {
+
+struct BuildInfo {
+  std::string patch_set;  // e.g. "xlakit1"
+  std::vector<std::string> patches;
+  std::string series_sha256;
+  std::string torch_xla_commit;
+  std::string xla_commit;
+};
+
+const BuildInfo& GetBuildInfo();
+
+// "<patch_set>:<series_sha256>", written into cache entries and cache keys.
+std::string PatchSeriesId();
+
+}  // namespace xlakit
+}  // namespace runtime
+}  // namespace torch_xla
+
+#endif  // XLA_TORCH_XLA_CSRC_RUNTIME_XLAKIT_BUILD_INFO_H_

@@ -1,0 +1,29 @@
+"""Type stubs for xlakit._C, the C++ core shared with the torch_xla patches (csrc/)."""
+
+ENVELOPE_MAGIC: bytes
+ENVELOPE_FORMAT_VERSION: int
+TEMP_PREFIX: str
+
+def encode_entry(
+    payload: bytes,
+    *,
+    kind: str,
+    platform_name: str,
+    platform_version: str,
+    torch_xla_revision: str,
+    patch_series_id: str,
+) -> bytes: ...
+def inspect_header(prefix: bytes, total_size: int) -> dict[str, object]: ...
+def verify_entry(
+    data: bytes,
+    *,
+    platform_name: str | None = None,
+    platform_version: str | None = None,
+    patch_series_id: str | None = None,
+) -> dict[str, object]: ...
+def cache_key_material(*, platform_name: str, platform_version: str, patch_series_id: str) -> bytes: ...
+def write_file_atomic(path: str, data: bytes) -> None: ...
+def plan_transfer_batches(item_bytes: list[int], *, max_inflight_bytes: int) -> list[tuple[int, int, int]]: ...
+def validate_runtime_device(
+    device: str, known: list[str], *, allow_virtual: bool = True
+) -> tuple[str, int, bool]: ...

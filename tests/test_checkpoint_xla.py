@@ -129,3 +129,15 @@ def test_transfer_batches_respect_max_inflight_bytes(xla, tmp_path, monkeypatch)
     xlakit.save(state, tmp_path / "c.pt", max_inflight_bytes=cap)
     assert len(seen) > 3 and max(seen) <= cap
     _assert_bit_exact(_host_copy(state), xlakit.load(tmp_path / "c.pt"))
+
+
+def test_state_synced_asynchronously_just_before_the_save_is_exported_safely(xla, tmp_path):
+    # Buffers of an asynchronous torch_xla.sync() may still be in flight; exporting such a buffer
+    # through DLPack aborted a process here (dl_convertor "Could not get a valid pjrt_buffer").
+    torch_xla, _ = xla
+    device = torch_xla.device()
+    for i in range(20):
+        state = {"w": torch.full((512, 512), float(i), device=device) * 2}
+        torch_xla.sync()  # asynchronous: the buffers may not be ready yet
+        xlakit.save(state, tmp_path / "c.pt")
+        assert torch.equal(xlakit.load(tmp_path / "c.pt")["w"], torch.full((512, 512), 2.0 * i))

@@ -14,8 +14,9 @@ import logging
 import mmap
 import os
 import pickle
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,11 +24,14 @@ from xlakit import _archive, _job, _tree, atomic, transfer
 from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointWriteError
 from xlakit.options import LoadOptions, SaveOptions, resolve
 
+if TYPE_CHECKING:
+    from xlakit.async_save import SaveHandle
+
 log = logging.getLogger("xlakit")
 
 
 def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = None,
-         **overrides: Any) -> None:
+         **overrides: Any) -> "SaveHandle | None":
     """Save a training state atomically, verified and within one deadline.
 
     Args:
@@ -35,6 +39,12 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
             strings, bools, None; e.g. ``{"model": m.state_dict(), "step": 10}``.
         path: the checkpoint file; its folder must exist.
         options: a `SaveOptions`; keyword overrides (``timeout_s=600``) win over it.
+            ``layout="replicated"|"sharded"`` coordinates the ranks of a torch.distributed
+            job; ``asynchronous=True`` returns once the state is on the host.
+
+    Returns:
+        None, or with ``asynchronous=True`` a `SaveHandle` whose ``result()`` raises
+        what the background write raised.
 
     Raises:
         CheckpointTimeoutError: the deadline passed (stage, tensor and bytes named).
@@ -47,16 +57,50 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
         >>> xlakit.save({"w": torch.ones(2)}, getfixture("tmp_path") / "ckpt.pt")
     """
     opts: SaveOptions = resolve(SaveOptions, options, overrides)
-    final = Path(path)
+    if opts.layout != "single":
+        from xlakit import distributed
+
+        return distributed.save(obj, Path(path), opts)
+    if opts.asynchronous:
+        from xlakit import async_save
+
+        return async_save.start(obj, Path(path), opts)
+    save_file(obj, Path(path), opts)
+    return None
+
+
+def prepare(obj: Any, final: Path) -> tuple[list[_tree.TensorEntry], bytes]:
+    """Everything checked before a byte is written: the state's tensors, its pickle, the folder."""
     _job.check_no_abandoned_work()
     entries = _tree.collect(obj)
     pickled = _archive.pickle_state(obj, entries)
     if not final.parent.is_dir():
         raise atomic.write_error(FileNotFoundError(2, "No such file or directory"), final,
                                  stage="open")
+    return entries, pickled
+
+
+def save_file(obj: Any, final: Path, opts: SaveOptions, *, started: float | None = None) -> None:
+    """One process, one file: the synchronous save (`started` shares an earlier deadline)."""
+    entries, pickled = prepare(obj, final)
+    write_file(entries, pickled, final, opts, stage_groups(entries), started=started)
+
+
+def stage_groups(entries: list[_tree.TensorEntry]) -> list[tuple[list[_tree.TensorEntry], Any]]:
+    """The entries grouped by device type, each group with its transfer backend."""
+    groups = [list(g) for _, g in itertools.groupby(
+        sorted(entries, key=lambda e: e.device_type), key=lambda e: e.device_type)]
+    return [(g, transfer.backend_for(g[0].device_type, g[0].tensor)) for g in groups]
+
+
+def write_file(entries: list[_tree.TensorEntry], pickled: bytes, final: Path, opts: SaveOptions,
+               groups: list, *, started: float | None = None, what: str = "save") -> None:
+    """Transfer and write `groups` into `final` atomically, watched under the deadline."""
     atomic.remove_stale_temps(final)
     tmp = atomic.temp_path(final)
-    job = _job.Job("save", str(final), sum(e.nbytes for e in entries))
+    job = _job.Job(what, str(final), sum(e.nbytes for e in entries))
+    if started is not None:
+        job.started = started
 
     def on_timeout(j: _job.Job) -> str:
         atomic.discard(tmp)
@@ -64,17 +108,18 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
                 f"untouched. The abandoned {j.stage} continues in the background until the runtime "
                 f"returns; the next save refuses to start while it is stuck.")
 
-    watch = _job.Watch(opts.timeout_s, opts.stall_warning_s, opts.progress_interval_s,
-                       opts.progress_callback)
-    _job.run(job, lambda j: _write(j, entries, pickled, tmp, final, opts), watch, on_timeout)
+    _job.run(job, lambda j: _write(j, groups, pickled, tmp, final, opts), watch_for(opts),
+             on_timeout)
 
 
-def _write(job: _job.Job, entries: list[_tree.TensorEntry], pickled: bytes, tmp: Path,
-           final: Path, opts: SaveOptions) -> None:
+def watch_for(opts: SaveOptions | LoadOptions) -> _job.Watch:
+    return _job.Watch(opts.timeout_s, opts.stall_warning_s, opts.progress_interval_s,
+                      opts.progress_callback)
+
+
+def _write(job: _job.Job, groups: list, pickled: bytes, tmp: Path, final: Path,
+           opts: SaveOptions) -> None:
     deadline = job.started + opts.timeout_s
-    groups = [list(g) for _, g in itertools.groupby(
-        sorted(entries, key=lambda e: e.device_type), key=lambda e: e.device_type)]
-    backends = [transfer.backend_for(g[0].device_type, g[0].tensor) for g in groups]
     job.enter("open")
     try:
         f = open(tmp, "xb")
@@ -83,15 +128,15 @@ def _write(job: _job.Job, entries: list[_tree.TensorEntry], pickled: bytes, tmp:
     committed = False
     try:
         with f, _archive.ArchiveWriter(f, compute_crc32=opts.compute_crc32) as writer:
-            for group, backend in zip(groups, backends):
+            for group, backend in groups:
                 job.enter("sync", None)
                 backend.prepare([e.tensor for e in group])
             job.enter("write")
             writer.write_header(pickled)
-            for group, backend in zip(groups, backends):
+            for group, backend in groups:
                 for batch in transfer.batches(group, opts.max_inflight_bytes):
                     job.enter("transfer", batch[0].path)
-                    remaining = max(deadline - job.started - (job.progress().elapsed_s), 0.001)
+                    remaining = max(deadline - time.monotonic(), 0.001)
                     hosts = backend.to_host([e.tensor for e in batch], timeout_s=remaining)
                     for entry, host in zip(batch, hosts):
                         job.enter("write", entry.path)
@@ -150,9 +195,7 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     if not final.is_file():
         raise FileNotFoundError(2, f"no checkpoint at {final}", str(final))
     job = _job.Job("load", str(final), final.stat().st_size)
-    watch = _job.Watch(opts.timeout_s, opts.stall_warning_s, opts.progress_interval_s,
-                       opts.progress_callback)
-    return _job.run(job, lambda j: _read(j, final, opts), watch,
+    return _job.run(job, lambda j: _read(j, final, opts), watch_for(opts),
                     lambda j: "Nothing was changed on disk.")
 
 

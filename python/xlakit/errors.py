@@ -61,6 +61,10 @@ class CheckpointBusyError(CheckpointError, RuntimeError):
     """An earlier save is still running (async, or abandoned after a timeout)."""
 
 
+class CheckpointAsyncError(CheckpointError, RuntimeError):
+    """An earlier asynchronous save failed and nobody asked its handle; raised by the next save."""
+
+
 class CheckpointPeerError(CheckpointError, RuntimeError):
     """Another rank of a coordinated save failed; carries that rank and its error."""
 

@@ -39,6 +39,7 @@ class Progress:
 
 
 ProgressCallback = Callable[[Progress], None]
+LAYOUTS = ("single", "replicated", "sharded")
 
 
 def _positive(name: str, value: float) -> None:
@@ -56,6 +57,12 @@ class SaveOptions:
         stall_warning_s: warn when no progress was made for this long.
         progress_interval_s: log progress of long saves at this interval.
         progress_callback: called with a `Progress` while the save runs and at the end.
+        asynchronous: return once the state is staged in host memory; the write and
+            commit run in the background under the same deadline (see `SaveHandle`).
+        layout: "single" (this process writes `path`), "replicated" (every rank of a
+            torch.distributed job passes the same state; `writer_rank` writes it) or
+            "sharded" (every rank writes its own state as a shard of folder `path`).
+        writer_rank: the rank that writes a replicated checkpoint.
         compute_crc32: also fill in the zip CRC32 fields. Off by default: torch.load
             never checks them, xlakit's xxh3 checksums cover every byte, and they
             cost ~0.4 s per GB; turn on for generic zip tools (`unzip -t`).
@@ -68,8 +75,15 @@ class SaveOptions:
         default_factory=lambda: _knobs.get_float(_knobs.PROGRESS_INTERVAL_S))
     progress_callback: ProgressCallback | None = None
     compute_crc32: bool = False
+    asynchronous: bool = False
+    layout: str = "single"
+    writer_rank: int = 0
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.asynchronous and self.layout != "single":
+            raise ValueError("asynchronous=True works with layout='single' only (for now)")
         _positive("timeout_s", self.timeout_s)
         _positive("max_inflight_bytes", self.max_inflight_bytes)
         _positive("stall_warning_s", self.stall_warning_s)

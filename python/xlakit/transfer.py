@@ -31,6 +31,9 @@ class HostTransfer:
     """Base backend: `prepare` once for all tensors, then `to_host` per batch."""
 
     name = "cpu"
+    # True when to_host returns views of memory the caller may change later (the
+    # training state itself); an asynchronous save must copy those.
+    returns_views = True
 
     def prepare(self, tensors: Sequence[torch.Tensor]) -> None:
         """Materialise pending values (one sync for all of them)."""
@@ -61,6 +64,7 @@ class DeviceTransfer(HostTransfer):
     """CUDA and other storage-backed accelerators."""
 
     name = "device-copy"
+    returns_views = False
 
     def to_host(self, tensors, *, timeout_s):
         hosts = [copy_to_host(t) for t in tensors]
@@ -75,11 +79,17 @@ class XlaTransfer(HostTransfer):
     def __init__(self, mode: str):
         self.mode = mode
         self.name = f"xla-{mode}"
+        self.returns_views = mode == "dlpack"
 
     def prepare(self, tensors):
         import torch_xla
 
         torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=True, sync_xla_data=False)
+        if self.mode == "dlpack":
+            # Tensors materialised earlier by an asynchronous torch_xla.sync() hold buffers
+            # that may still be in flight; exporting one of those aborts the process
+            # (dl_convertor.cpp "Could not get a valid pjrt_buffer").
+            torch_xla._XLAC._xla_wait_device_ops(devices=[])
 
     def to_host(self, tensors, *, timeout_s):
         import torch_xla

@@ -5,6 +5,7 @@ patched binding exists it is used, otherwise the stock path that behaves best.
 """
 
 from xlakit._version import __version__
+from xlakit.contract import check_run_contract
 from xlakit.errors import (
     CheckpointBusyError,
     CheckpointCorruptError,
@@ -15,9 +16,12 @@ from xlakit.errors import (
     CheckpointSerializationError,
     CheckpointTimeoutError,
     CheckpointWriteError,
+    PinsError,
+    RunContractError,
     RuntimeFeatureError,
     XlakitError,
 )
+from xlakit._manifest import log_manifest, manifest, manifest_line
 
 __all__ = [
     "__version__",
@@ -30,6 +34,12 @@ __all__ = [
     "CheckpointSerializationError",
     "CheckpointTimeoutError",
     "CheckpointWriteError",
+    "PinsError",
+    "RunContractError",
     "RuntimeFeatureError",
     "XlakitError",
+    "check_run_contract",
+    "log_manifest",
+    "manifest",
+    "manifest_line",
 ]

@@ -14,7 +14,9 @@ import sys
 from xlakit.errors import XlakitError
 
 # Modules that define subcommands, in help order.
-_COMMAND_MODULES: tuple[str, ...] = ()
+_COMMAND_MODULES: tuple[str, ...] = (
+    "xlakit._manifest",
+)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -22,6 +22,7 @@ from xlakit.errors import (
     XlakitError,
 )
 from xlakit._manifest import log_manifest, manifest, manifest_line
+from xlakit.memory import MemoryInfo, memory_info
 
 __all__ = [
     "__version__",
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointSerializationError",
     "CheckpointTimeoutError",
     "CheckpointWriteError",
+    "MemoryInfo",
     "PinsError",
     "RunContractError",
     "RuntimeFeatureError",
@@ -42,4 +44,5 @@ __all__ = [
     "log_manifest",
     "manifest",
     "manifest_line",
+    "memory_info",
 ]

@@ -16,6 +16,7 @@ from xlakit.errors import XlakitError
 # Modules that define subcommands, in help order.
 _COMMAND_MODULES: tuple[str, ...] = (
     "xlakit._manifest",
+    "xlakit.memory",
 )
 
 

@@ -5,6 +5,7 @@ patched binding exists it is used, otherwise the stock path that behaves best.
 """
 
 from xlakit._version import __version__
+from xlakit.compile_cache import cache_stats, enable_persistent_cache
 from xlakit.contract import check_run_contract
 from xlakit.errors import (
     CheckpointBusyError,
@@ -16,6 +17,7 @@ from xlakit.errors import (
     CheckpointSerializationError,
     CheckpointTimeoutError,
     CheckpointWriteError,
+    CompileCacheError,
     PinsError,
     RunContractError,
     RuntimeFeatureError,
@@ -35,12 +37,15 @@ __all__ = [
     "CheckpointSerializationError",
     "CheckpointTimeoutError",
     "CheckpointWriteError",
+    "CompileCacheError",
     "MemoryInfo",
     "PinsError",
     "RunContractError",
     "RuntimeFeatureError",
     "XlakitError",
+    "cache_stats",
     "check_run_contract",
+    "enable_persistent_cache",
     "log_manifest",
     "manifest",
     "manifest_line",

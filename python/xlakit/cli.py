@@ -17,6 +17,7 @@ from xlakit.errors import XlakitError
 _COMMAND_MODULES: tuple[str, ...] = (
     "xlakit._manifest",
     "xlakit.memory",
+    "xlakit.doctor",
 )
 
 

@@ -82,3 +82,31 @@ def test_broken_contract_fails_without_starting_the_probes(monkeypatch):
     assert "FAIL  contract: LIBTPU_INIT_ARGS passes --xla_disable_hlo_passes=x" in text
     assert "--xla_jf_vmem_memory_space_assignment=false" in text
     assert "FAIL  cache: not probed: the run contract is broken" in text
+
+
+def test_a_probe_process_that_dies_is_reported_with_its_error(monkeypatch):
+    def fake_run(cmd, **kwargs):  # stands in for a probe child that crashes at start-up
+        return subprocess.CompletedProcess(cmd, 3, stdout="", stderr="noise\nRuntimeError: TPU in use by pid 7\n")
+
+    monkeypatch.setattr(doctor.subprocess, "run", fake_run)
+    probe = doctor.probe_cache(timeout_s=30)
+    assert probe.verdict == "fail"
+    assert probe.detail == ("the first probe process exited with 3 without reporting its counters; "
+                            "its last error line: RuntimeError: TPU in use by pid 7")
+
+
+def test_the_deadline_knob_reaches_the_cache_probe(monkeypatch):
+    seen = []
+
+    def fake_probe_cache(*, timeout_s):  # stands in for the subprocess probe
+        seen.append(timeout_s)
+        return doctor.Probe("cache", "ok", "stand-in")
+
+    monkeypatch.setattr(doctor, "probe_cache", fake_probe_cache)
+    monkeypatch.setenv("XLAKIT_DOCTOR_TIMEOUT_S", "7.5")
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    monkeypatch.delenv("XLA_USE_SPMD", raising=False)
+    doctor.run(profile="cpu-dev", out=io.StringIO())
+    assert seen == [7.5]
+    doctor.run(profile="cpu-dev", timeout_s=2.0, out=io.StringIO())  # the argument beats the environment
+    assert seen == [7.5, 2.0]

@@ -90,9 +90,10 @@ def probe_cache(*, timeout_s: float) -> Probe:
                              "(compiling a small graph with the cache on)",
                              f"look for a hung or busy runtime; give it longer with --timeout-s or "
                              f"{_knobs.DOCTOR_TIMEOUT_S}")
-            if run.returncode != 0:
-                return Probe("cache", "fail", f"the {stage} probe process exited with {run.returncode}: "
-                             f"{_last_line(run.stderr)}", "run the graph by hand to see the whole error")
+            if run.returncode != 0 or _STATS_MARK not in run.stdout:
+                return Probe("cache", "fail", f"the {stage} probe process exited with {run.returncode} without "
+                             f"reporting its counters; its last error line: {_last_line(run.stderr)}",
+                             "run `xlakit manifest --check` to see whether the stack and contract are sound")
             stats = json.loads(run.stdout.rsplit(_STATS_MARK, 1)[1].splitlines()[0])
             stderr = run.stderr
             if stage == "first":
@@ -142,7 +143,11 @@ def probe_contract() -> Probe:
     problems = contract.contract_violations()
     if problems:
         return Probe("contract", "fail", "; ".join(problems), "change the run's environment as each item says")
-    return Probe("contract", "ok", "holds (no removed libtpu flag; XLA_NO_SPECIAL_SCALARS fine for the SPMD setting)")
+    args = os.environ.get(_knobs.LIBTPU_INIT_ARGS)
+    spmd = (f"SPMD on with {_knobs.XLA_NO_SPECIAL_SCALARS}=1" if _knobs.get_flag(_knobs.XLA_USE_SPMD)
+            else "SPMD off")
+    flags = f"{_knobs.LIBTPU_INIT_ARGS} has no removed flag" if args else f"{_knobs.LIBTPU_INIT_ARGS} unset"
+    return Probe("contract", "ok", f"holds ({flags}; {spmd})")
 
 
 def probe_memory(device_type: str | None) -> list[Probe]:

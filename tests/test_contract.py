@@ -26,6 +26,7 @@ def _pins_with_libtpu(tmp_path: Path, allowed: list[str]) -> Path:
 
 
 def test_removed_flag_is_refused_naming_version_and_replacement():
+    # Regression: a run script passing --xla_disable_hlo_passes died at start-up ("unknown flag") on libtpu 0.0.37.
     with pytest.raises(xlakit.RunContractError) as e:
         xlakit.check_run_contract(env={"LIBTPU_INIT_ARGS": BAD}, libtpu_version="0.0.37")
     message = str(e.value)
@@ -61,6 +62,7 @@ def test_without_libtpu_the_pinned_tpu_profile_decides(tmp_path):
 
 
 def test_spmd_needs_no_special_scalars():
+    # Regression: SPMD runs without XLA_NO_SPECIAL_SCALARS=1 gave silently wrong losses.
     with pytest.raises(xlakit.RunContractError, match="XLA_NO_SPECIAL_SCALARS is unset, expected 1"):
         xlakit.check_run_contract(env={"XLA_USE_SPMD": "1"})
     with pytest.raises(xlakit.RunContractError, match="XLA_NO_SPECIAL_SCALARS is '0'"):

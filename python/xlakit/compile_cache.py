@@ -130,9 +130,9 @@ def cache_stats() -> dict[str, Any]:
 
     Example:
         >>> import xlakit
-        >>> s = xlakit.cache_stats()
-        >>> s["deserialize_failures"] == 0 or "the cache does not work here"
-        True
+        >>> stats = xlakit.cache_stats()
+        >>> sorted(stats)
+        ['deserialize_failures', 'hits', 'misses', 'path', 'readonly']
     """
     _xlac()
     import torch_xla.debug.metrics as met

@@ -5,8 +5,11 @@ patched binding exists it is used, otherwise the stock path that behaves best.
 """
 
 from xlakit._version import __version__
+from xlakit.compile_cache import cache_stats, enable_persistent_cache
+from xlakit.contract import check_run_contract
 from xlakit.options import LoadOptions, Progress, SaveOptions
 from xlakit.errors import (
+    CheckpointAsyncError,
     CheckpointBusyError,
     CheckpointCorruptError,
     CheckpointError,
@@ -16,13 +19,18 @@ from xlakit.errors import (
     CheckpointSerializationError,
     CheckpointTimeoutError,
     CheckpointWriteError,
+    CompileCacheError,
+    PinsError,
+    RunContractError,
     RuntimeFeatureError,
     XlakitError,
 )
+from xlakit._manifest import log_manifest, manifest, manifest_line
+from xlakit.memory import MemoryInfo, memory_info
 
 # Loaded on first use so that `import xlakit` (and the CLI) works where torch is
 # missing or broken; `xlakit doctor` has to run exactly there.
-_LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint"}
+_LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint", "SaveHandle": "xlakit.async_save"}
 
 
 def __getattr__(name: str):
@@ -40,6 +48,8 @@ __all__ = [
     "SaveOptions",
     "LoadOptions",
     "Progress",
+    "SaveHandle",
+    "CheckpointAsyncError",
     "CheckpointBusyError",
     "CheckpointCorruptError",
     "CheckpointError",
@@ -49,6 +59,17 @@ __all__ = [
     "CheckpointSerializationError",
     "CheckpointTimeoutError",
     "CheckpointWriteError",
+    "CompileCacheError",
+    "MemoryInfo",
+    "PinsError",
+    "RunContractError",
     "RuntimeFeatureError",
     "XlakitError",
+    "cache_stats",
+    "check_run_contract",
+    "enable_persistent_cache",
+    "log_manifest",
+    "manifest",
+    "manifest_line",
+    "memory_info",
 ]

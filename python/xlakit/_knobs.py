@@ -17,6 +17,20 @@ MAX_INFLIGHT_BYTES = "XLAKIT_MAX_INFLIGHT_BYTES"
 STALL_WARNING_S = "XLAKIT_STALL_WARNING_S"
 PROGRESS_INTERVAL_S = "XLAKIT_PROGRESS_INTERVAL_S"
 TRANSFER_BACKEND = "XLAKIT_TRANSFER_BACKEND"
+PROFILE = "XLAKIT_PROFILE"  # VERSIONS.toml profile the manifest checks against
+DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
+
+# torch_xla's and libtpu's own variables, which xlakit reads (never sets behind
+# the user's back) to record and check the run contract.
+PJRT_DEVICE = "PJRT_DEVICE"
+XLA_FLAGS = "XLA_FLAGS"
+LIBTPU_INIT_ARGS = "LIBTPU_INIT_ARGS"
+XLA_NO_SPECIAL_SCALARS = "XLA_NO_SPECIAL_SCALARS"
+XLA_USE_SPMD = "XLA_USE_SPMD"
+XLA_PERSISTENT_CACHE_PATH = "XLA_PERSISTENT_CACHE_PATH"
+XLA_PERSISTENT_CACHE_READ_ONLY = "XLA_PERSISTENT_CACHE_READ_ONLY"
+CONTRACT_ENV = (PJRT_DEVICE, XLA_NO_SPECIAL_SCALARS, XLA_USE_SPMD, XLA_FLAGS, LIBTPU_INIT_ARGS,
+                XLA_PERSISTENT_CACHE_PATH, XLA_PERSISTENT_CACHE_READ_ONLY)
 
 DEFAULTS: dict[str, float | int | str] = {
     SAVE_TIMEOUT_S: 3600.0,
@@ -24,6 +38,7 @@ DEFAULTS: dict[str, float | int | str] = {
     STALL_WARNING_S: 60.0,
     PROGRESS_INTERVAL_S: 10.0,
     TRANSFER_BACKEND: "auto",
+    DOCTOR_TIMEOUT_S: 120.0,
 }
 
 
@@ -74,3 +89,12 @@ def override(**env: str | None) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def is_true(raw: str | None) -> bool:
+    """A boolean value read the way torch_xla reads its own flags (1/true/yes/on/y)."""
+    return (raw or "").strip().upper() in ("1", "TRUE", "YES", "ON", "Y")
+
+
+def get_flag(name: str) -> bool:
+    return is_true(os.environ.get(name))

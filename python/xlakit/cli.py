@@ -14,7 +14,12 @@ import sys
 from xlakit.errors import XlakitError
 
 # Modules that define subcommands, in help order.
-_COMMAND_MODULES: tuple[str, ...] = ("xlakit.cache_files",)
+_COMMAND_MODULES: tuple[str, ...] = (
+    "xlakit._manifest",
+    "xlakit.memory",
+    "xlakit.doctor",
+    "xlakit.cache_files",
+)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -75,3 +75,20 @@ class CheckpointPeerError(CheckpointError, RuntimeError):
 
 class RuntimeFeatureError(XlakitError, NotImplementedError):
     """The running torch_xla lacks what was asked (stock build, unsupported platform)."""
+
+
+class PinsError(XlakitError, ValueError):
+    """The pins file (baked VERSIONS.toml) is missing, malformed or lacks a profile."""
+
+
+class RunContractError(XlakitError, ValueError):
+    """The run's environment breaks the contract (a removed libtpu flag, SPMD without
+    `XLA_NO_SPECIAL_SCALARS=1`). `violations` lists each, one message per entry."""
+
+    def __init__(self, message: str, *, violations: list[str] | None = None):
+        super().__init__(message)
+        self.violations = list(violations or [])
+
+
+class CompileCacheError(XlakitError, RuntimeError):
+    """The persistent compilation cache cannot be enabled as asked."""

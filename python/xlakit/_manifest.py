@@ -1,0 +1,282 @@
+"""The run manifest: what stack a run ran on, and whether that is the pinned one.
+
+The module is private (`_manifest`) so that `xlakit.manifest` is unambiguously
+the function, not a module of the same name.
+
+Every fact is read from the running process, never from a checkout: versions
+and git revisions from the imported modules, the patch set from the
+provenance binding the patch series stamps into the binary (`stock` where it
+is absent), versions of packages we must not import (libtpu, jax, jaxlib)
+from their installed metadata. Drift is judged against a profile of the pins
+baked into xlakit at build time (see `_pins`). Anything that cannot be read is
+recorded with the reason, so the manifest itself never fails a run.
+
+The runtime is only started here when the run contract holds: a removed
+libtpu flag would otherwise abort the process inside libtpu before the
+manifest could say why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import re
+import sys
+from typing import Any
+
+from xlakit import _features, _knobs, _pins, contract
+from xlakit._version import __version__
+
+SCHEMA = 1
+_GIT_LABEL = re.compile(r"\+git([0-9a-f]{7,40})")
+
+
+def _short(rev: str | None) -> str | None:
+    return rev[:7] if rev else None
+
+
+def _torch() -> dict[str, Any]:
+    try:
+        import torch
+    except ImportError as e:
+        return {"version": None, "why_not": f"cannot import torch: {type(e).__name__}: {e}"}
+    return {"version": torch.__version__, "git": torch.version.git_version}
+
+
+def _torch_xla(build: dict | None) -> dict[str, Any]:
+    if _features.xlac() is None:
+        return {"version": None, "why_not": f"cannot import torch_xla: {_features.xla_import_error()}"}
+    import torch_xla
+    import torch_xla.version as v
+
+    label = _GIT_LABEL.search(torch_xla.__version__)
+    # Stock wheels record which torch and openxla they were built against but
+    # not their own commit; a source build carries it in the version label and
+    # the patched binary in its provenance.
+    commit = (build or {}).get("torch_xla_commit") or (label.group(1) if label else None)
+    return {
+        "version": torch_xla.__version__,
+        "commit": commit,
+        "torch_git": getattr(v, "__torch_gitrev__", None),
+        "xla_git": (build or {}).get("xla_commit") or getattr(v, "__xla_gitrev__", None),
+    }
+
+
+def _package(dist: str) -> dict[str, Any]:
+    version = _pins.installed_version(dist)
+    if version is None:
+        return {"version": None, "why_not": f"not installed (no '{dist}' distribution in {sys.prefix})"}
+    return {"version": version}
+
+
+def _patches(build: dict | None) -> dict[str, Any]:
+    if _features.xlac() is None:
+        return {"patch_set": None, "why_not": f"cannot import torch_xla: {_features.xla_import_error()}"}
+    if build is None:
+        return {"patch_set": "stock", "why": f"torch_xla has no {_features.BUILD_INFO} binding"}
+    return {k: build.get(k) for k in ("patch_set", "patches", "series_sha256")}
+
+
+def _runtime(contract_ok: bool) -> dict[str, Any]:
+    xlac = _features.xlac()
+    if xlac is None:
+        return {"why_not": f"cannot import torch_xla: {_features.xla_import_error()}"}
+    if not contract_ok and not xlac._xla_runtime_is_initialized():
+        return {"why_not": "not started: the run contract is broken (see contract)"}
+    import torch_xla.runtime as xr
+
+    try:
+        local = list(xlac._xla_get_runtime_devices())
+        return {
+            "device_type": xr.device_type(),
+            "platform_version": xlac._xla_get_platform_version(),
+            "spmd": xr.is_spmd(),
+            "local_devices": len(local),
+            "global_devices": xr.global_runtime_device_count(),
+            "runtime_devices": local,
+        }
+    except RuntimeError as e:  # e.g. the TPU is held by another process
+        return {"why_not": f"the runtime did not answer: {type(e).__name__}: {e}"}
+
+
+def _same_commit(found: str | None, pinned: str) -> bool:
+    # A short revision (a `+gitc04e61c` label) matches the full pin it abbreviates.
+    return bool(found) and len(found) >= 7 and (pinned.startswith(found) or found.startswith(pinned))
+
+
+def _drift_item(what: str, pin: str, expected: str, found: str | None, missing: str) -> dict[str, str]:
+    return {"what": what, "pin": pin, "expected": expected, "found": found or missing}
+
+
+def drift(m: dict[str, Any], profile: str, pins: str | os.PathLike | None = None) -> list[dict[str, str]]:
+    """Where manifest `m` differs from pinned `profile`: one item per mismatch."""
+    prof = _pins.profile(profile, pins)
+    key = f"profiles.{profile}"
+    out = []
+    if "python" in prof and not _pins.satisfies(m["python"], prof["python"]):
+        out.append(_drift_item("python", f"{key}.python", _pins.describe(prof["python"]), m["python"], ""))
+    modules = {"torch": m["torch"], "torch_xla": m["torch_xla"]}
+    for dist, spec in prof.get("packages", {}).items():
+        found = (modules.get(dist) or m.get(dist) or _package(dist)).get("version")
+        if found is None or not _pins.satisfies(found, spec):
+            out.append(_drift_item(dist, f"{key}.packages.{dist}", _pins.describe(spec), found, "not installed"))
+    src = prof.get("sources", {})
+    revisions = {  # pinned source -> (what it is, the revision the running stack reports)
+        "pytorch": ("torch git revision", m["torch"].get("git"), m["torch"].get("version")),
+        "torch_xla": ("torch_xla git revision", m["torch_xla"].get("commit"), m["torch_xla"].get("version")),
+        "openxla": ("openxla git revision", m["torch_xla"].get("xla_git"), None),
+    }
+    for name, (what, rev, version) in revisions.items():
+        if name not in src:
+            continue
+        pinned = src[name]
+        if not _same_commit(rev, pinned["commit"]):
+            out.append(_drift_item(what, f"{key}.sources.{name}.commit", pinned["commit"], rev,
+                                   "unknown (this build does not record it)"))
+        if version is not None and "version" in pinned and not _pins.satisfies(version, pinned["version"]):
+            out.append(_drift_item(f"{name} version", f"{key}.sources.{name}.version", pinned["version"],
+                                   version, "unknown"))
+    if src:  # a source-built profile ships our patched binary
+        want = _pins.expected_patch_set(pins)
+        if m["patches"].get("patch_set") != want:
+            out.append(_drift_item("patch set", "xlakit.patch_level", want, m["patches"].get("patch_set"), "unknown"))
+    return out
+
+
+def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The stack this process runs on, its run contract and its drift from the pins.
+
+    Starts the XLA runtime (to list devices) unless the run contract is broken;
+    call it after `torch_xla.runtime.use_spmd()` and `enable_persistent_cache()`.
+
+    Args:
+        profile: VERSIONS.toml profile to compare with; default `XLAKIT_PROFILE`,
+            else `tpu` on a TPU host, else `cpu-dev`.
+        pins: A pins file other than the copy baked into xlakit.
+
+    Returns:
+        A JSON-ready dict: `python`, `torch`, `torch_xla`, `libtpu`, `jax`,
+        `jaxlib`, `patches`, `runtime`, `env`, `contract` (violations),
+        `profile` and `drift` (mismatches, each with `what`, `pin`,
+        `expected`, `found`). A part that cannot be read holds `why_not`.
+
+    Example:
+        >>> import xlakit
+        >>> m = xlakit.manifest()
+        >>> m["patches"]["patch_set"] in ("stock", "xlakit1")
+        True
+    """
+    # Read before torch_xla is imported: its import fills in PJRT_DEVICE and XLA_FLAGS defaults.
+    env = {k: os.environ.get(k) for k in _knobs.CONTRACT_ENV}
+    name, why = _pins.choose_profile(profile)
+    build = _features.build_info()
+    violations = contract.contract_violations(pins=pins)
+    m: dict[str, Any] = {
+        "schema": SCHEMA,
+        "xlakit": __version__,
+        "python": platform.python_version(),
+        "torch": _torch(),
+        "torch_xla": _torch_xla(build),
+        "libtpu": _package("libtpu"),
+        "jax": _package("jax"),
+        "jaxlib": _package("jaxlib"),
+        "patches": _patches(build),
+        "env": env,
+        "contract": violations,
+        "runtime": _runtime(not violations),
+        "profile": {"name": name, "why": why, "pins": str(pins or _pins.baked_path())},
+    }
+    m["drift"] = drift(m, name, pins)
+    return m
+
+
+def problems(m: dict[str, Any]) -> list[str]:
+    """Every drift and contract violation of manifest `m`, one message each."""
+    out = [f"drift from {m['profile']['name']}: {d['what']}: expected {d['expected']} ({d['pin']}), "
+           f"found {d['found']}" for d in m["drift"]]
+    return out + [f"contract: {v}" for v in m["contract"]]
+
+
+def manifest_line(m: dict[str, Any] | None = None) -> str:
+    """The stack as one human row, e.g. for the first line of a training log.
+
+    Example:
+        >>> import xlakit
+        >>> xlakit.manifest_line().startswith("torch ")
+        True
+    """
+    m = m if m is not None else manifest()
+
+    def version(part: dict, rev: str | None = None) -> str:
+        v = part.get("version") or "none"
+        return f"{v} git{_short(rev)}" if rev and _short(rev) not in v else v
+
+    rt = m["runtime"]
+    devices = (f"{rt['device_type']} {rt['local_devices']}/{rt['global_devices']}"
+               if "device_type" in rt else "runtime not started")
+    verdict = "ok" if not m["drift"] else f"DRIFT x{len(m['drift'])}"
+    parts = [
+        f"torch {version(m['torch'], m['torch'].get('git'))}",
+        f"torch_xla {version(m['torch_xla'], m['torch_xla'].get('commit'))}",
+        f"libtpu {m['libtpu'].get('version') or 'none'}",
+        f"jax {m['jax'].get('version') or 'none'}",
+        f"patches {m['patches'].get('patch_set') or 'unknown'}",
+        devices,
+        f"{m['profile']['name']} {verdict}",
+    ]
+    if m["contract"]:
+        parts.append(f"CONTRACT BROKEN x{len(m['contract'])}")
+    return " | ".join(parts)
+
+
+def log_manifest(logger: logging.Logger | None = None, **kwargs: Any) -> dict[str, Any]:
+    """Log the manifest: the row for people, then one JSON line for machines.
+
+    Drift and contract violations are logged as warnings, one per line.
+
+    Args:
+        logger: Where to log; default the `xlakit.manifest` logger.
+        **kwargs: Passed to `manifest()` (`profile`, `pins`).
+
+    Returns:
+        The manifest dict that was logged.
+
+    Example:
+        >>> import logging, xlakit
+        >>> logging.basicConfig(level=logging.INFO)
+        >>> m = xlakit.log_manifest()
+    """
+    logger = logger or logging.getLogger("xlakit.manifest")
+    m = manifest(**kwargs)
+    logger.info("xlakit manifest: %s", manifest_line(m))
+    logger.info("xlakit manifest json: %s", json.dumps(m, sort_keys=True))
+    for p in problems(m):
+        logger.warning("xlakit manifest: %s", p)
+    return m
+
+
+def _run(args: argparse.Namespace) -> int:
+    m = manifest(profile=args.profile, pins=args.pins)
+    print(json.dumps(m, indent=2, sort_keys=True) if args.json else manifest_line(m))
+    if not args.check:
+        return 0
+    found = problems(m)
+    for p in found:
+        print(f"xlakit manifest --check: {p}", file=sys.stderr)
+    if not found:
+        print(f"check: ok against profile {m['profile']['name']} ({m['profile']['why']})", file=sys.stderr)
+    return 1 if found else 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("manifest", help="print the run manifest (stack, contract, drift)")
+    p.add_argument("--json", action="store_true", help="the whole manifest as JSON instead of the row")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 on drift from the pinned profile or a broken run contract, naming each")
+    p.add_argument("--profile", help=f"VERSIONS.toml profile to check against (default: ${_knobs.PROFILE}, "
+                   "else tpu on a TPU host, else cpu-dev)")
+    p.add_argument("--pins", help="a pins file instead of the one baked into xlakit")
+    p.set_defaults(func=_run)

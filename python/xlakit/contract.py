@@ -1,0 +1,132 @@
+"""The run contract: environment a run must (not) carry, checked before the runtime starts.
+
+A broken contract either kills the run at start-up (libtpu rejects a flag it
+removed with "unknown flag", after the job was scheduled) or, worse, lets it
+run wrong (SPMD without `XLA_NO_SPECIAL_SCALARS=1` gave silently wrong
+losses). Both are checked from the environment alone, so the check can run
+before torch_xla starts the runtime. Which libtpu flags were removed is data
+(`data/libtpu_flags.toml`), not code: a libtpu bump adds a row.
+
+The libtpu version a flag is judged against is, in order: the one given, the
+installed one, else the newest the pinned `tpu` profile allows (a run script
+checked on a laptop is meant for the pinned hosts).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shlex
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+
+from xlakit import _knobs, _pins
+from xlakit.errors import RunContractError
+
+
+@dataclass(frozen=True)
+class RemovedFlag:
+    """One row of the libtpu flag table."""
+
+    name: str
+    removed_in: str
+    replacement: str
+
+
+@functools.cache
+def removed_flags() -> tuple[RemovedFlag, ...]:
+    """The libtpu flag table shipped with xlakit (`xlakit/data/libtpu_flags.toml`)."""
+    text = resources.files("xlakit").joinpath("data/libtpu_flags.toml").read_text()
+    data = tomllib.loads(text)
+    return tuple(RemovedFlag(**row) for row in data.get("flag", []))
+
+
+def _flag_names(args: str) -> list[tuple[str, str]]:
+    """(name, as written) for each `--flag[=value]` in an args string."""
+    out = []
+    for token in shlex.split(args):
+        if token.startswith("-"):
+            out.append((token.lstrip("-").split("=", 1)[0], token))
+    return out
+
+
+def target_libtpu(libtpu_version: str | None = None, *, pins: str | os.PathLike | None = None) -> tuple[str | None, str]:
+    """The libtpu version flags are judged against, and where it came from."""
+    if libtpu_version:
+        return libtpu_version, "given"
+    installed = _pins.installed_version("libtpu")
+    if installed:
+        return installed, "installed"
+    spec = _pins.profile(_pins.TPU_PROFILE, pins).get("packages", {}).get("libtpu")
+    if spec is None:
+        return None, "libtpu is neither installed nor pinned"
+    if isinstance(spec, dict):
+        versions = spec.get("allowed") or [spec["floor"]]
+    else:
+        versions = [spec]
+    newest = max(versions, key=_pins.release)
+    return newest, f"not installed; the newest the pinned {_pins.TPU_PROFILE} profile allows"
+
+
+def contract_violations(*, env: Mapping[str, str] | None = None, libtpu_version: str | None = None,
+                        spmd: bool | None = None, pins: str | os.PathLike | None = None) -> list[str]:
+    """Each way the environment breaks the run contract, as a message; [] when it holds.
+
+    Same arguments as `check_run_contract`, which raises instead.
+    """
+    env = os.environ if env is None else env
+    problems = []
+    args = env.get(_knobs.LIBTPU_INIT_ARGS) or ""
+    if args:
+        table = {f.name: f for f in removed_flags()}
+        version, origin = target_libtpu(libtpu_version, pins=pins)
+        for name, written in _flag_names(args):
+            # absl spells a false boolean `--noname`; it is the same flag.
+            row = table.get(name) or (table.get(name[2:]) if name.startswith("no") else None)
+            if row is None or version is None or _pins.release(version) < _pins.release(row.removed_in):
+                continue
+            fix = f"pass {row.replacement} instead" if row.replacement else "drop it (it has no replacement)"
+            problems.append(
+                f"{_knobs.LIBTPU_INIT_ARGS} passes {written}, but libtpu {row.removed_in} removed "
+                f"--{row.name} (this run targets libtpu {version}: {origin}); {fix}"
+            )
+    in_spmd = spmd if spmd is not None else _knobs.is_true(env.get(_knobs.XLA_USE_SPMD))
+    special = env.get(_knobs.XLA_NO_SPECIAL_SCALARS)
+    if in_spmd and (special or "").strip() != "1":
+        problems.append(
+            f"SPMD is in use but {_knobs.XLA_NO_SPECIAL_SCALARS} is "
+            f"{'unset' if special is None else repr(special)}, expected 1 (SPMD runs without it gave "
+            f"silently wrong losses); export {_knobs.XLA_NO_SPECIAL_SCALARS}=1 before the run starts"
+        )
+    return problems
+
+
+def check_run_contract(*, env: Mapping[str, str] | None = None, libtpu_version: str | None = None,
+                       spmd: bool | None = None, pins: str | os.PathLike | None = None) -> None:
+    """Refuse a run whose environment breaks the contract, before the runtime starts.
+
+    Call it first thing in a training script, before anything touches an XLA
+    device: a removed libtpu flag otherwise kills the run inside libtpu.
+
+    Args:
+        env: Variables to check; `os.environ` when None.
+        libtpu_version: The libtpu the run targets; default the installed one,
+            else the newest the pinned `tpu` profile allows.
+        spmd: Whether the run uses SPMD; default `XLA_USE_SPMD` from `env`
+            (pass True when `torch_xla.runtime.use_spmd()` is called later).
+        pins: A pins file other than the one baked into xlakit.
+
+    Raises:
+        RunContractError: naming each violation (flag, the libtpu version that
+            removed it, its replacement; or the missing SPMD setting).
+
+    Example:
+        >>> import xlakit
+        >>> xlakit.check_run_contract(env={"LIBTPU_INIT_ARGS": "--xla_tpu_enable_latency_hiding_scheduler=true"})
+    """
+    problems = contract_violations(env=env, libtpu_version=libtpu_version, spmd=spmd, pins=pins)
+    if problems:
+        raise RunContractError(
+            "the run contract is broken:\n  - " + "\n  - ".join(problems), violations=problems)

@@ -1,0 +1,211 @@
+"""`xlakit doctor`: ask the runtime what is wrong, one probe per line.
+
+Each probe prints a verdict (`ok`, `warn`, `FAIL`, or `n/a` where the
+platform cannot have the feature), what it found and, when not ok, what to
+do. The exit status is 1 when any probe fails.
+
+The cache probe runs first, in two fresh subprocesses, because only a second
+process can tell whether entries written by a first one load, and because on
+a TPU host only one process may hold the chips: the probes that need the
+runtime in this process run after the children have exited. The children
+share one deadline; on expiry the probe fails and says which stage ran out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import xlakit
+from xlakit import _features, _knobs, _manifest, compile_cache, contract, memory
+
+_STATS_MARK = "xlakit-cache-probe-stats: "
+UNPATCHED = "entries are written but never load: this torch_xla is unpatched, install the xlakit wheels"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One line of the report."""
+
+    name: str
+    verdict: str  # ok | warn | fail | n/a
+    detail: str
+    fix: str | None = None
+
+    def render(self) -> str:
+        line = f"{self.verdict.upper() if self.verdict == 'fail' else self.verdict:<5} {self.name}: {self.detail}"
+        return line + (f"\n      fix: {self.fix}" if self.fix else "")
+
+
+def _cache_probe_child(folder: str) -> None:
+    """Runs in each probe subprocess: compile one small graph with the cache on."""
+    import torch
+    import torch_xla
+
+    compile_cache.enable_persistent_cache(folder)
+    x = torch.arange(64, dtype=torch.float32, device=torch_xla.device()).reshape(8, 8)
+    (x @ x.T + 1).sum().item()
+    print(_STATS_MARK + json.dumps(compile_cache.cache_stats()), flush=True)
+
+
+def _child_env() -> dict[str, str]:
+    # The children must import this very xlakit, wherever it was imported from.
+    env = dict(os.environ)
+    root = str(Path(xlakit.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _last_line(text: str, needle: str = "") -> str:
+    lines = [ln.strip() for ln in text.splitlines() if needle.lower() in ln.lower() and ln.strip()]
+    if not lines:
+        return "(no output)"
+    # Drop a C++ log prefix ("2026-... W path/file.cpp:694] ") but keep the message.
+    return lines[-1].split("] ", 1)[-1][-300:]
+
+
+def probe_cache(*, timeout_s: float) -> Probe:
+    """Compile the same graph in two fresh processes sharing a cache; read the second's counters."""
+    deadline = time.monotonic() + timeout_s
+    code = "import sys; from xlakit.doctor import _cache_probe_child; _cache_probe_child(sys.argv[1])"
+    with tempfile.TemporaryDirectory(prefix="xlakit-doctor-cache-") as folder:
+        stats, stderr = {}, ""
+        for stage in ("first", "second"):
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise subprocess.TimeoutExpired("probe", timeout_s)
+                run = subprocess.run([sys.executable, "-c", code, folder], env=_child_env(),
+                                     capture_output=True, text=True, timeout=left)
+            except subprocess.TimeoutExpired:
+                return Probe("cache", "fail",
+                             f"the probe timed out after {timeout_s:g} s in the {stage} process "
+                             "(compiling a small graph with the cache on)",
+                             f"look for a hung or busy runtime; give it longer with --timeout-s or "
+                             f"{_knobs.DOCTOR_TIMEOUT_S}")
+            if run.returncode != 0 or _STATS_MARK not in run.stdout:
+                return Probe("cache", "fail", f"the {stage} probe process exited with {run.returncode} without "
+                             f"reporting its counters; its last error line: {_last_line(run.stderr)}",
+                             "run `xlakit manifest --check` to see whether the stack and contract are sound")
+            stats = json.loads(run.stdout.rsplit(_STATS_MARK, 1)[1].splitlines()[0])
+            stderr = run.stderr
+            if stage == "first":
+                entries = [p for p in Path(folder).rglob("*")
+                           if p.is_file() and p.name != compile_cache.KEY_FILE]
+                if not entries:
+                    return Probe("cache", "fail", f"the first process wrote no entry under {folder}",
+                                 "check the cache folder is writable and XLA_PERSISTENT_CACHE_* is not overridden")
+    return cache_verdict(stats, stderr, _features.build_info())
+
+
+def cache_verdict(stats: dict, stderr: str, build: dict | None) -> Probe:
+    """Judge the second probe process's cache counters (and its stderr, for evidence)."""
+    if stats["deserialize_failures"]:
+        evidence = (f"second process: {stats['hits']} hits, {stats['deserialize_failures']} deserialize "
+                    f"failures; {_last_line(stderr, 'deserializ')}")
+        if build is None:
+            return Probe("cache", "fail", f"{UNPATCHED} ({evidence})",
+                         "install the xlakit torch_xla wheels (`xlakit manifest` must show a patch set, not stock)")
+        return Probe("cache", "fail", f"entries are written but never load, although this torch_xla carries patch "
+                     f"set {build.get('patch_set')} ({evidence})",
+                     "report it with the output of `xlakit manifest --json`")
+    if stats["hits"]:
+        return Probe("cache", "ok", f"works: the second process loaded the first one's entry ({stats['hits']} hits)")
+    return Probe("cache", "fail", f"the second process found no entry ({stats['misses']} misses): the cache key "
+                 "differs between two identical processes", "report it with the output of `xlakit manifest --json`")
+
+
+def probe_stack(m: dict) -> list[Probe]:
+    line = _manifest.manifest_line(m)
+    prof = m["profile"]
+    out = []
+    if m["drift"]:
+        mismatches = "; ".join(f"{d['what']}: expected {d['expected']}, found {d['found']}" for d in m["drift"])
+        out.append(Probe("stack", "fail", f"{line}; drift from profile {prof['name']}: {mismatches}",
+                         f"install the stack pinned in VERSIONS.toml profile {prof['name']} "
+                         f"(chosen: {prof['why']}), or name the right one with --profile"))
+    else:
+        out.append(Probe("stack", "ok", f"{line} (matches profile {prof['name']}: {prof['why']})"))
+    if "device_type" not in m["runtime"]:
+        out.append(Probe("runtime", "fail", m["runtime"].get("why_not", "unknown"),
+                         "fix the contract or the runtime error above, then re-run"))
+    return out
+
+
+def probe_contract() -> Probe:
+    problems = contract.contract_violations()
+    if problems:
+        return Probe("contract", "fail", "; ".join(problems), "change the run's environment as each item says")
+    args = os.environ.get(_knobs.LIBTPU_INIT_ARGS)
+    spmd = (f"SPMD on with {_knobs.XLA_NO_SPECIAL_SCALARS}=1" if _knobs.get_flag(_knobs.XLA_USE_SPMD)
+            else "SPMD off")
+    flags = f"{_knobs.LIBTPU_INIT_ARGS} has no removed flag" if args else f"{_knobs.LIBTPU_INIT_ARGS} unset"
+    return Probe("contract", "ok", f"holds ({flags}; {spmd})")
+
+
+def probe_memory(device_type: str | None) -> list[Probe]:
+    out = []
+    for info in memory.memory_info():
+        name = f"memory {info.device}"
+        if info.supported:
+            out.append(Probe(name, "ok", f"used {info.bytes_used}, limit {info.bytes_limit}, "
+                             f"peak {info.peak_bytes_used} bytes (via {info.source})"))
+        elif device_type == "CPU":  # the CPU client has no allocator statistics at all: nothing to fix
+            out.append(Probe(name, "n/a", f"not supported: {info.unsupported}"))
+        else:
+            out.append(Probe(name, "fail", f"not supported: {info.unsupported}",
+                             "install the xlakit wheels (they add per-chip memory telemetry)"))
+    return out
+
+
+def probe_transfer() -> Probe:
+    if _features.has_binding(_features.TRANSFER_TO_HOST):
+        return Probe("transfer", "ok", f"the safe host transfer binding {_features.TRANSFER_TO_HOST} is present")
+    return Probe("transfer", "warn", f"no {_features.TRANSFER_TO_HOST} binding: checkpoints use the stock "
+                 "device-to-host path", "install the xlakit wheels for the safe host transfer")
+
+
+def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float | None = None,
+        out=sys.stdout) -> int:
+    """Run every probe, printing each line as it is known; 1 when any probe fails."""
+    timeout_s = timeout_s if timeout_s is not None else _knobs.get_float(_knobs.DOCTOR_TIMEOUT_S)
+    probes: list[Probe] = []
+
+    def report(*found: Probe) -> None:
+        for p in found:
+            probes.append(p)
+            print(p.render(), file=out, flush=True)
+
+    report(probe_contract())
+    if probes[-1].verdict == "fail":
+        # The children would start the runtime with the broken environment (libtpu aborts on a removed flag).
+        report(Probe("cache", "fail", "not probed: the run contract is broken", "fix the contract first"))
+    else:
+        report(probe_cache(timeout_s=timeout_s))
+    m = _manifest.manifest(profile=profile, pins=pins)
+    report(*probe_stack(m))
+    if "device_type" in m["runtime"]:
+        report(*probe_memory(m["runtime"]["device_type"]))
+    report(probe_transfer())
+    return 1 if any(p.verdict == "fail" for p in probes) else 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    return run(profile=args.profile, pins=args.pins, timeout_s=args.timeout_s)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("doctor", help="probe the stack, contract, compile cache, memory telemetry")
+    p.add_argument("--profile", help="VERSIONS.toml profile to check the stack against")
+    p.add_argument("--pins", help="a pins file instead of the one baked into xlakit")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help=f"deadline for the cache probe's subprocesses (default ${_knobs.DOCTOR_TIMEOUT_S} or "
+                        f"{_knobs.DEFAULTS[_knobs.DOCTOR_TIMEOUT_S]:g})")
+    p.set_defaults(func=_run)

@@ -136,6 +136,8 @@ def run(job: Job, work: Callable[[Job], object], watch: Watch,
             job.done.set()
 
     deadline = job.started + watch.timeout_s
+    if time.monotonic() >= deadline:  # an earlier stage used it all (asynchronous saves)
+        raise _timeout_error(job, watch, "Nothing was started; the previous checkpoint is untouched.")
     worker = threading.Thread(target=target, name=f"xlakit-{job.what}", daemon=True)
     worker.start()
     next_log = job.started + watch.progress_interval_s
@@ -175,6 +177,10 @@ def _expire(job: Job, watch: Watch, on_timeout: Callable[[Job], str]) -> None:
             job.lock.release()
     with _abandoned_lock:
         _abandoned.append(job)
+    raise _timeout_error(job, watch, hint)
+
+
+def _timeout_error(job: Job, watch: Watch, hint: str) -> CheckpointTimeoutError:
     elapsed = time.monotonic() - job.started
     err = CheckpointTimeoutError(
         f"{job.what} of {job.path} timed out after {elapsed:.1f} s (timeout_s={watch.timeout_s:g}) in "
@@ -185,4 +191,4 @@ def _expire(job: Job, watch: Watch, on_timeout: Callable[[Job], str]) -> None:
     if job.bytes_done:
         err.add_note(f"It was moving {human_bytes(job.bytes_done / elapsed)}/s; if the save is merely "
                      f"slow, raise timeout_s.")
-    raise err
+    return err

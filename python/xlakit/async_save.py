@@ -1,9 +1,11 @@
 """Asynchronous save: block only while the state reaches host memory.
 
 The caller's thread runs the sync and the device-to-host copies (bounded by
-the deadline, as a synchronous save); tensors the transfer returns as views of
-live memory (CPU tensors, zero-copy CPU-PJRT buffers) are copied into a host
-staging arena, never cloned on the device. A background thread then writes
+the deadline, as a synchronous save); CPU tensors, which the training loop
+updates in place, are copied into a host staging arena. Nothing is ever
+cloned on the device. XLA buffers exported zero-copy on the CPU PJRT client
+are kept as they are: XLA buffers are immutable (a step writes new ones) and
+PJRT will not donate a buffer to a step while a DLPack reference holds it. A background thread then writes
 and commits under what is left of the same deadline. The arena is kept and
 reused by the next save when it is large enough: fresh host memory costs
 several times more to touch than reused memory.
@@ -71,9 +73,13 @@ class SaveHandle:
         return f"<SaveHandle {self.path} {state}, blocked {self.blocked_s:.3f} s>"
 
 
-def _check_previous() -> None:
+def check_previous() -> None:
+    """Refuse a new save over a running background save or one that failed unseen."""
     global _pending
-    prev = _pending
+    with _lock:
+        prev = _pending
+        if prev is not None and prev.done():
+            _pending = None
     if prev is None:
         return
     if not prev.done():
@@ -81,7 +87,6 @@ def _check_previous() -> None:
                                   f"a new save would compete with it for host memory and disk")
         err.add_note("Call handle.result() on the previous save's handle before saving again.")
         raise err
-    _pending = None
     if prev._error is not None and not prev._seen:
         prev._seen = True
         raise CheckpointAsyncError(f"the previous asynchronous save of {prev.path} failed and its "
@@ -119,7 +124,7 @@ def _stage(job: _job.Job, entries: list[_tree.TensorEntry], opts: SaveOptions) -
             hosts = backend.to_host([e.tensor for e in batch], timeout_s=remaining)
             for e, h in zip(batch, hosts):
                 staged[e.index] = h
-                if backend.returns_views:
+                if backend.returns_mutable_views:
                     viewed.append(e)
                 job.advance(e.nbytes)
     for e, dst in zip(viewed, _arena_views(viewed)):
@@ -135,7 +140,6 @@ def start(obj: Any, final: Path, opts: SaveOptions) -> SaveHandle:
     global _pending
     started = time.monotonic()
     with _lock:
-        _check_previous()
         entries, pickled = checkpoint.prepare(obj, final)
         job = _job.Job("save (staging)", str(final), sum(e.nbytes for e in entries))
         groups = _job.run(job, lambda j: _stage(j, entries, opts), checkpoint.watch_for(opts),

@@ -56,14 +56,15 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
         >>> import torch, xlakit
         >>> xlakit.save({"w": torch.ones(2)}, getfixture("tmp_path") / "ckpt.pt")
     """
+    from xlakit import async_save
+
     opts: SaveOptions = resolve(SaveOptions, options, overrides)
+    async_save.check_previous()  # an unfinished or failed background save speaks first
     if opts.layout != "single":
         from xlakit import distributed
 
         return distributed.save(obj, Path(path), opts)
     if opts.asynchronous:
-        from xlakit import async_save
-
         return async_save.start(obj, Path(path), opts)
     save_file(obj, Path(path), opts)
     return None

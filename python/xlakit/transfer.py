@@ -31,9 +31,11 @@ class HostTransfer:
     """Base backend: `prepare` once for all tensors, then `to_host` per batch."""
 
     name = "cpu"
-    # True when to_host returns views of memory the caller may change later (the
-    # training state itself); an asynchronous save must copy those.
-    returns_views = True
+    # True when to_host returns views of memory the training loop may change in place
+    # (CPU tensors); an asynchronous save copies those into its staging arena. XLA
+    # buffers exported zero-copy are immutable: a step writes new buffers, and PJRT
+    # refuses to donate a buffer while an external (DLPack) reference holds it.
+    returns_mutable_views = True
 
     def prepare(self, tensors: Sequence[torch.Tensor]) -> None:
         """Materialise pending values (one sync for all of them)."""
@@ -64,7 +66,7 @@ class DeviceTransfer(HostTransfer):
     """CUDA and other storage-backed accelerators."""
 
     name = "device-copy"
-    returns_views = False
+    returns_mutable_views = False
 
     def to_host(self, tensors, *, timeout_s):
         hosts = [copy_to_host(t) for t in tensors]
@@ -79,7 +81,7 @@ class XlaTransfer(HostTransfer):
     def __init__(self, mode: str):
         self.mode = mode
         self.name = f"xla-{mode}"
-        self.returns_views = mode == "dlpack"
+        self.returns_mutable_views = False
 
     def prepare(self, tensors):
         import torch_xla

@@ -1,0 +1,124 @@
+"""Asynchronous save: returns once the state is on the host; background errors are never dropped."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import xlakit
+from xlakit import async_save, checkpoint
+
+
+@pytest.fixture(autouse=True)
+def no_pending_save():
+    yield
+    pending = async_save._pending
+    if pending is not None:
+        pending._thread.join(30)
+        async_save._pending = None
+
+
+def test_state_changed_after_return_is_saved_as_it_was(tmp_path):
+    state = {"w": torch.zeros(1 << 20), "step": 1}
+    handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True)
+    state["w"].add_(5)  # the training loop goes on and updates in place
+    handle.result(timeout=30)
+    assert handle.done() and "committed" in repr(handle)
+    assert torch.equal(xlakit.load(tmp_path / "c.pt")["w"], torch.zeros(1 << 20))
+    assert handle.blocked_s > 0
+
+
+def test_staging_arena_is_reused_across_saves(tmp_path):
+    state = {"a": torch.ones(1000), "b": torch.arange(10)}
+    xlakit.save(state, tmp_path / "1.pt", asynchronous=True).result(30)
+    arena = async_save._arena.data_ptr()
+    xlakit.save(state, tmp_path / "2.pt", asynchronous=True).result(30)
+    assert async_save._arena.data_ptr() == arena
+
+
+def _gate_write(monkeypatch, before):
+    """Run `before()` in the background thread just before the real write starts."""
+    real = checkpoint.write_file
+
+    def gated(*args, **kwargs):
+        before()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_file", gated)
+
+
+def test_background_failure_surfaces_on_result(tmp_path, monkeypatch):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    _gate_write(monkeypatch, lambda: folder.rmdir())  # the folder vanishes mid-save
+    handle = xlakit.save({"w": torch.ones(4)}, folder / "c.pt", asynchronous=True)
+    with pytest.raises(xlakit.CheckpointWriteError, match="does not exist"):
+        handle.result(timeout=30)
+    assert "failed" in repr(handle)
+
+
+def test_unasked_background_failure_is_raised_by_the_next_save(tmp_path, monkeypatch):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    _gate_write(monkeypatch, lambda: folder.rmdir())
+    handle = xlakit.save({"w": torch.ones(4)}, folder / "c.pt", asynchronous=True)
+    handle._thread.join(30)
+    monkeypatch.undo()
+    with pytest.raises(xlakit.CheckpointAsyncError, match="never asked") as info:
+        xlakit.save({"w": torch.ones(4)}, tmp_path / "next.pt")
+    assert isinstance(info.value.__cause__, xlakit.CheckpointWriteError)
+    xlakit.save({"w": torch.ones(4)}, tmp_path / "next.pt")  # reported once, then saving resumes
+    assert (tmp_path / "next.pt").exists()
+
+
+def test_next_save_refuses_while_one_is_still_writing(tmp_path, monkeypatch):
+    gate = threading.Event()
+    _gate_write(monkeypatch, lambda: gate.wait(30))
+    handle = xlakit.save({"w": torch.ones(4)}, tmp_path / "a.pt", asynchronous=True)
+    try:
+        with pytest.raises(xlakit.CheckpointBusyError, match="still writing"):
+            xlakit.save({"w": torch.ones(4)}, tmp_path / "b.pt", asynchronous=True)
+        with pytest.raises(TimeoutError, match="still running"):
+            handle.result(timeout=0.05)
+    finally:
+        gate.set()
+    handle.result(timeout=30)
+    assert torch.equal(xlakit.load(tmp_path / "a.pt")["w"], torch.ones(4))
+
+
+def test_background_write_keeps_the_deadline(tmp_path, monkeypatch):
+    gate = threading.Event()
+    _gate_write(monkeypatch, lambda: gate.wait(2.0))  # a disk that stalls past the deadline
+    handle = xlakit.save({"w": torch.ones(4)}, tmp_path / "c.pt", asynchronous=True, timeout_s=1.0)
+    with pytest.raises(xlakit.CheckpointTimeoutError):
+        handle.result(timeout=30)
+    assert not (tmp_path / "c.pt").exists()
+
+
+@pytest.mark.xla
+def test_training_goes_on_during_an_xla_save_which_keeps_the_values_of_the_call(tmp_path):
+    import torch_xla
+
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.randn(4, 64, device=device)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # pending: the save materialises it
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True)
+    at_save = {k: v.cpu() for k, v in model.state_dict().items()}
+    for _ in range(3):  # in-place parameter updates with buffer aliasing, while the write runs
+        step()
+        torch_xla.sync()
+    handle.result(timeout=60)
+    saved = xlakit.load(tmp_path / "c.pt")["model"]
+    assert all(torch.equal(saved[k], at_save[k]) for k in at_save)
+    assert not torch.equal(model.weight.cpu(), at_save["weight"])

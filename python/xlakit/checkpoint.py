@@ -175,7 +175,9 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     ``model.load_state_dict(state)`` as usual.
 
     Args:
-        path: a file written by `xlakit.save` (with ``verify=False``, any torch.save file).
+        path: a file written by `xlakit.save` (with ``verify=False``, any torch.save file),
+            or the folder of a sharded checkpoint: inside the job each rank gets its own
+            shard (all ranks load, or all raise); elsewhere pass ``shard=N``.
         options: a `LoadOptions`; keyword overrides (``verify=False``) win over it.
 
     Raises:
@@ -193,6 +195,17 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     """
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
     final = Path(path)
+    if final.is_dir() or opts.layout == "replicated":
+        from xlakit import distributed
+
+        if opts.shard is not None:
+            return distributed.load_shard(final, opts.shard, opts)
+        return distributed.load(final, opts)
+    return load_file(final, opts)
+
+
+def load_file(final: Path, opts: LoadOptions) -> Any:
+    """Load and verify one checkpoint file in this process."""
     if not final.is_file():
         raise FileNotFoundError(2, f"no checkpoint at {final}", str(final))
     job = _job.Job("load", str(final), final.stat().st_size)

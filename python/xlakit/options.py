@@ -101,6 +101,10 @@ class LoadOptions:
         timeout_s: deadline for the whole load.
         mmap: map tensor data from the file instead of reading it into memory.
         stall_warning_s, progress_interval_s, progress_callback: as for saving.
+        layout: "auto" (a folder is a sharded checkpoint, a file is read by this process
+            alone) or "replicated" (every rank of the job reads the file; all succeed or
+            all raise).
+        shard: read this one shard of a sharded checkpoint, without coordination.
     """
 
     verify: bool = True
@@ -110,8 +114,12 @@ class LoadOptions:
     progress_interval_s: float = field(
         default_factory=lambda: _knobs.get_float(_knobs.PROGRESS_INTERVAL_S))
     progress_callback: ProgressCallback | None = None
+    layout: str = "auto"
+    shard: int | None = None
 
     def __post_init__(self) -> None:
+        if self.layout not in ("auto", "single", "replicated"):
+            raise ValueError(f"layout must be auto, single or replicated, got {self.layout!r}")
         _positive("timeout_s", self.timeout_s)
         _positive("stall_warning_s", self.stall_warning_s)
         _positive("progress_interval_s", self.progress_interval_s)

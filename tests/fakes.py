@@ -1,7 +1,9 @@
-"""Fakes for what cannot be real here: a device that hangs, a device that is slow.
+"""Fakes for what cannot be real here: a device that hangs or is slow, a patched torch_xla.
 
-They replace `xlakit.transfer.backend_for` (the one seam) and otherwise behave
-like the CPU backend, so everything around the transfer is the real code.
+The device fakes replace `xlakit.transfer.backend_for` (the one seam) and
+otherwise behave like the CPU backend, so everything around the transfer is
+the real code. `FakePatchedXLAC` wraps the real stock `_XLAC` and adds the
+bindings only the patched build has.
 """
 
 from __future__ import annotations
@@ -57,3 +59,14 @@ def install(monkeypatch, backend: HostTransfer) -> None:
     from xlakit import transfer
 
     monkeypatch.setattr(transfer, "backend_for", lambda device_type, sample: backend)
+
+
+class FakePatchedXLAC:
+    """Stand-in for a patched torch_xla._XLAC: the real stock module plus the given bindings."""
+
+    def __init__(self, real, **bindings):
+        self._real = real
+        self.__dict__.update(bindings)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)

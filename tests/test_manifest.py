@@ -11,22 +11,13 @@ from pathlib import Path
 import pytest
 
 import xlakit
+from tests.fakes import FakePatchedXLAC
 from xlakit import _features, _manifest, _pins, cli
 
 PINS = Path(__file__).resolve().parent.parent / "VERSIONS.toml"
 
 pytestmark = pytest.mark.xla
 
-
-class FakePatchedXLAC:
-    """Stand-in for a patched torch_xla._XLAC: the real stock module plus the given bindings."""
-
-    def __init__(self, real, **bindings):
-        self._real = real
-        self.__dict__.update(bindings)
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
 
 
 @pytest.fixture(scope="module")

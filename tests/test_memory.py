@@ -5,20 +5,11 @@ from __future__ import annotations
 import pytest
 
 import xlakit
+from tests.fakes import FakePatchedXLAC
 from xlakit import _features, cli, memory
 
 pytestmark = pytest.mark.xla
 
-
-class FakePatchedXLAC:
-    """Stand-in for torch_xla._XLAC: the real stock module with some bindings replaced or added."""
-
-    def __init__(self, real, **bindings):
-        self._real = real
-        self.__dict__.update(bindings)
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
 
 
 @pytest.fixture

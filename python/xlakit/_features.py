@@ -37,6 +37,17 @@ def xla_import_error() -> str | None:
     return _import_xlac()[1]
 
 
+def require_xlac(purpose: str) -> ModuleType:
+    """torch_xla's extension module, or RuntimeFeatureError saying why `purpose` cannot run."""
+    from xlakit.errors import RuntimeFeatureError
+
+    module = xlac()
+    if module is None:
+        raise RuntimeFeatureError(f"{purpose} needs torch_xla, which cannot be imported: "
+                                  f"{xla_import_error()}")
+    return module
+
+
 def has_binding(name: str) -> bool:
     module = xlac()
     return module is not None and hasattr(module, name)

@@ -91,8 +91,3 @@ def collect(state: object) -> list[TensorEntry]:
     seen: set[int] = set()
     return [TensorEntry(i, p, t) for i, (p, t) in enumerate(_walk(state, "", seen))]
 
-
-def tensors_in_order(state: object) -> list[torch.Tensor]:
-    """The unique tensors of a loaded state, in the order `collect` found them at save time."""
-    seen: set[int] = set()
-    return [t for _, t in _walk(state, "", seen)]

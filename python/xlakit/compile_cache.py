@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from xlakit import _features, _knobs
-from xlakit.errors import CompileCacheError, RuntimeFeatureError
+from xlakit.errors import CompileCacheError
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,7 @@ COUNTERS = {
 
 
 def _xlac():
-    module = _features.xlac()
-    if module is None:
-        raise RuntimeFeatureError(
-            f"the persistent cache needs torch_xla, which cannot be imported: {_features.xla_import_error()}")
-    return module
+    return _features.require_xlac("the persistent cache")
 
 
 def cache_key() -> dict[str, Any]:

@@ -17,7 +17,6 @@ import sys
 from dataclasses import dataclass
 
 from xlakit import _features
-from xlakit.errors import RuntimeFeatureError
 
 STOCK_MEMORY_INFO = "_xla_memory_info"
 
@@ -43,11 +42,7 @@ class MemoryInfo:
 
 
 def _xlac():
-    module = _features.xlac()
-    if module is None:
-        raise RuntimeFeatureError(
-            f"memory telemetry needs torch_xla, which cannot be imported: {_features.xla_import_error()}")
-    return module
+    return _features.require_xlac("memory telemetry")
 
 
 def _from_dict(device: str, stats: dict, source: str) -> MemoryInfo:

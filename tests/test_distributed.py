@@ -107,6 +107,8 @@ def test_a_folder_without_commit_record_is_refused(tmp_path):
     xlakit.save({"w": torch.ones(2)}, folder / "shard-00000-of-00001.x.pt")
     with pytest.raises(xlakit.CheckpointIncompleteError, match="no commit record"):
         xlakit.load(folder, shard=0)
+    with pytest.raises(xlakit.XlakitError, match="pass shard=N"):
+        xlakit.load(folder)
 
 
 def test_coordinated_layout_without_torch_distributed_says_how_to_fix(tmp_path):

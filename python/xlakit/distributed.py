@@ -260,6 +260,11 @@ def load_shard(folder: Path, shard: int, opts: LoadOptions) -> Any:
 
 def load(path: Path, opts: LoadOptions) -> Any:
     """Every rank loads its part, or every rank raises the same error naming the failed ranks."""
+    import torch.distributed as dist
+
+    if path.is_dir() and not (dist.is_available() and dist.is_initialized()):
+        raise XlakitError(f"{path} is a sharded checkpoint: inside the job that wrote it each rank "
+                          f"loads its own shard; elsewhere pass shard=N to read one")
     rnd = _Round("load", path, opts.timeout_s)
     sharded = path.is_dir()
 

@@ -91,3 +91,18 @@ def test_slow_but_progressing_save_within_deadline_succeeds(tmp_path, monkeypatc
     state = {f"t{i}": torch.full((1000,), float(i)) for i in range(5)}
     xlakit.save(state, tmp_path / "c.pt", timeout_s=5, max_inflight_bytes=4000)
     assert torch.equal(xlakit.load(tmp_path / "c.pt")["t4"], torch.full((1000,), 4.0))
+
+
+class FakeDeadlineDevice(fakes.HostTransfer):
+    """A fake of the patched binding hitting its own deadline (DEADLINE_EXCEEDED -> TimeoutError)."""
+
+    def to_host(self, tensors, *, timeout_s):
+        raise TimeoutError("tensor #0 (f32[10]): 0 of 40 bytes copied before the deadline")
+
+
+def test_runtime_deadline_error_becomes_a_checkpoint_timeout_naming_the_tensor(previous, monkeypatch):
+    fakes.install(monkeypatch, FakeDeadlineDevice())
+    with pytest.raises(xlakit.CheckpointTimeoutError, match=r"copy of 'w' passed its deadline") as info:
+        xlakit.save({"w": torch.ones(10)}, previous)
+    assert info.value.tensor == "w" and isinstance(info.value.__cause__, TimeoutError)
+    assert torch.equal(xlakit.load(previous)["w"], torch.full((1000,), 1.0))

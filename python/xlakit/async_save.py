@@ -121,7 +121,7 @@ def _stage(job: _job.Job, entries: list[_tree.TensorEntry], opts: SaveOptions) -
         for batch in transfer.batches(group, opts.max_inflight_bytes):
             job.enter("transfer", batch[0].path)
             remaining = max(job.started + opts.timeout_s - time.monotonic(), 0.001)
-            hosts = backend.to_host([e.tensor for e in batch], timeout_s=remaining)
+            hosts = transfer.batch_to_host(backend, batch, timeout_s=remaining)
             for e, h in zip(batch, hosts):
                 staged[e.index] = h
                 if backend.returns_mutable_views:

@@ -138,7 +138,7 @@ def _write(job: _job.Job, groups: list, pickled: bytes, tmp: Path, final: Path,
                 for batch in transfer.batches(group, opts.max_inflight_bytes):
                     job.enter("transfer", batch[0].path)
                     remaining = max(deadline - time.monotonic(), 0.001)
-                    hosts = backend.to_host([e.tensor for e in batch], timeout_s=remaining)
+                    hosts = transfer.batch_to_host(backend, batch, timeout_s=remaining)
                     for entry, host in zip(batch, hosts):
                         job.enter("write", entry.path)
                         writer.write_tensor(entry, host)

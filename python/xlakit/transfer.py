@@ -143,6 +143,22 @@ def backend_for(device_type: str, sample: torch.Tensor) -> HostTransfer:
     return DeviceTransfer()
 
 
+def batch_to_host(backend: HostTransfer, batch: Sequence[TensorEntry], *,
+                  timeout_s: float) -> list[torch.Tensor]:
+    """`backend.to_host` for entries; a runtime's own deadline error names the batch's tensors."""
+    from xlakit.errors import CheckpointTimeoutError
+
+    try:
+        return backend.to_host([e.tensor for e in batch], timeout_s=timeout_s)
+    except CheckpointTimeoutError:
+        raise
+    except TimeoutError as e:  # the patched binding's DEADLINE_EXCEEDED
+        names = ", ".join(repr(x.path) for x in batch[:3]) + (" ..." if len(batch) > 3 else "")
+        raise CheckpointTimeoutError(
+            f"the device-to-host copy of {names} passed its deadline in the runtime: {e}",
+            stage="transfer", tensor=batch[0].path) from e
+
+
 def batches(entries: Sequence[TensorEntry], max_bytes: int) -> Iterator[list[TensorEntry]]:
     """Consecutive groups of at most `max_bytes` (a larger tensor travels alone)."""
     batch: list[TensorEntry] = []

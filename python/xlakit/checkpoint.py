@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xlakit import _archive, _job, _tree, atomic, transfer
-from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointWriteError
+from xlakit.errors import CheckpointCorruptError, CheckpointError, CheckpointFormatError
 from xlakit.options import LoadOptions, SaveOptions, resolve
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def _write(job: _job.Job, groups: list, pickled: bytes, tmp: Path, final: Path,
             atomic.commit(tmp, final)
             committed = True
     except OSError as e:
-        if isinstance(e, CheckpointWriteError):
+        if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
             raise
         raise atomic.write_error(e, final, stage=job.stage, bytes_done=job.bytes_done) from e
     except RuntimeError as e:

@@ -155,11 +155,15 @@ def _shard_name(rank: int, world: int, save_id: str) -> str:
 
 def _save_sharded(obj: Any, folder: Path, opts: SaveOptions, rnd: _Round) -> None:
     if rnd.rank == 0:
-        folder.mkdir(exist_ok=True)
-        rnd.publish("id", {"id": f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"})
+        started, error = _outcome(lambda: folder.mkdir(exist_ok=True))
+        rnd.publish("id", {**started, "id": f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"})
+        if error is not None:
+            raise atomic.write_error(error, folder, stage="mkdir") from error
     told = rnd.read("id")
     if told is None:
         raise rnd.timeout("rank 0 did not start the save", stage="start", rank=0)
+    if not told["ok"]:
+        raise CheckpointPeerError(f"rank 0 could not create {folder}: {told['error']}", rank=0)
     shard = folder / _shard_name(rnd.rank, rnd.world, told["id"])
 
     def write_shard() -> dict:

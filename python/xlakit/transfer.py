@@ -8,6 +8,8 @@ One backend per device type, chosen once per save:
   sharded data assembled on the host). On stock torch_xla the CPU PJRT client
   exports its buffers through DLPack zero-copy (its `_xla_get_cpu_tensors`
   copies at ~0.1-0.2 GB/s); other clients use `_xla_get_cpu_tensors`.
+  SPMD-sharded tensors go to `spmd.py` (local shards, assembled on the host)
+  unless the patched binding is there to do it.
 * CUDA (and other accelerators with storages): copied into host tensors; a
   non-contiguous tensor is copied as the raw byte span of its storage and
   compacted on the host, so nothing is ever cloned on the device.
@@ -21,7 +23,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from xlakit import _features, _knobs
+from xlakit import _features, _knobs, spmd
 from xlakit._tree import TensorEntry
 
 log = logging.getLogger("xlakit")
@@ -97,6 +99,10 @@ class XlaTransfer(HostTransfer):
         import torch_xla
 
         tensors = list(tensors)
+        if self.mode != "patched" and spmd.has_sharded(tensors):
+            # Stock `.cpu()` of sharded data compiles a replication program per call.
+            return spmd.to_host(tensors, timeout_s=timeout_s,
+                                others=lambda ts: self.to_host(ts, timeout_s=timeout_s))
         if self.mode == "patched":
             fn = getattr(torch_xla._XLAC, _features.TRANSFER_TO_HOST)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,52 @@
+"""Shared set-up of the SPMD scenario scripts: a 4-device CPU mesh and a sharded state."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+
+xr.use_spmd()
+DEVICES = xr.global_runtime_device_count()
+assert DEVICES == 4, f"expected CPU_NUM_DEVICES=4, got {DEVICES} devices"
+MESH_4 = xs.Mesh(np.arange(4), (4, 1), ("x", "y"))
+MESH_2X2 = xs.Mesh(np.arange(4), (2, 2), ("x", "y"))
+
+
+def compiles() -> int:
+    data = met.metric_data("CompileTime")
+    return data[0] if data else 0
+
+
+def sharded(host: torch.Tensor, mesh: xs.Mesh, spec: tuple) -> torch.Tensor:
+    t = host.to(torch_xla.device())
+    xs.mark_sharding(t, mesh, spec)
+    return t
+
+
+def sources() -> dict[str, tuple[torch.Tensor, xs.Mesh, tuple]]:
+    """Host values and their sharding: even, padded, partially replicated, 2-D tiled, ..."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "even": (torch.randn(8, 6, generator=g), MESH_4, ("x", None)),
+        "padded": (torch.randn(5, 7, generator=g), MESH_4, ("x", None)),
+        "dim1": (torch.randn(3, 9, generator=g), MESH_4, (None, "x")),
+        "partial_bf16": (torch.randn(6, 7, generator=g).to(torch.bfloat16), MESH_2X2, ("x", None)),
+        "tiled_int": (torch.arange(60).reshape(6, 10), MESH_2X2, ("x", "y")),
+        "replicated": (torch.randn(4, 4, generator=g), MESH_4, (None, None)),
+    }
+
+
+def args() -> Path:
+    return Path(sys.argv[1])
+
+
+def finish(name: str, result: dict) -> None:
+    (args() / f"{name}.json").write_text(json.dumps(result))

@@ -1,0 +1,46 @@
+"""The SPMD shard copy runs under the save's deadline; multi-host shards are refused, not guessed."""
+
+import time
+
+import torch
+
+import common
+import xlakit
+from xlakit import spmd
+
+tmp = common.args()
+host, mesh, spec = common.sources()["even"]
+state = {"w": common.sharded(host, mesh, spec)}
+xlakit.save(state, tmp / "c.pt")
+result = {}
+
+real = spmd.local_shards
+
+
+def hung(t):
+    time.sleep(3)
+    return real(t)
+
+
+spmd.local_shards = hung
+start = time.monotonic()
+try:
+    xlakit.save({"w": state["w"] * 0}, tmp / "c.pt", timeout_s=0.5)
+except xlakit.CheckpointTimeoutError as e:
+    result["timeout"] = {"stage": e.stage, "elapsed_s": time.monotonic() - start}
+spmd.local_shards = real
+result["previous_intact"] = bool(torch.equal(xlakit.load(tmp / "c.pt")["w"], host))
+
+try:
+    spmd.to_host([state["w"]], timeout_s=0.0, others=lambda ts: [])
+except xlakit.CheckpointTimeoutError as e:
+    result["to_host_expired_stage"] = e.stage
+
+# A host that holds only some shards (multi-host SPMD) must not write a half-filled tensor.
+real_indices = spmd.unique_shard_indices
+spmd.unique_shard_indices = lambda t: real_indices(t)[:2]
+try:
+    spmd.assemble(state["w"])
+except xlakit.RuntimeFeatureError as e:
+    result["partial_cover_error"] = str(e)
+common.finish("sharded_deadline", result)

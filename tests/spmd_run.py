@@ -2,7 +2,7 @@
 
 SPMD must be switched on before the XLA runtime starts, and conftest.py starts
 the runtime for the whole test session; so every SPMD scenario runs in its own
-process on a 4-device CPU mesh, using the same xlakit the tests import.
+process on a CPU mesh (4 devices unless told), using the same xlakit the tests import.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import xlakit
 SCRIPTS = Path(__file__).parent / "spmd_scripts"
 
 
-def run_scenario(name: str, tmp_path: Path, *args: str, timeout_s: float = 120) -> dict:
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", XLA_USE_SPMD="1",
+def run_scenario(name: str, tmp_path: Path, *args: str, devices: int = 4,
+                 timeout_s: float = 120) -> dict:
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), XLA_USE_SPMD="1",
                PYTHONPATH=os.pathsep.join(
                    [str(Path(xlakit.__file__).parent.parent), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / f"{name}.json"

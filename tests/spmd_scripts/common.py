@@ -15,9 +15,10 @@ import torch_xla.runtime as xr
 
 xr.use_spmd()
 DEVICES = xr.global_runtime_device_count()
-assert DEVICES == 4, f"expected CPU_NUM_DEVICES=4, got {DEVICES} devices"
-MESH_4 = xs.Mesh(np.arange(4), (4, 1), ("x", "y"))
-MESH_2X2 = xs.Mesh(np.arange(4), (2, 2), ("x", "y"))
+MESH_ALL = xs.Mesh(np.arange(DEVICES), (DEVICES, 1), ("x", "y"))
+if DEVICES == 4:
+    MESH_4 = MESH_ALL
+    MESH_2X2 = xs.Mesh(np.arange(4), (2, 2), ("x", "y"))
 
 
 def compiles() -> int:
@@ -31,21 +32,41 @@ def sharded(host: torch.Tensor, mesh: xs.Mesh, spec: tuple) -> torch.Tensor:
     return t
 
 
-def sources() -> dict[str, tuple[torch.Tensor, xs.Mesh, tuple]]:
-    """Host values and their sharding: even, padded, partially replicated, 2-D tiled, ..."""
+def values() -> dict[str, torch.Tensor]:
+    """Host values of the test state: float32, bfloat16 and int64, shapes that pad on 4 devices."""
     g = torch.Generator().manual_seed(0)
     return {
-        "even": (torch.randn(8, 6, generator=g), MESH_4, ("x", None)),
-        "padded": (torch.randn(5, 7, generator=g), MESH_4, ("x", None)),
-        "dim1": (torch.randn(3, 9, generator=g), MESH_4, (None, "x")),
-        "partial_bf16": (torch.randn(6, 7, generator=g).to(torch.bfloat16), MESH_2X2, ("x", None)),
-        "tiled_int": (torch.arange(60).reshape(6, 10), MESH_2X2, ("x", "y")),
-        "replicated": (torch.randn(4, 4, generator=g), MESH_4, (None, None)),
+        "even": torch.randn(8, 6, generator=g),
+        "padded": torch.randn(5, 7, generator=g),
+        "dim1": torch.randn(3, 9, generator=g),
+        "partial_bf16": torch.randn(6, 7, generator=g).to(torch.bfloat16),
+        "tiled_int": torch.arange(60).reshape(6, 10),
+        "replicated": torch.randn(4, 4, generator=g),
     }
+
+
+def sources() -> dict[str, tuple[torch.Tensor, xs.Mesh, tuple]]:
+    """The values with their sharding on 4 devices: even, padded, partially replicated, 2-D tiled."""
+    assert DEVICES == 4, f"expected CPU_NUM_DEVICES=4, got {DEVICES} devices"
+    specs = {
+        "even": (MESH_4, ("x", None)),
+        "padded": (MESH_4, ("x", None)),
+        "dim1": (MESH_4, (None, "x")),
+        "partial_bf16": (MESH_2X2, ("x", None)),
+        "tiled_int": (MESH_2X2, ("x", "y")),
+        "replicated": (MESH_4, (None, None)),
+    }
+    return {name: (host, *specs[name]) for name, host in values().items()}
 
 
 def args() -> Path:
     return Path(sys.argv[1])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality of two host tensors (dtype, shape and every byte)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and bytes(a.contiguous().view(torch.uint8).numpy()) == bytes(b.contiguous().view(torch.uint8).numpy()))
 
 
 def finish(name: str, result: dict) -> None:

@@ -1,0 +1,176 @@
+"""xlakit.dcp_save / dcp_load: DCP folders committed atomically, verified, under one deadline.
+
+The atomic and integrity behaviour is tested here in-process on CPU and plain
+XLA tensors; SPMD sharding, resharding on load and compile counts run in
+their own processes on a 4-device CPU mesh (see spmd_run.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import xlakit
+from tests import fakes
+from tests.spmd_run import run_scenario
+from xlakit import _dirs, _job, atomic
+
+
+def _state(value: float) -> dict:
+    return {"model": {"w": torch.full((64, 8), value), "b": torch.arange(8)},
+            "optim": {"step": int(value), "lr": 0.5}}
+
+
+def _template() -> dict:
+    return {"model": {"w": torch.zeros(64, 8), "b": torch.zeros(8, dtype=torch.int64)},
+            "optim": {"step": 0, "lr": 0.0}}
+
+
+def _assert_loaded(state: dict, value: float) -> None:
+    assert torch.equal(state["model"]["w"], torch.full((64, 8), value))
+    assert torch.equal(state["model"]["b"], torch.arange(8))
+    assert state["optim"] == {"step": int(value), "lr": 0.5}
+
+
+def _temps(folder) -> list[str]:
+    return [n for n in os.listdir(folder) if n.endswith(atomic.TMP_SUFFIX)]
+
+
+def test_round_trip_and_replace_committed_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    xlakit.dcp_save(_state(2.0), path)
+    state = _template()
+    xlakit.dcp_load(state, path)
+    _assert_loaded(state, 2.0)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert _dirs.COMMIT_RECORD in os.listdir(path)
+
+
+@pytest.mark.xla
+def test_plain_xla_tensors_round_trip(tmp_path):
+    import torch_xla
+
+    device = torch_xla.device()
+    state = {"w": torch.arange(12.0).reshape(3, 4).to(device) * 3, "host": torch.ones(2)}
+    xlakit.dcp_save(state, tmp_path / "ckpt")
+    back = {"w": torch.zeros(3, 4), "host": torch.zeros(2)}
+    xlakit.dcp_load(back, tmp_path / "ckpt")
+    assert torch.equal(back["w"], torch.arange(12.0).reshape(3, 4) * 3)
+    assert torch.equal(back["host"], torch.ones(2))
+
+
+def test_folder_without_commit_record_is_refused_then_replaced(tmp_path):
+    # Regression guard: a DCP folder whose save died before finishing must never load.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    os.unlink(path / _dirs.COMMIT_RECORD)
+    with pytest.raises(xlakit.CheckpointIncompleteError, match="no commit record") as info:
+        xlakit.dcp_load(_template(), path)
+    assert ".metadata" in str(info.value)
+    xlakit.dcp_save(_state(3.0), path)
+    state = _template()
+    xlakit.dcp_load(state, path)
+    _assert_loaded(state, 3.0)
+
+
+def test_damaged_file_is_named(tmp_path):
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    data = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(xlakit.CheckpointCorruptError, match=data.name):
+        xlakit.dcp_load(_template(), path)
+
+
+def test_foreign_folder_is_never_replaced(tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(xlakit.CheckpointWriteError, match="notes.txt"):
+        xlakit.dcp_save(_state(1.0), path)
+    assert os.listdir(path) == ["notes.txt"] and _temps(tmp_path) == []
+
+
+def test_next_save_removes_temporaries_of_dead_processes(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f".ckpt.{atomic._host()}.{dead}.0badcafe{atomic.TMP_SUFFIX}"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"half")
+    xlakit.dcp_save(_state(1.0), tmp_path / "ckpt")
+    assert _temps(tmp_path) == []
+
+
+@pytest.mark.xla
+def test_hung_transfer_times_out_and_keeps_previous(tmp_path, monkeypatch):
+    import torch_xla
+
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    hung = fakes.FakeHungDevice(hang_in="transfer")
+    fakes.install(monkeypatch, hung)
+    state = {"model": {"w": torch.full((64, 8), 2.0).to(torch_xla.device()), "b": torch.arange(8)},
+             "optim": {"step": 2, "lr": 0.5}}
+    start = time.monotonic()
+    try:
+        with pytest.raises(xlakit.CheckpointTimeoutError) as info:
+            xlakit.dcp_save(state, path, timeout_s=0.5)
+        elapsed = time.monotonic() - start
+    finally:
+        hung.release()
+    assert 0.5 <= elapsed < 0.5 + 1.5
+    assert info.value.stage == "transfer" and info.value.tensor == "model.w"
+    assert _job.wait_for_abandoned(10)
+    assert _temps(tmp_path) == []
+    loaded = _template()
+    xlakit.dcp_load(loaded, path)
+    _assert_loaded(loaded, 1.0)
+
+
+def test_irrelevant_options_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="compute_crc32"):
+        xlakit.dcp_save(_state(1.0), tmp_path / "c", compute_crc32=True)
+    with pytest.raises(ValueError, match="mmap"):
+        xlakit.dcp_load(_template(), tmp_path / "c", mmap=True)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    return run_scenario("dcp_sharded", tmp_path_factory.mktemp("dcp"))
+
+
+@pytest.mark.xla
+def test_sharded_save_compiles_no_replication_program(sharded):
+    assert sharded["sharded"] == ["dim1", "even", "padded", "partial_bf16", "pending", "tiled_int"]
+    assert sharded["save_compiles"] == [1, 0, 0]  # the one sync graph of the pending tensor
+    assert sharded["small_batch_compiles"] == 0
+    assert sharded["small_batch_shard_copies"] == len(sharded["sharded"])
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("load", ["same_sharding", "other_dim", "2x2_mesh", "host", "small_batch",
+                                  "torch_xla_planner"])
+def test_sharded_state_loads_bit_exactly(sharded, load):
+    assert sharded[f"mismatch_{load}"] == []
+
+
+@pytest.mark.xla
+def test_sharded_save_times_out_in_transfer_and_keeps_previous(sharded):
+    assert sharded["timeout"]["stage"] == "transfer"
+    assert sharded["timeout"]["tensor"] == "model.even"
+    assert sharded["timeout"]["elapsed_s"] < 0.5 + 1.5
+    assert sharded["mismatch_after_timeout"] == []
+
+
+@pytest.mark.xla
+def test_load_on_another_device_count(sharded, tmp_path):
+    result = run_scenario("dcp_two_devices", tmp_path, sharded["path"], devices=2)
+    assert result == {"mismatch": [], "optim": {"step": 3, "lr": 0.5}}

@@ -99,6 +99,28 @@ def test_foreign_folder_is_never_replaced(tmp_path):
     assert os.listdir(path) == ["notes.txt"] and _temps(tmp_path) == []
 
 
+def test_missing_parent_folder_is_a_write_error(tmp_path):
+    with pytest.raises(xlakit.CheckpointWriteError, match="does not exist"):
+        xlakit.dcp_save(_state(1.0), tmp_path / "nope" / "ckpt")
+
+
+def test_write_failure_inside_dcp_keeps_previous_and_leaves_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_dirs, "write_commit_record", full)
+    with pytest.raises(xlakit.CheckpointWriteError, match="no space") as info:
+        xlakit.dcp_save(_state(2.0), path)
+    assert info.value.errno == 28
+    assert _temps(tmp_path) == []
+    loaded = _template()
+    xlakit.dcp_load(loaded, path)
+    _assert_loaded(loaded, 1.0)
+
+
 def test_next_save_removes_temporaries_of_dead_processes(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -168,6 +190,11 @@ def test_sharded_save_times_out_in_transfer_and_keeps_previous(sharded):
     assert sharded["timeout"]["tensor"] == "model.even"
     assert sharded["timeout"]["elapsed_s"] < 0.5 + 1.5
     assert sharded["mismatch_after_timeout"] == []
+
+
+@pytest.mark.xla
+def test_xla_sharded_tensor_wrapper_is_saved_as_its_tensor(sharded):
+    assert sharded["wrapper_type"] == "XLAShardedTensor" and sharded["wrapper_round_trip"]
 
 
 @pytest.mark.xla

@@ -74,7 +74,8 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
     final = Path(path)
     _job.check_no_abandoned_work()
     if not final.parent.is_dir():
-        raise _dirs.write_error(FileNotFoundError(2, "No such file or directory"), final, "open")
+        raise _dirs.write_error(FileNotFoundError(2, "No such file or directory"), final,
+                               stage="open")
     _dirs.check_replaceable(final)
     _dirs.remove_stale_temps(final)
     tmp = _dirs.temp_dir(final)
@@ -109,7 +110,7 @@ def _save(job: _job.Job, state: dict, device: list[torch.Tensor], tmp: Path, fin
     except OSError as e:
         if isinstance(e, CheckpointWriteError):
             raise
-        raise _dirs.write_error(e, final, job.stage) from e
+        raise _dirs.write_error(e, final, stage=job.stage, bytes_done=job.bytes_done) from e
     finally:
         if not committed:
             _dirs.discard(tmp)
@@ -198,6 +199,7 @@ class _SavePlanner(DefaultSavePlanner):
         host = {k: v for k, v in self.state_dict.items() if not _on_device(v)}
         items = create_default_local_save_plan(host, self.is_coordinator).items
         self.order = [k for k, v in self.state_dict.items() if _on_device(v)]
+        self.position = {k: i for i, k in enumerate(self.order)}
         for fqn in self.order:
             t = self.state_dict[fqn]
             indices = ([idx for _, idx in spmd.unique_shard_indices(t)] if spmd.is_sharded(t)
@@ -221,7 +223,7 @@ class _SavePlanner(DefaultSavePlanner):
     def _stage_from(self, fqn: str) -> None:
         """Copy `fqn` and the device tensors after it, up to the byte cap, to the host."""
         batch, size = [], 0
-        for name in self.order[self.order.index(fqn):]:
+        for name in self.order[self.position[fqn]:]:
             nbytes = self.state_dict[name].numel() * self.state_dict[name].element_size()
             if batch and size + nbytes > self.opts.max_inflight_bytes:
                 break

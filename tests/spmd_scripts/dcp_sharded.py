@@ -85,6 +85,14 @@ result["mismatch_torch_xla_planner"] = load_and_compare(
     template(mesh_2x2), loader=lambda t, p: dcp.load(t, storage_reader=dcp.FileSystemReader(str(p)),
                                                       planner=SPMDLoadPlanner(), no_dist=True))
 
+# mark_sharding returns torch_xla's XLAShardedTensor wrapper; it saves as the tensor it wraps.
+wrapped = common.xs.mark_sharding(src["padded"][0].to(device), common.MESH_4, (None, "x"))
+xlakit.dcp_save({"w": wrapped}, tmp / "wrapped")
+back = {"w": torch.zeros(5, 7)}
+xlakit.dcp_load(back, tmp / "wrapped")
+result["wrapper_type"] = type(wrapped).__name__
+result["wrapper_round_trip"] = common.same(back["w"], src["padded"][0])
+
 real = spmd.local_shards
 
 

@@ -57,11 +57,13 @@ def test_plain_xla_tensors_round_trip(tmp_path):
     import torch_xla
 
     device = torch_xla.device()
-    state = {"w": torch.arange(12.0).reshape(3, 4).to(device) * 3, "host": torch.ones(2)}
+    state = {"w": torch.arange(12.0).reshape(3, 4).to(device) * 3, "host": torch.ones(2),
+             "scalar": torch.tensor(7, device=device)}
     xlakit.dcp_save(state, tmp_path / "ckpt")
-    back = {"w": torch.zeros(3, 4), "host": torch.zeros(2)}
+    back = {"w": torch.zeros(3, 4), "host": torch.zeros(2), "scalar": torch.tensor(0)}
     xlakit.dcp_load(back, tmp_path / "ckpt")
     assert torch.equal(back["w"], torch.arange(12.0).reshape(3, 4) * 3)
+    assert torch.equal(back["scalar"], torch.tensor(7))
     assert torch.equal(back["host"], torch.ones(2))
 
 

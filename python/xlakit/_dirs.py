@@ -169,7 +169,8 @@ def read_commit_record(final: Path) -> dict:
 def verify_file(final: Path, name: str, expected: dict) -> None:
     path = final / name
     if not path.is_file():
-        raise CheckpointIncompleteError(f"{final}: {name} is listed in the commit record but missing")
+        raise CheckpointIncompleteError(
+            f"{final}: {name} is listed in the commit record but missing")
     nbytes, digest = _file_digest(path)
     if nbytes != expected["nbytes"] or digest != expected[_archive.HASH]:
         raise CheckpointCorruptError(

@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.default_planner import (DefaultSavePlanner,
+                                                          create_default_local_save_plan)
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.utils._pytree import tree_leaves
 
@@ -189,8 +191,8 @@ class _SavePlanner(DefaultSavePlanner):
         self.staged: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
-        # Flattened as torch_xla's planners do, so that SPMDLoadPlanner (and CheckpointManager)
-        # find every key; DCP's own flattening also splits containers that hold no tensor.
+        # Flattened as torch_xla's planners do, so that its SPMDLoadPlanner finds every key;
+        # DCP's own flattening also splits containers that hold no tensor.
         flat, self.mappings = _flatten(state_dict)
         self.state_dict = {k: _unwrap(v) for k, v in flat.items()}
         self.is_coordinator = is_coordinator
@@ -245,10 +247,11 @@ class _SavePlanner(DefaultSavePlanner):
 
 def _shard_item(fqn: str, i: int, index: tuple[slice, ...], t: torch.Tensor) -> WriteItem:
     offsets = torch.Size(s.start for s in index)
+    sizes = torch.Size(s.stop - s.start for s in index)
     return WriteItem(
         index=MetadataIndex(fqn, offsets, i), type=WriteItemType.SHARD,
         tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(s.stop - s.start for s in index)),
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
             # is_pinned() is not defined for XLA tensors; device data is never pinned.
             properties=TensorProperties(dtype=t.dtype, requires_grad=t.requires_grad),
             size=t.size()))

@@ -65,8 +65,10 @@ def args() -> Path:
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality of two host tensors (dtype, shape and every byte)."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and bytes(a.contiguous().view(torch.uint8).numpy()) == bytes(b.contiguous().view(torch.uint8).numpy()))
+    def raw(t: torch.Tensor) -> bytes:
+        return bytes(t.contiguous().view(torch.uint8).numpy())
+
+    return a.dtype == b.dtype and a.shape == b.shape and raw(a) == raw(b)
 
 
 def finish(name: str, result: dict) -> None:

@@ -29,8 +29,10 @@ from xlakit._manifest import log_manifest, manifest, manifest_line
 from xlakit.memory import MemoryInfo, memory_info
 
 # Loaded on first use so that `import xlakit` (and the CLI) works where torch is
-# missing or broken; `xlakit doctor` has to run exactly there.
-_LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint", "SaveHandle": "xlakit.async_save"}
+# missing or broken; `xlakit doctor` has to run exactly there. The DCP pair also
+# spares everyone else torch.distributed.checkpoint's import (~0.3 s).
+_LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint", "SaveHandle": "xlakit.async_save",
+         "dcp_save": "xlakit.dcp", "dcp_load": "xlakit.dcp"}
 
 
 def __getattr__(name: str):
@@ -38,16 +40,6 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'xlakit' has no attribute {name!r}")
-
-
-
-def __getattr__(name: str):
-    # torch.distributed.checkpoint costs ~0.3 s to import; only DCP users pay it.
-    if name in ("dcp_save", "dcp_load"):
-        from xlakit import dcp
-
-        return getattr(dcp, name)
     raise AttributeError(f"module 'xlakit' has no attribute {name!r}")
 
 

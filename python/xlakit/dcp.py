@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.utils._pytree import tree_leaves
 
 from xlakit import _dirs, _features, _job, spmd, transfer
+from xlakit._tree import TensorEntry
 from xlakit.errors import CheckpointWriteError, RuntimeFeatureError
 from xlakit.options import LoadOptions, SaveOptions, resolve
 
@@ -238,10 +239,10 @@ class _SavePlanner(DefaultSavePlanner):
                 for data, idx in spmd.local_shards(self.state_dict[name]):
                     self.staged[(name, tuple(s.start for s in idx))] = data
         if plain:
-            tensors = [self.state_dict[n] for n in plain]
-            backend = transfer.backend_for(tensors[0].device.type, tensors[0])
+            entries = [TensorEntry(i, n, self.state_dict[n]) for i, n in enumerate(plain)]
+            backend = transfer.backend_for(entries[0].device_type, entries[0].tensor)
             left = max(self.job.started + self.opts.timeout_s - time.monotonic(), 0.001)
-            for name, host in zip(plain, backend.to_host(tensors, timeout_s=left)):
+            for name, host in zip(plain, transfer.batch_to_host(backend, entries, timeout_s=left)):
                 self.staged[(name, (0,) * host.dim())] = host
 
 

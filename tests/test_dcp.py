@@ -159,6 +159,21 @@ def test_hung_transfer_times_out_and_keeps_previous(tmp_path, monkeypatch):
     _assert_loaded(loaded, 1.0)
 
 
+@pytest.mark.xla
+def test_runtime_deadline_error_stays_a_timeout(tmp_path, monkeypatch):
+    # Regression guard: CheckpointTimeoutError is an OSError and was re-raised as a write error.
+    import torch_xla
+
+    class FakeDeadlineDevice(fakes.HostTransfer):
+        def to_host(self, tensors, *, timeout_s):
+            raise TimeoutError("tensor #0 (f32[4]): 0 of 16 bytes copied before the deadline")
+
+    fakes.install(monkeypatch, FakeDeadlineDevice())
+    with pytest.raises(xlakit.CheckpointTimeoutError, match="copy of 'w' passed its deadline"):
+        xlakit.dcp_save({"w": torch.ones(4).to(torch_xla.device())}, tmp_path / "ckpt")
+    assert _temps(tmp_path) == []
+
+
 def test_irrelevant_options_are_refused(tmp_path):
     with pytest.raises(ValueError, match="compute_crc32"):
         xlakit.dcp_save(_state(1.0), tmp_path / "c", compute_crc32=True)

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 from xlakit import _dirs, _features, _job, spmd, transfer
 from xlakit._tree import TensorEntry
-from xlakit.errors import CheckpointWriteError, RuntimeFeatureError
+from xlakit.errors import CheckpointError, RuntimeFeatureError
 from xlakit.options import LoadOptions, SaveOptions, resolve
 
 COMMIT_RECORD = _dirs.COMMIT_RECORD
@@ -111,7 +111,7 @@ def _save(job: _job.Job, state: dict, device: list[torch.Tensor], tmp: Path, fin
             _dirs.replace(tmp, final)
             committed = True
     except OSError as e:
-        if isinstance(e, CheckpointWriteError):
+        if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
             raise
         raise _dirs.write_error(e, final, stage=job.stage, bytes_done=job.bytes_done) from e
     finally:

@@ -92,6 +92,15 @@ def test_damaged_file_is_named(tmp_path):
         xlakit.dcp_load(_template(), path)
 
 
+def test_sharded_save_folder_is_told_apart_from_a_dcp_folder(tmp_path):
+    # Both layouts name their commit record xlakit-commit.json; the format field decides.
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / _dirs.COMMIT_RECORD).write_text('{"format": "xlakit-sharded", "version": 1}')
+    with pytest.raises(xlakit.CheckpointFormatError, match="load it with xlakit.load"):
+        xlakit.dcp_load(_template(), path)
+
+
 def test_foreign_folder_is_never_replaced(tmp_path):
     path = tmp_path / "ckpt"
     path.mkdir()

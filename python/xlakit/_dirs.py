@@ -27,13 +27,16 @@ from pathlib import Path
 import xxhash
 
 from xlakit import _archive, atomic
-from xlakit.errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointWriteError
+from xlakit.errors import (CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError,
+                           CheckpointWriteError)
 
 log = logging.getLogger("xlakit")
 
 COMMIT_RECORD = "xlakit-commit.json"
 FORMAT = "xlakit-dcp"
 FORMAT_VERSION = 1
+# `xlakit.save(..., layout="sharded")` folders share the record name, told apart by format.
+_SHARDED_FORMAT = "xlakit-sharded"
 _DCP_METADATA = ".metadata"
 _DCP_DATA_SUFFIX = ".distcp"
 _CHUNK = 8 << 20
@@ -159,7 +162,11 @@ def read_commit_record(final: Path) -> dict:
         record = json.loads(text)
         ok = record.get("format") == FORMAT and isinstance(record.get("files"), dict)
     except (json.JSONDecodeError, AttributeError):
-        ok = False
+        record, ok = None, False
+    if ok is False and isinstance(record, dict) and record.get("format") == _SHARDED_FORMAT:
+        raise CheckpointFormatError(
+            f"{final} is a sharded xlakit.save checkpoint (format {_SHARDED_FORMAT!r}), not a "
+            f"DCP folder (format {FORMAT!r}); load it with xlakit.load")
     if not ok:
         raise CheckpointCorruptError(f"{final / COMMIT_RECORD} is not an xlakit commit record "
                                      f"(expected JSON with format {FORMAT!r}); found {text[:80]!r}")

@@ -114,3 +114,23 @@ def test_a_folder_without_commit_record_is_refused(tmp_path):
 def test_coordinated_layout_without_torch_distributed_says_how_to_fix(tmp_path):
     with pytest.raises(xlakit.XlakitError, match="init_process_group"):
         xlakit.save({"w": torch.ones(2)}, tmp_path / "c.pt", layout="replicated")
+
+
+def test_a_dcp_folder_is_not_read_as_a_sharded_checkpoint(tmp_path):
+    from xlakit import _dirs
+
+    folder = tmp_path / "dcp"
+    folder.mkdir()
+    (folder / "xlakit-commit.json").write_text(json.dumps({"format": _dirs.FORMAT, "files": {}}))
+    with pytest.raises(xlakit.CheckpointFormatError, match="load it with xlakit.dcp_load"):
+        xlakit.load(folder, shard=0)
+
+
+def test_stale_temporary_folders_are_left_to_their_own_cleanup(tmp_path):
+    from xlakit import atomic
+
+    final = tmp_path / "ckpt"
+    stale = atomic.temp_path(final)
+    stale = stale.with_name(stale.name.replace(f".{os.getpid()}.", ".999999999."))
+    stale.mkdir()
+    assert atomic.remove_stale_temps(final) == [] and stale.is_dir()

@@ -27,16 +27,15 @@ from pathlib import Path
 import xxhash
 
 from xlakit import _archive, atomic
+from xlakit.distributed import COMMIT_RECORD, SHARDED_FORMAT
 from xlakit.errors import (CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError,
                            CheckpointWriteError)
 
 log = logging.getLogger("xlakit")
 
-COMMIT_RECORD = "xlakit-commit.json"
 FORMAT = "xlakit-dcp"
 FORMAT_VERSION = 1
 # `xlakit.save(..., layout="sharded")` folders share the record name, told apart by format.
-_SHARDED_FORMAT = "xlakit-sharded"
 _DCP_METADATA = ".metadata"
 _DCP_DATA_SUFFIX = ".distcp"
 _CHUNK = 8 << 20
@@ -163,9 +162,9 @@ def read_commit_record(final: Path) -> dict:
         ok = record.get("format") == FORMAT and isinstance(record.get("files"), dict)
     except (json.JSONDecodeError, AttributeError):
         record, ok = None, False
-    if ok is False and isinstance(record, dict) and record.get("format") == _SHARDED_FORMAT:
+    if ok is False and isinstance(record, dict) and record.get("format") == SHARDED_FORMAT:
         raise CheckpointFormatError(
-            f"{final} is a sharded xlakit.save checkpoint (format {_SHARDED_FORMAT!r}), not a "
+            f"{final} is a sharded xlakit.save checkpoint (format {SHARDED_FORMAT!r}), not a "
             f"DCP folder (format {FORMAT!r}); load it with xlakit.load")
     if not ok:
         raise CheckpointCorruptError(f"{final / COMMIT_RECORD} is not an xlakit commit record "

@@ -56,6 +56,8 @@ def remove_stale_temps(final: Path) -> list[Path]:
             continue
         if int(parts[1]) == os.getpid() or _pid_alive(int(parts[1])):
             continue
+        if (final.parent / name).is_dir():
+            continue  # a folder checkpoint's temporary (dcp); its own cleanup handles those
         try:
             os.unlink(final.parent / name)
             removed.append(final.parent / name)

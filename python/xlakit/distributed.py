@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from xlakit import _archive, atomic, checkpoint
-from xlakit.errors import (CheckpointError, CheckpointIncompleteError, CheckpointPeerError,
+from xlakit.errors import (CheckpointError, CheckpointFormatError, CheckpointIncompleteError, CheckpointPeerError,
                            CheckpointTimeoutError, XlakitError)
 from xlakit.options import LoadOptions, SaveOptions
 
-COMMIT_RECORD = "xlakit-commit.json"
+COMMIT_RECORD = "xlakit-commit.json"  # also names the commit record of dcp folders
+SHARDED_FORMAT = "xlakit-sharded"
 # Past the deadline, rank 0 waits _REPORT_S for shard reports (a rank whose own save timed
 # out reports just after it), and the other ranks wait _MARGIN_S for rank 0's verdict.
 _REPORT_S = 1.0
@@ -206,7 +207,7 @@ def _commit_or_explain(folder: Path, save_id: str, rnd: _Round) -> dict:
         lines = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
         return {"ok": False, "ranks": sorted(failed), "error": f"shard(s) failed, nothing was "
                                                                f"committed: {lines}"}
-    commit = {"format": "xlakit-sharded", "version": 1, "id": save_id, "world": rnd.world,
+    commit = {"format": SHARDED_FORMAT, "version": 1, "id": save_id, "world": rnd.world,
               "shards": [{"rank": r, **{k: records[r][k] for k in ("file", "bytes", "checksums")}}
                          for r in range(rnd.world)]}
     _write_commit(folder, commit)
@@ -241,9 +242,14 @@ def read_commit(folder: Path) -> dict:
                      "uncommitted shards.")
         raise err
     try:
-        return json.loads(record.read_text())
+        commit = json.loads(record.read_text())
     except ValueError as e:
         raise CheckpointIncompleteError(f"{record} is unreadable ({e})") from e
+    if commit.get("format") != SHARDED_FORMAT:
+        raise CheckpointFormatError(f"{folder} is a {commit.get('format')!r} checkpoint, not one "
+                                    f"written by xlakit.save(layout='sharded'); load it with "
+                                    f"xlakit.dcp_load")
+    return commit
 
 
 def load_shard(folder: Path, shard: int, opts: LoadOptions) -> Any:

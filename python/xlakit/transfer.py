@@ -136,7 +136,12 @@ def _xla_mode(sample: torch.Tensor) -> str:
     if _features.has_binding(_features.TRANSFER_TO_HOST):
         return "patched"
     import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
 
+    # Under SPMD every buffer is sharded data, which DLPack refuses: each export would fail
+    # and fall back one tensor at a time.
+    if xr.is_spmd():
+        return "stock"
     return "dlpack" if xm.xla_device_hw(sample.device) == "CPU" else "stock"
 
 

@@ -11,10 +11,11 @@ so plainly instead of queueing behind it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from xlakit.errors import CheckpointBusyError, CheckpointTimeoutError
@@ -86,6 +87,19 @@ class Job:
         where = f"stage {self.stage!r}" + (f", tensor {self.tensor!r}" if self.tensor else "")
         return (f"{self.what} of {self.path} ({where}, {human_bytes(self.bytes_done)} of "
                 f"{human_bytes(self.bytes_total)}, started {time.monotonic() - self.started:.1f} s ago)")
+
+
+@contextlib.contextmanager
+def commit_guard(job: Job) -> Iterator[None]:
+    """Hold the job's lock while its result is made visible; refuse if the caller gave up.
+
+    The caller's deadline handler takes the same lock, so a commit either
+    happens entirely before the timeout is declared or not at all.
+    """
+    with job.lock:
+        if job.cancelled:
+            raise Cancelled("commit")
+        yield
 
 
 def check_no_abandoned_work() -> None:

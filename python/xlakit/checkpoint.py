@@ -148,9 +148,7 @@ def _write(job: _job.Job, groups: list, pickled: bytes, tmp: Path, final: Path,
             job.enter("commit")
             f.flush()
             os.fsync(f.fileno())
-        with job.lock:
-            if job.cancelled:
-                raise _job.Cancelled("commit")
+        with _job.commit_guard(job):
             atomic.commit(tmp, final)
             committed = True
     except OSError as e:

@@ -105,9 +105,7 @@ def _save(job: _job.Job, state: dict, device: list[torch.Tensor], tmp: Path, fin
         _quiet(dcp.save, state, storage_writer=writer, planner=_SavePlanner(job, opts), no_dist=True)
         job.enter("commit")
         _dirs.write_commit_record(tmp)
-        with job.lock:
-            if job.cancelled:
-                raise _job.Cancelled("commit")
+        with _job.commit_guard(job):
             _dirs.replace(tmp, final)
             committed = True
     except OSError as e:

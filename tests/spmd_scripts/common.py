@@ -73,3 +73,30 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def finish(name: str, result: dict) -> None:
     (args() / f"{name}.json").write_text(json.dumps(result))
+
+
+def timed_out_with_slow_shards(save, delay_s: float = 3.0) -> dict | None:
+    """Run `save()` while every local-shard copy takes `delay_s` (a fake slow device).
+
+    Returns the CheckpointTimeoutError's stage, tensor and elapsed time, or None.
+    """
+    import time
+
+    import xlakit
+    from xlakit import spmd
+
+    real = spmd.local_shards
+
+    def slow(t):
+        time.sleep(delay_s)
+        return real(t)
+
+    spmd.local_shards = slow
+    start = time.monotonic()
+    try:
+        save()
+    except xlakit.CheckpointTimeoutError as e:
+        return {"stage": e.stage, "tensor": e.tensor, "elapsed_s": time.monotonic() - start}
+    finally:
+        spmd.local_shards = real
+    return None

@@ -1,6 +1,5 @@
 """The SPMD shard copy runs under the save's deadline; multi-host shards are refused, not guessed."""
 
-import time
 
 import torch
 
@@ -14,21 +13,8 @@ state = {"w": common.sharded(host, mesh, spec)}
 xlakit.save(state, tmp / "c.pt")
 result = {}
 
-real = spmd.local_shards
-
-
-def hung(t):
-    time.sleep(3)
-    return real(t)
-
-
-spmd.local_shards = hung
-start = time.monotonic()
-try:
-    xlakit.save({"w": state["w"] * 0}, tmp / "c.pt", timeout_s=0.5)
-except xlakit.CheckpointTimeoutError as e:
-    result["timeout"] = {"stage": e.stage, "elapsed_s": time.monotonic() - start}
-spmd.local_shards = real
+result["timeout"] = common.timed_out_with_slow_shards(
+    lambda: xlakit.save({"w": state["w"] * 0}, tmp / "c.pt", timeout_s=0.5))
 result["previous_intact"] = bool(torch.equal(xlakit.load(tmp / "c.pt")["w"], host))
 
 try:

@@ -76,8 +76,9 @@ def main() -> int:
             xlakit.save(state, path, timeout_s=600)
             save_s, save_compiles = time.perf_counter() - t0, compiles() - c0
             size = os.path.getsize(path)
-            print(f"step {step}: loss {loss.item():.5f}  -> xlakit.save: {save_compiles} compile, "
-                  f"{size / 2**20:.1f} MiB in {save_s:.2f} s")
+            print(f"step {step}: loss {loss.item():.5f}  -> xlakit.save: {save_compiles} compile(s), "
+                  f"{size / 2**20:.1f} MiB in {save_s:.2f} s (one sync: the pending step is the "
+                  f"training step's own graph)")
             expected = snapshot(state)
             loaded = xlakit.load(path)
             ok = same(expected, loaded) and same(expected, torch.load(path, weights_only=True))
@@ -91,7 +92,7 @@ def main() -> int:
         torch.save(state, os.path.join(folder, "plain.pt"))
         plain_s, plain_compiles = time.perf_counter() - t0, compiles() - c0
     print(f"plain torch.save on the same pending state: {plain_compiles} compiles, {plain_s:.2f} s "
-          f"(xlakit: {save_compiles} compile, {save_s:.2f} s, {plain_s / save_s:.1f}x faster, "
+          f"(xlakit: {save_compiles} compile(s), {save_s:.2f} s, {plain_s / save_s:.1f}x faster, "
           f"atomic and checksummed)")
     return 0
 

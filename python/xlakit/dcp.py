@@ -3,7 +3,7 @@
 DCP is the storage engine (its files, metadata and resharding on load);
 xlakit wraps it the way `xlakit.save` wraps torch's zip format:
 
-* *sync*: one `_xla_sync_multi` materialises every pending XLA tensor.
+* *sync*: one step marker materialises every pending XLA tensor (transfer.py).
 * *transfer*: the planner hands DCP's writer host data on demand, pulled in
   byte-capped batches: SPMD-sharded tensors as their distinct local shards
   (`spmd.py`: no replication program, replicas and padding dropped), other

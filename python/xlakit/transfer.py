@@ -2,8 +2,8 @@
 
 One backend per device type, chosen once per save:
 
-* XLA: every pending tensor is materialised by a single `_xla_sync_multi`
-  (one graph, one compile), then copied in batches. The patched binding
+* XLA: every pending tensor is materialised by a single step marker (one
+  graph, one compile), then copied in batches. The patched binding
   `_xla_transfer_to_host` is preferred (deadline-bounded, GIL released,
   sharded data assembled on the host). On stock torch_xla the CPU PJRT client
   exports its buffers through DLPack zero-copy (its `_xla_get_cpu_tensors`
@@ -88,6 +88,15 @@ class XlaTransfer(HostTransfer):
     def prepare(self, tensors):
         import torch_xla
 
+        # One step marker, as torch_xla.sync() does but without running the user's step
+        # closures: every pending tensor in one graph, with the buffer donation of in-place
+        # updates, so the device holds the new state in place of (not beside) the old one.
+        # Measured on the 16-layer pending state: 167-203 MiB peak RSS against 329-339 MiB
+        # for _xla_sync_multi of the state tensors, which cannot donate.
+        device = torch_xla._XLAC._xla_get_default_device()
+        torch_xla._XLAC._xla_step_marker(device, [], wait=True)
+        torch_xla._XLAC._set_all_reduce_token(device, None)
+        # Tensors on other devices than the default one, if any.
         torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=True, sync_xla_data=False)
         if self.mode == "dlpack":
             # Tensors materialised earlier by an asynchronous torch_xla.sync() hold buffers

@@ -196,16 +196,28 @@ def read_folder(job: _job.Job, state: dict, final: Path, group: Any = None) -> N
         # The SPMD planner reads shard buffers of the targets: they must be materialised.
         job.enter("sync")
         transfer.backend_for(device[0].device.type, device[0]).prepare(device)
-    job.enter("read")
+    job.enter("plan")
 
     class _LoadPlanner(dcp_plan.load_planner_base()):
         def resolve_tensor(self, read_item):
             job.enter("read", read_item.dest_index.fqn)
             return super().resolve_tensor(read_item)
 
-    reader = dcp.FileSystemReader(str(final))
-    _run_dcp(dcp.load, state, group, storage_reader=reader, planner=_LoadPlanner())
-    job.enter("finish")
+    _run_dcp(dcp.load, state, group, storage_reader=_Reader(job, final), planner=_LoadPlanner())
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader; it marks where this rank reads and where it waits on the others."""
+
+    def __init__(self, job: _job.Job, folder: Path):
+        super().__init__(str(folder))
+        self.job = job
+
+    def read_data(self, plan, planner):
+        self.job.enter("read")
+        future = super().read_data(plan, planner)
+        self.job.enter("finish")
+        return future
 
 
 class _Writer(dcp.FileSystemWriter):

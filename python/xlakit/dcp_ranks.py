@@ -112,14 +112,15 @@ def load(state: dict, final: Path, opts: LoadOptions) -> None:
 def _step(rnd: _Round, name: str, work: Callable[[_job.Job], dict], opts: Any, *,
           on_success: Callable[[dict], None] | None = None, bytes_total: int = 0) -> dict:
     """Run `work` here under the deadline; every rank returns rank 0's verdict or raises it."""
-    kind = "dcp save" if rnd.what == "dcp_save" else "dcp load"
+    saving = rnd.what == "dcp_save"
+    kind, hint = ("dcp save", _SAVE_HINT) if saving else ("dcp load", _LOAD_HINT)
     job = _job.Job(kind, f"{rnd.path} (rank {rnd.rank} of {rnd.world})", bytes_total)
     job.started = rnd.started  # one deadline for the whole operation
     watch = _job.Watch(opts.timeout_s, opts.stall_warning_s, opts.progress_interval_s,
                        opts.progress_callback)
     error: BaseException | None = None
     try:
-        outcome = {"ok": True, **_job.run(job, work, watch, lambda j: _ABANDONED)}
+        outcome = {"ok": True, **_job.run(job, work, watch, lambda j: hint)}
     except Exception as e:  # noqa: BLE001 - reported to every rank, then raised below
         error = e
         waiting = isinstance(e, CheckpointPeerError) or (
@@ -152,14 +153,16 @@ def _step(rnd: _Round, name: str, work: Callable[[_job.Job], dict], opts: Any, *
     culprits = verdict["ranks"]
     if error is not None and rnd.rank in culprits and not outcome.get("waiting"):
         raise error
-    message = f"step {name!r} failed, nothing was committed: {verdict['error']}"
+    consequence = "nothing was committed" if saving else "the state may be partly loaded"
+    message = f"step {name!r} failed, {consequence}: {verdict['error']}"
     if verdict["timeout"]:
         raise rnd.timeout(message, stage=name, rank=culprits[0]) from error
     raise CheckpointPeerError(f"coordinated {rnd.what} of {rnd.path} (rank {rnd.rank} of "
                               f"{rnd.world}): {message}", rank=culprits[0]) from error
 
 
-_ABANDONED = "The other ranks are told; the previous checkpoint, if any, is untouched."
+_SAVE_HINT = "The other ranks are told; the previous checkpoint, if any, is untouched."
+_LOAD_HINT = "The other ranks are told; nothing was changed on disk, the state may be partly loaded."
 
 
 def _decide(rnd: _Round, name: str) -> dict:

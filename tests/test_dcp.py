@@ -227,3 +227,15 @@ def test_xla_sharded_tensor_wrapper_is_saved_as_its_tensor(sharded):
 def test_load_on_another_device_count(sharded, tmp_path):
     result = run_scenario("dcp_two_devices", tmp_path, sharded["path"], devices=2)
     assert result == {"mismatch": [], "optim": {"step": 3, "lr": 0.5}}
+
+
+def test_timeout_error_survives_pickling():
+    # Regression guard: DCP pickles a rank's exception for the others, and unpickling
+    # CheckpointTimeoutError failed on its keyword-only `stage`.
+    import pickle
+
+    err = xlakit.CheckpointTimeoutError("late", stage="write", tensor="w", rank=2)
+    err.add_note("raise timeout_s")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is xlakit.CheckpointTimeoutError and str(back) == "late"
+    assert (back.stage, back.tensor, back.rank, back.__notes__) == ("write", "w", 2, ["raise timeout_s"])

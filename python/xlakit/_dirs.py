@@ -100,12 +100,31 @@ def _file_digest(path: Path) -> tuple[int, str]:
     return n, h.hexdigest()
 
 
-def write_commit_record(tmp: Path) -> None:
-    """List every file of `tmp` with size and checksum in the commit record; fsync it all."""
+def file_entry(path: Path) -> dict:
+    """A file's line in the commit record: its size and xxh3-64."""
+    nbytes, digest = _file_digest(path)
+    return {"nbytes": nbytes, _archive.HASH: digest}
+
+
+def write_commit_record(tmp: Path, known: dict[str, dict] | None = None) -> None:
+    """List every file of `tmp` with size and checksum in the commit record; fsync it all.
+
+    `known` entries (hashed by the ranks that wrote them) are taken as they are
+    once their size matches, so the committing rank does not read every file.
+    """
+    known = known or {}
+    present = sorted(os.listdir(tmp))
+    missing = sorted(set(known) - set(present))
+    if missing:
+        raise CheckpointIncompleteError(f"{tmp}: {', '.join(missing[:5])} reported written but not "
+                                        f"found; the folder is not on storage every rank shares")
     files = {}
-    for name in sorted(os.listdir(tmp)):
-        nbytes, digest = _file_digest(tmp / name)
-        files[name] = {"nbytes": nbytes, _archive.HASH: digest}
+    for name in present:
+        files[name] = known.get(name) or file_entry(tmp / name)
+        size = os.stat(tmp / name).st_size
+        if size != files[name]["nbytes"]:
+            raise CheckpointIncompleteError(f"{tmp / name}: reported {files[name]['nbytes']} bytes "
+                                            f"by the rank that wrote it, found {size}")
     record = {"format": FORMAT, "version": FORMAT_VERSION, "files": files}
     with open(tmp / COMMIT_RECORD, "x") as f:
         json.dump(record, f, indent=1, sort_keys=True)

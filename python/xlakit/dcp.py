@@ -8,7 +8,7 @@ xlakit wraps it the way `xlakit.save` wraps torch's zip format:
   byte-capped batches: SPMD-sharded tensors as their distinct local shards
   (`spmd.py`: no replication program, replicas and padding dropped), other
   XLA tensors through the save's usual backend. Each shard is one DCP chunk,
-  so the layout is the one torch_xla's `SPMDSavePlanner` writes.
+  so the layout is the one torch_xla's `SPMDSavePlanner` writes (`dcp_plan.py`).
 * *write* into a temporary folder beside the target; then *commit*: a commit
   record (`xlakit-commit.json`: every file with its size and xxh3-64) is written
   last, everything is fsynced and the folder takes the final name (an atomic
@@ -17,15 +17,13 @@ xlakit wraps it the way `xlakit.save` wraps torch's zip format:
 A folder without the commit record is refused on load and replaced by the
 next save. Loading is in place, into a state whose tensors carry the target
 sharding (any mesh or device count); DCP reads the overlapping chunks.
-This drives one process (single-host SPMD); a multi-process job needs the
-coordinated commit of `xlakit.save` and is refused here.
+In a multi-process torch.distributed job both hand over to `dcp_ranks.py`,
+which runs the same writing and reading on every rank around one commit.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,16 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import (DefaultSavePlanner,
-                                                          create_default_local_save_plan)
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties)
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.utils._pytree import tree_leaves
 
-from xlakit import _dirs, _features, _job, spmd, transfer
-from xlakit._tree import TensorEntry
-from xlakit.errors import CheckpointError, RuntimeFeatureError
+from xlakit import _dirs, _job, dcp_plan, transfer
+from xlakit.errors import CheckpointError, CheckpointPeerError
 from xlakit.options import LoadOptions, SaveOptions, resolve
 
 COMMIT_RECORD = _dirs.COMMIT_RECORD
@@ -58,13 +49,16 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
             other XLA tensors or CPU tensors, beside plain values.
         path: the checkpoint folder; its parent must exist. An existing checkpoint
             there (committed or not) is replaced only once the new one is durable.
+            Under torch.distributed every rank passes the same path, on storage
+            every rank sees; rank 0 commits once every rank's files are durable.
         options: a `SaveOptions` (``compute_crc32`` does not apply); keyword overrides win.
 
     Raises:
         CheckpointTimeoutError: the deadline passed (stage and tensor named).
         CheckpointWriteError: no folder, no permission, disk full, or `path` holds
             files that are not a checkpoint's (they are never deleted).
-        RuntimeFeatureError: torch.distributed runs more than one process.
+        CheckpointPeerError: (several ranks) another rank failed; it is named. A rank
+            that died or stalled is named by a CheckpointTimeoutError instead.
 
     Example:
         >>> import torch, xlakit
@@ -73,16 +67,17 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
     opts: SaveOptions = resolve(SaveOptions, options, overrides)
     if opts.compute_crc32:
         raise ValueError("compute_crc32 applies to xlakit.save's zip files, not to DCP folders")
-    _single_process("dcp_save")
     final = Path(path)
+    if _world() > 1:
+        from xlakit import dcp_ranks
+
+        return dcp_ranks.save(state, final, opts)
     _job.check_no_abandoned_work()
-    if not final.parent.is_dir():
-        raise _dirs.write_error(FileNotFoundError(2, "No such file or directory"), final,
-                               stage="open")
+    check_parent(final)
     _dirs.check_replaceable(final)
     _dirs.remove_stale_temps(final)
     tmp = _dirs.temp_dir(final)
-    device = [t for t in _tensors(state) if t.device.type != "cpu"]
+    device = [t for t in dcp_plan.tensors(state) if t.device.type != "cpu"]
     job = _job.Job("dcp save", str(final), sum(t.numel() * t.element_size() for t in device))
     watch = _job.Watch(opts.timeout_s, opts.stall_warning_s, opts.progress_interval_s,
                        opts.progress_callback)
@@ -95,14 +90,8 @@ def _save(job: _job.Job, state: dict, device: list[torch.Tensor], tmp: Path, fin
           opts: SaveOptions) -> None:
     committed = False
     try:
-        if device:
-            job.enter("sync")
-            transfer.backend_for(device[0].device.type, device[0]).prepare(device)
-        job.enter("write")
         tmp.mkdir()
-        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True,
-                                      thread_count=1)
-        _quiet(dcp.save, state, storage_writer=writer, planner=_SavePlanner(job, opts), no_dist=True)
+        write_folder(job, state, device, tmp, opts)
         job.enter("commit")
         _dirs.write_commit_record(tmp)
         with _job.commit_guard(job):
@@ -117,6 +106,27 @@ def _save(job: _job.Job, state: dict, device: list[torch.Tensor], tmp: Path, fin
             _dirs.discard(tmp)
 
 
+def check_parent(final: Path) -> None:
+    if not final.parent.is_dir():
+        raise _dirs.write_error(FileNotFoundError(2, "No such file or directory"), final,
+                               stage="open")
+
+
+def write_folder(job: _job.Job, state: dict, device: list[torch.Tensor], folder: Path,
+                 opts: SaveOptions, group: Any = None) -> list[str]:
+    """Sync, then let DCP write this process's part of `state` into `folder`; its file names.
+
+    With `group` (several ranks) DCP's plan and metadata exchange run on it.
+    """
+    if device:
+        job.enter("sync")
+        transfer.backend_for(device[0].device.type, device[0]).prepare(device)
+    job.enter("plan")
+    writer = _Writer(job, folder)
+    _run_dcp(dcp.save, state, group, storage_writer=writer, planner=dcp_plan.SavePlanner(job, opts))
+    return writer.files
+
+
 def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | None = None,
              **overrides: Any) -> None:
     """Load a folder written by `dcp_save` into `state`, in place, resharding as needed.
@@ -124,6 +134,8 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
     Each tensor of `state` receives the saved values in its own placement: an
     SPMD-sharded XLA tensor keeps its sharding (which may differ from the saved
     one, on another mesh or device count), a CPU tensor is filled on the host.
+    Under torch.distributed every rank calls it; the job may have another world
+    size than the one that saved, and DTensors another mesh and placement.
 
     Args:
         state: the template: a state dict with tensors of the saved shapes and dtypes.
@@ -136,6 +148,7 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
             save, or one not written by xlakit).
         CheckpointCorruptError: a file is missing, truncated or fails its checksum.
         CheckpointTimeoutError: the deadline passed; `state` may be partly loaded.
+        CheckpointPeerError: (several ranks) another rank failed; it is named.
 
     Example:
         >>> import torch, xlakit
@@ -149,8 +162,11 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
     if opts.mmap:
         raise ValueError("mmap applies to xlakit.load's zip files, not to DCP folders")
-    _single_process("dcp_load")
     final = Path(path)
+    if _world() > 1:
+        from xlakit import dcp_ranks
+
+        return dcp_ranks.load(state, final, opts)
     record = _dirs.read_commit_record(final)
     job = _job.Job("dcp load", str(final), sum(f["nbytes"] for f in record["files"].values()))
     watch = _job.Watch(opts.timeout_s, opts.stall_warning_s, opts.progress_interval_s,
@@ -161,142 +177,78 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
 
 def _load(job: _job.Job, state: dict, final: Path, record: dict, opts: LoadOptions) -> None:
     if opts.verify:
-        for name, expected in record["files"].items():
-            job.enter("verify", name)
-            _dirs.verify_file(final, name, expected)
-            job.advance(expected["nbytes"])
-    device = [t for t in _tensors(state) if t.device.type != "cpu"]
+        verify_files(job, final, record, list(record["files"]))
+    read_folder(job, state, final)
+
+
+def verify_files(job: _job.Job, final: Path, record: dict, names: list[str]) -> None:
+    for name in names:
+        expected = record["files"][name]
+        job.enter("verify", name)
+        _dirs.verify_file(final, name, expected)
+        job.advance(expected["nbytes"])
+
+
+def read_folder(job: _job.Job, state: dict, final: Path, group: Any = None) -> None:
+    """Let DCP fill `state` in place from the committed folder `final` (on `group` if given)."""
+    device = [t for t in dcp_plan.tensors(state) if t.device.type != "cpu"]
     if device:
         # The SPMD planner reads shard buffers of the targets: they must be materialised.
         job.enter("sync")
         transfer.backend_for(device[0].device.type, device[0]).prepare(device)
-    job.enter("read")
+    job.enter("plan")
 
-    class _LoadPlanner(_load_planner_base()):
+    class _LoadPlanner(dcp_plan.load_planner_base()):
         def resolve_tensor(self, read_item):
             job.enter("read", read_item.dest_index.fqn)
             return super().resolve_tensor(read_item)
 
-    reader = dcp.FileSystemReader(str(final))
-    _quiet(dcp.load, state, storage_reader=reader, planner=_LoadPlanner(), no_dist=True)
+    _run_dcp(dcp.load, state, group, storage_reader=_Reader(job, final), planner=_LoadPlanner())
 
 
-class _SavePlanner(DefaultSavePlanner):
-    """DCP's default planner, with device tensors written as local shards pulled in batches."""
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader; it marks where this rank reads and where it waits on the others."""
 
-    def __init__(self, job: _job.Job, opts: SaveOptions):
-        super().__init__()
-        self.job, self.opts = job, opts
-        self.staged: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    def __init__(self, job: _job.Job, folder: Path):
+        super().__init__(str(folder))
+        self.job = job
 
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
-        # Flattened as torch_xla's planners do, so that its SPMDLoadPlanner finds every key;
-        # DCP's own flattening also splits containers that hold no tensor.
-        flat, self.mappings = _flatten(state_dict)
-        self.state_dict = {k: _unwrap(v) for k, v in flat.items()}
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        host = {k: v for k, v in self.state_dict.items() if not _on_device(v)}
-        items = create_default_local_save_plan(host, self.is_coordinator).items
-        self.order = [k for k, v in self.state_dict.items() if _on_device(v)]
-        self.position = {k: i for i, k in enumerate(self.order)}
-        for fqn in self.order:
-            t = self.state_dict[fqn]
-            indices = ([idx for _, idx in spmd.unique_shard_indices(t)] if spmd.is_sharded(t)
-                       else [tuple(slice(0, n) for n in t.shape)])
-            items += [_shard_item(fqn, i, idx, t) for i, idx in enumerate(indices)]
-        self.plan = SavePlan(items, planner_data=self.mappings)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        fqn = write_item.index.fqn
-        if not _on_device(self.state_dict.get(fqn)):
-            return super().resolve_data(write_item)
-        key = (fqn, tuple(write_item.index.offset))
-        if key not in self.staged:
-            self._stage_from(fqn)
-        self.job.enter("write", fqn)
-        host = self.staged.pop(key)
-        self.job.advance(host.numel() * host.element_size())
-        return host
-
-    def _stage_from(self, fqn: str) -> None:
-        """Copy `fqn` and the device tensors after it, up to the byte cap, to the host."""
-        batch, size = [], 0
-        for name in self.order[self.position[fqn]:]:
-            nbytes = self.state_dict[name].numel() * self.state_dict[name].element_size()
-            if batch and size + nbytes > self.opts.max_inflight_bytes:
-                break
-            batch.append(name)
-            size += nbytes
-        self.job.enter("transfer", fqn)
-        plain = [n for n in batch if not spmd.is_sharded(self.state_dict[n])]
-        for name in batch:
-            if name not in plain:
-                for data, idx in spmd.local_shards(self.state_dict[name]):
-                    self.staged[(name, tuple(s.start for s in idx))] = data
-        if plain:
-            entries = [TensorEntry(i, n, self.state_dict[n]) for i, n in enumerate(plain)]
-            backend = transfer.backend_for(entries[0].device_type, entries[0].tensor)
-            left = max(self.job.started + self.opts.timeout_s - time.monotonic(), 0.001)
-            for name, host in zip(plain, transfer.batch_to_host(backend, entries, timeout_s=left)):
-                self.staged[(name, (0,) * host.dim())] = host
+    def read_data(self, plan, planner):
+        self.job.enter("read")
+        future = super().read_data(plan, planner)
+        self.job.enter("finish")
+        return future
 
 
-def _shard_item(fqn: str, i: int, index: tuple[slice, ...], t: torch.Tensor) -> WriteItem:
-    offsets = torch.Size(s.start for s in index)
-    sizes = torch.Size(s.stop - s.start for s in index)
-    return WriteItem(
-        index=MetadataIndex(fqn, offsets, i), type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-            # is_pinned() is not defined for XLA tensors; device data is never pinned.
-            properties=TensorProperties(dtype=t.dtype, requires_grad=t.requires_grad),
-            size=t.size()))
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, fsyncing; it marks the job's stages and remembers the files it wrote."""
+
+    def __init__(self, job: _job.Job, folder: Path):
+        super().__init__(str(folder), single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.job, self.files = job, []
+
+    def write_data(self, plan, planner):
+        self.job.enter("write")
+        future = super().write_data(plan, planner)
+        self.files = sorted({r.storage_data.relative_path for r in future.wait()})
+        # From here DCP waits on the other ranks (results gathered, metadata written by rank 0).
+        self.job.enter("finish")
+        return future
 
 
-def _flatten(state: dict) -> tuple[dict, dict]:
-    if _features.xlac() is not None:
-        from torch_xla.experimental.distributed_checkpoint._helpers import flatten_state_dict
-    else:
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    return flatten_state_dict(state)
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _load_planner_base() -> type:
-    if _features.xlac() is not None:
-        from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+def _run_dcp(fn, state: dict, group: Any, **kwargs):
+    """Run a DCP entry point, alone or on `group`; its per-rank failure wrapper gives way.
 
-        return SPMDLoadPlanner
-    return dcp.DefaultLoadPlanner
-
-
-def _unwrap(v: Any) -> Any:
-    """The XLA tensor inside torch_xla's `XLAShardedTensor` wrapper (saved as that tensor)."""
-    inner = getattr(v, "global_tensor", None)
-    return inner if isinstance(v, torch.Tensor) and isinstance(inner, torch.Tensor) else v
-
-
-def _on_device(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and v.device.type != "cpu"
-
-
-def _tensors(state: Any) -> list[torch.Tensor]:
-    return [_unwrap(t) for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
-
-
-def _single_process(what: str) -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        err = RuntimeFeatureError(f"xlakit.{what} drives one process (single-host SPMD); this job "
-                                  f"runs {dist.get_world_size()} under torch.distributed")
-        err.add_note("A multi-process save needs every rank to agree on one temporary folder and "
-                     "commit together; use torch.distributed.checkpoint directly meanwhile.")
-        raise err
-
-
-def _quiet(fn, *args, **kwargs):
-    """Run a DCP entry point; its per-rank failure wrapper gives way to the original error."""
+    This rank's own failure is raised as itself. Under a group, failures of other
+    ranks become a CheckpointPeerError naming them, and a failed collective one
+    naming nobody (a peer died or stalled; the coordination names it).
+    """
+    rank = None if group is None else dist.get_rank(group)
+    where = {"no_dist": True} if group is None else {"process_group": group}
     with warnings.catch_warnings():
         # Single-process use is the intent here, not an accident DCP should warn about; and
         # its file writer calls the deprecated TypedStorage API on every tensor.
@@ -306,9 +258,26 @@ def _quiet(fn, *args, **kwargs):
         # index in torch 2.9, values verified by tests/test_dcp.py).
         warnings.filterwarnings("ignore", message="Using a non-tuple sequence for multidimensional")
         try:
-            return fn(*args, **kwargs)
+            return fn(state, **kwargs, **where)
         except CheckpointException as e:
-            failures = [exc for exc, _ in e.failures.values()]
-            if len(failures) == 1 and isinstance(failures[0], Exception):
-                raise failures[0] from None
+            failures = {r: exc for r, (exc, _) in e.failures.items()}
+            mine = failures.pop(rank, None) if rank is not None else None
+            if rank is None and len(failures) == 1:
+                mine = next(iter(failures.values()))
+            if isinstance(mine, Exception):
+                raise mine from None
+            if rank is not None and failures:
+                lines = "; ".join(f"rank {r}: {type(x).__name__}: {x}"
+                                  for r, x in sorted(failures.items()))
+                raise CheckpointPeerError(f"torch.distributed.checkpoint failed on other ranks: {lines}",
+                                          rank=min(failures)) from None
             raise RuntimeError(str(e)) from None
+        except (CheckpointError, _job.Cancelled):
+            raise
+        except Exception as e:
+            if rank is None:
+                raise
+            # Raised by a collective itself (gloo: a closed connection or its timeout).
+            raise CheckpointPeerError(f"a collective of torch.distributed.checkpoint failed on rank "
+                                      f"{rank}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                                      ) from e

@@ -39,7 +39,7 @@ SHARDED_FORMAT = "xlakit-sharded"
 _REPORT_S = 1.0
 _MARGIN_S = 5.0
 _group = None
-_sequence = {"save": 0, "load": 0}
+_sequence: dict[str, int] = {}  # per kind of operation, so each gets its own store prefix
 
 
 def _dist():
@@ -62,11 +62,20 @@ class _Round:
         self.started = time.monotonic()
         self.deadline = self.started + timeout_s
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        _sequence[what] += 1
+        _sequence[what] = _sequence.get(what, 0) + 1
         self.prefix = f"xlakit/{what}/{_sequence[what]}"
         self.store = dist.distributed_c10d._get_default_store()
         if _group is None:
             _group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def group(self):
+        """xlakit's gloo group, its collective timeout set to what is left of this deadline.
+
+        For collectives run by others on our behalf (torch.distributed.checkpoint):
+        a peer that never joins fails them near the deadline, not after gloo's default.
+        """
+        self.dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.remaining()), _group)
+        return _group
 
     def remaining(self, extra: float = 0.0) -> float:
         return max(self.deadline + extra - time.monotonic(), 0.001)

@@ -32,6 +32,18 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
         self.elapsed_s = elapsed_s
         self.rank = rank
 
+    def __reduce__(self):
+        # DCP sends a rank's exception to the others pickled; the default reduction would call
+        # __init__ without the keyword-only `stage` and fail on the receiving rank.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> BaseException:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
 
 class CheckpointCorruptError(CheckpointError, ValueError):
     """The file does not match what was written (checksum, truncation, structure)."""

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import xlakit
+from tests import ranks
 from tests.dcp_worker import DEADLINE_S
 from xlakit import _dirs
 
@@ -26,25 +24,12 @@ WORKER = Path(__file__).resolve().parent / "dcp_worker.py"
 MARGIN_S = 6.0  # rank 0 waits 1 s more for reports, the others 5 s more for its verdict
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(scenario: str, folder: Path, world: int) -> dict[int, dict]:
     """Each rank's reports by phase, and its exit status."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": str(world)}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(folder)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
     results = {}
-    for rank, proc in enumerate(procs):
-        out, err = proc.communicate(timeout=120)
+    for rank, (code, out, err) in enumerate(ranks.run(WORKER, scenario, folder, world)):
         reports = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        results[rank] = {"exit": proc.returncode, "stderr": err[-3000:],
-                         **{r.pop("phase"): r for r in reports}}
+        results[rank] = {"exit": code, "stderr": err[-3000:], **{r.pop("phase"): r for r in reports}}
     return results
 
 

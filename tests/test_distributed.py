@@ -4,39 +4,25 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import xlakit
+from tests import ranks
 
 pytestmark = pytest.mark.multiproc
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 DEADLINE_S, MARGIN_S = 3.0, 8.0  # the worker's timeout_s; peers may wait 5 s more for a report
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(scenario: str, folder: Path, world: int = 3) -> dict[int, dict]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": str(world)}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(folder)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    """Each rank's JSON result, or its exit status and stderr when it printed none."""
     results = {}
-    for rank, proc in enumerate(procs):
-        out, err = proc.communicate(timeout=120)
+    for rank, (code, out, err) in enumerate(ranks.run(WORKER, scenario, folder, world)):
         lines = [line for line in out.splitlines() if line.startswith("{")]
-        results[rank] = json.loads(lines[-1]) if lines else {"exit": proc.returncode,
-                                                              "stderr": err[-2000:]}
+        results[rank] = json.loads(lines[-1]) if lines else {"exit": code, "stderr": err[-2000:]}
     return results
 
 

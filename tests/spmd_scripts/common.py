@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -100,3 +101,15 @@ def timed_out_with_slow_shards(save, delay_s: float = 3.0) -> dict | None:
     finally:
         spmd.local_shards = real
     return None
+
+
+@contextlib.contextmanager
+def counting_calls(module, name: str):
+    """Count the calls of `module.name` inside the block (the list grows by one per call)."""
+    calls: list[int] = []
+    real = getattr(module, name)
+    setattr(module, name, lambda *args: calls.append(1) or real(*args))
+    try:
+        yield calls
+    finally:
+        setattr(module, name, real)

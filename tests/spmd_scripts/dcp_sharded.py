@@ -30,14 +30,11 @@ for _ in range(3):
 result["save_compiles"] = saves
 result["sharded"] = sorted(k for k, t in model.items() if spmd.is_sharded(t))
 
-calls = []
-real_local_shards = spmd.local_shards
-spmd.local_shards = lambda t: calls.append(1) or real_local_shards(t)
-before = common.compiles()
-xlakit.dcp_save(state, tmp / "small", max_inflight_bytes=16)
-result["small_batch_compiles"] = common.compiles() - before
+with common.counting_calls(spmd, "local_shards") as calls:
+    before = common.compiles()
+    xlakit.dcp_save(state, tmp / "small", max_inflight_bytes=16)
+    result["small_batch_compiles"] = common.compiles() - before
 result["small_batch_shard_copies"] = len(calls)
-spmd.local_shards = real_local_shards
 
 
 def template(place) -> dict:

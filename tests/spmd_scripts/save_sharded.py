@@ -42,14 +42,11 @@ result["mismatch_torch_load"] = mismatches(torch.load(tmp / "s.pt", map_location
                                                       weights_only=True))
 
 # Byte cap below any tensor: one tensor per batch, each sharded one assembled on its own.
-calls = []
-real_assemble = spmd.assemble
-spmd.assemble = lambda t: calls.append(1) or real_assemble(t)
-before = common.compiles()
-xlakit.save(state, tmp / "small.pt", max_inflight_bytes=16)
-result["small_batch_compiles"] = common.compiles() - before
+with common.counting_calls(spmd, "assemble") as calls:
+    before = common.compiles()
+    xlakit.save(state, tmp / "small.pt", max_inflight_bytes=16)
+    result["small_batch_compiles"] = common.compiles() - before
 result["small_batch_assembled"] = len(calls)
-spmd.assemble = real_assemble
 result["mismatch_small_batch"] = mismatches(xlakit.load(tmp / "small.pt"))
 
 # The contrast: stock .cpu() of the same sharded tensor compiles a replication program each time.

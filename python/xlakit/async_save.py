@@ -115,18 +115,12 @@ def _stage(job: _job.Job, entries: list[_tree.TensorEntry], opts: SaveOptions) -
     """Sync and copy every tensor to host memory the training loop cannot touch."""
     staged: dict[int, torch.Tensor] = {}
     viewed = []
-    for group, backend in checkpoint.stage_groups(entries):
-        job.enter("sync")
-        backend.prepare([e.tensor for e in group])
-        for batch in transfer.batches(group, opts.max_inflight_bytes):
-            job.enter("transfer", batch[0].path)
-            remaining = max(job.started + opts.timeout_s - time.monotonic(), 0.001)
-            hosts = transfer.batch_to_host(backend, batch, timeout_s=remaining)
-            for e, h in zip(batch, hosts):
-                staged[e.index] = h
-                if backend.returns_mutable_views:
-                    viewed.append(e)
-                job.advance(e.nbytes)
+    for backend, batch, hosts in checkpoint.host_batches(job, checkpoint.stage_groups(entries), opts):
+        for e, h in zip(batch, hosts):
+            staged[e.index] = h
+            if backend.returns_mutable_views:
+                viewed.append(e)
+            job.advance(e.nbytes)
     for e, dst in zip(viewed, _arena_views(viewed)):
         job.enter("stage", e.path)
         dst.copy_(staged[e.index])

@@ -16,6 +16,7 @@ import os
 import pickle
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,12 +95,29 @@ def stage_groups(entries: list[_tree.TensorEntry]) -> list[tuple[list[_tree.Tens
     return [(g, transfer.backend_for(g[0].device_type, g[0].tensor)) for g in groups]
 
 
+def host_batches(job: _job.Job, groups: list, opts: SaveOptions) -> Iterator[tuple]:
+    """Sync every group once, then yield (backend, batch, host tensors) under the job's deadline.
+
+    The caller drops each batch's host tensors before asking for the next, so
+    at most one batch (`max_inflight_bytes`) is held at a time.
+    """
+    deadline = job.started + opts.timeout_s
+    for group, backend in groups:
+        job.enter("sync")
+        backend.prepare([e.tensor for e in group])
+    for group, backend in groups:
+        for batch in transfer.batches(group, opts.max_inflight_bytes):
+            job.enter("transfer", batch[0].path)
+            remaining = max(deadline - time.monotonic(), 0.001)
+            yield backend, batch, transfer.batch_to_host(backend, batch, timeout_s=remaining)
+
+
 def write_file(entries: list[_tree.TensorEntry], pickled: bytes, final: Path, opts: SaveOptions,
-               groups: list, *, started: float | None = None, what: str = "save") -> None:
+               groups: list, *, started: float | None = None) -> None:
     """Transfer and write `groups` into `final` atomically, watched under the deadline."""
     atomic.remove_stale_temps(final)
     tmp = atomic.temp_path(final)
-    job = _job.Job(what, str(final), sum(e.nbytes for e in entries))
+    job = _job.Job("save", str(final), sum(e.nbytes for e in entries))
     if started is not None:
         job.started = started
 
@@ -120,7 +138,6 @@ def watch_for(opts: SaveOptions | LoadOptions) -> _job.Watch:
 
 def _write(job: _job.Job, groups: list, pickled: bytes, tmp: Path, final: Path,
            opts: SaveOptions) -> None:
-    deadline = job.started + opts.timeout_s
     job.enter("open")
     try:
         f = open(tmp, "xb")
@@ -129,21 +146,13 @@ def _write(job: _job.Job, groups: list, pickled: bytes, tmp: Path, final: Path,
     committed = False
     try:
         with f, _archive.ArchiveWriter(f, compute_crc32=opts.compute_crc32) as writer:
-            for group, backend in groups:
-                job.enter("sync", None)
-                backend.prepare([e.tensor for e in group])
-            job.enter("write")
             writer.write_header(pickled)
-            for group, backend in groups:
-                for batch in transfer.batches(group, opts.max_inflight_bytes):
-                    job.enter("transfer", batch[0].path)
-                    remaining = max(deadline - time.monotonic(), 0.001)
-                    hosts = transfer.batch_to_host(backend, batch, timeout_s=remaining)
-                    for entry, host in zip(batch, hosts):
-                        job.enter("write", entry.path)
-                        writer.write_tensor(entry, host)
-                        job.advance(entry.nbytes)
-                    del hosts
+            for _, batch, hosts in host_batches(job, groups, opts):
+                for entry, host in zip(batch, hosts):
+                    job.enter("write", entry.path)
+                    writer.write_tensor(entry, host)
+                    job.advance(entry.nbytes)
+                del hosts
             writer.finish()
             job.enter("commit")
             f.flush()
@@ -155,12 +164,6 @@ def _write(job: _job.Job, groups: list, pickled: bytes, tmp: Path, final: Path,
         if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
             raise
         raise atomic.write_error(e, final, stage=job.stage, bytes_done=job.bytes_done) from e
-    except RuntimeError as e:
-        # The zip writer reports the file object's OSError as a RuntimeError.
-        cause = e.__cause__ or e.__context__
-        if isinstance(cause, OSError):
-            raise atomic.write_error(cause, final, stage=job.stage, bytes_done=job.bytes_done) from e
-        raise
     finally:
         if not committed:
             atomic.discard(tmp)

@@ -36,7 +36,7 @@ class _Dies(fakes.HostTransfer):
 
 
 def _misbehave(kind: str) -> None:
-    from xlakit import transfer
+    from xlakit.checkpoint import transfer
 
     backend = _Dies() if kind == "dies" else fakes.FakeHungDevice()
     transfer.backend_for = lambda device_type, sample: backend

@@ -1,6 +1,6 @@
 """Fakes for what cannot be real here: a device that hangs or is slow, a patched torch_xla.
 
-The device fakes replace `xlakit.transfer.backend_for` (the one seam) and
+The device fakes replace `xlakit.checkpoint.transfer.backend_for` (the one seam) and
 otherwise behave like the CPU backend, so everything around the transfer is
 the real code. `FakePatchedXLAC` wraps the real stock `_XLAC` and adds the
 bindings only the patched build has.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from xlakit.transfer import HostTransfer
+from xlakit.checkpoint.transfer import HostTransfer
 
 
 class FakeSlowDevice(HostTransfer):
@@ -56,7 +56,7 @@ class FakeHungDevice(HostTransfer):
 
 
 def install(monkeypatch, backend: HostTransfer) -> None:
-    from xlakit import transfer
+    from xlakit.checkpoint import transfer
 
     monkeypatch.setattr(transfer, "backend_for", lambda device_type, sample: backend)
 

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 import xlakit
-from xlakit import async_save, checkpoint
+from xlakit.checkpoint import background, pipeline
 
 
 @pytest.fixture(autouse=True)
 def no_pending_save():
     yield
-    pending = async_save._pending
+    pending = background._pending
     if pending is not None:
-        pending._thread.join(30)
-        async_save._pending = None
+        pending._finished.wait(30)
+        background._pending = None
 
 
 def test_state_changed_after_return_is_saved_as_it_was(tmp_path):
@@ -33,20 +33,20 @@ def test_state_changed_after_return_is_saved_as_it_was(tmp_path):
 def test_staging_arena_is_reused_across_saves(tmp_path):
     state = {"a": torch.ones(1000), "b": torch.arange(10)}
     xlakit.save(state, tmp_path / "1.pt", asynchronous=True).result(30)
-    arena = async_save._arena.data_ptr()
+    arena = background._arena.data_ptr()
     xlakit.save(state, tmp_path / "2.pt", asynchronous=True).result(30)
-    assert async_save._arena.data_ptr() == arena
+    assert background._arena.data_ptr() == arena
 
 
 def _gate_write(monkeypatch, before):
     """Run `before()` in the background thread just before the real write starts."""
-    real = checkpoint.write_file
+    real = pipeline.write
 
     def gated(*args, **kwargs):
         before()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "write_file", gated)
+    monkeypatch.setattr(pipeline, "write", gated)
 
 
 def test_background_failure_surfaces_on_result(tmp_path, monkeypatch):
@@ -64,7 +64,7 @@ def test_unasked_background_failure_is_raised_by_the_next_save(tmp_path, monkeyp
     folder.mkdir()
     _gate_write(monkeypatch, lambda: folder.rmdir())
     handle = xlakit.save({"w": torch.ones(4)}, folder / "c.pt", asynchronous=True)
-    handle._thread.join(30)
+    handle._finished.wait(30)
     monkeypatch.undo()
     with pytest.raises(xlakit.CheckpointAsyncError, match="never asked") as info:
         xlakit.save({"w": torch.ones(4)}, tmp_path / "next.pt")

@@ -60,16 +60,16 @@ def test_kill_9_at_random_moments_never_leaves_a_torn_file(tmp_path):
 
 
 def test_leftovers_of_live_processes_are_not_touched(tmp_path):
-    from xlakit import atomic
+    from xlakit.checkpoint import paths
 
     path = tmp_path / "ckpt.pt"
-    mine = atomic.temp_path(path)
+    mine = paths.temp_path(path)
     mine.write_bytes(b"in progress")
     dead = path.with_name(mine.name.replace(f".{os.getpid()}.", ".999999999."))
     dead.write_bytes(b"torn")
     other_host = path.with_name(".ckpt.pt.elsewhere.1.abcd1234.xlakit-tmp")
     other_host.write_bytes(b"theirs")
-    assert atomic.remove_stale_temps(path) == [dead]
+    assert paths.remove_stale_temps(path.parent, stem=path.name) == [dead]
     assert mine.exists() and other_host.exists() and not dead.exists()
 
 

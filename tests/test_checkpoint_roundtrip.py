@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import xlakit
-from xlakit._archive import tensor_bytes
+from xlakit.checkpoint.archive import tensor_bytes
 
 from tests import fakes
 
@@ -109,7 +109,7 @@ def test_tensor_subclasses_and_meta_tensors_are_refused(tmp_path):
 
 
 def test_options_are_validated_and_unknown_names_listed(tmp_path):
-    with pytest.raises(ValueError, match="timeout_s must be positive"):
+    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds, got 0"):
         xlakit.SaveOptions(timeout_s=0)
     with pytest.raises(TypeError, match=r"unknown option\(s\) timeout\b.*valid: .*timeout_s"):
         xlakit.save({}, tmp_path / "c.pt", timeout=3)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import xlakit
-from xlakit import _archive, transfer
+from xlakit.checkpoint import archive, transfer
 
 pytestmark = pytest.mark.xla
 
@@ -53,8 +53,8 @@ def _host_copy(state):
 def _assert_bit_exact(expected, actual):
     if isinstance(expected, torch.Tensor):
         assert expected.dtype == actual.dtype and expected.shape == actual.shape
-        assert bytes(_archive.tensor_bytes(expected.contiguous())) == bytes(
-            _archive.tensor_bytes(actual.contiguous()))
+        assert bytes(archive.tensor_bytes(expected.contiguous())) == bytes(
+            archive.tensor_bytes(actual.contiguous()))
     elif isinstance(expected, dict):
         assert list(expected) == list(actual)
         for k in expected:

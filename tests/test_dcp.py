@@ -18,7 +18,7 @@ import torch
 import xlakit
 from tests import fakes
 from tests.spmd_run import run_scenario
-from xlakit import _dirs, _job, atomic
+from xlakit.checkpoint import folders, operation, paths
 
 
 def _state(value: float) -> dict:
@@ -38,7 +38,7 @@ def _assert_loaded(state: dict, value: float) -> None:
 
 
 def _temps(folder) -> list[str]:
-    return [n for n in os.listdir(folder) if n.endswith(atomic.TMP_SUFFIX)]
+    return [n for n in os.listdir(folder) if n.endswith(paths.TMP_SUFFIX)]
 
 
 def test_round_trip_and_replace_committed_checkpoint(tmp_path):
@@ -49,7 +49,7 @@ def test_round_trip_and_replace_committed_checkpoint(tmp_path):
     xlakit.dcp_load(state, path)
     _assert_loaded(state, 2.0)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-    assert _dirs.COMMIT_RECORD in os.listdir(path)
+    assert folders.COMMIT_RECORD in os.listdir(path)
 
 
 @pytest.mark.xla
@@ -71,7 +71,7 @@ def test_folder_without_commit_record_is_refused_then_replaced(tmp_path):
     # Regression guard: a DCP folder whose save died before finishing must never load.
     path = tmp_path / "ckpt"
     xlakit.dcp_save(_state(1.0), path)
-    os.unlink(path / _dirs.COMMIT_RECORD)
+    os.unlink(path / folders.COMMIT_RECORD)
     with pytest.raises(xlakit.CheckpointIncompleteError, match="no commit record") as info:
         xlakit.dcp_load(_template(), path)
     assert ".metadata" in str(info.value)
@@ -96,7 +96,7 @@ def test_sharded_save_folder_is_told_apart_from_a_dcp_folder(tmp_path):
     # Both layouts name their commit record xlakit-commit.json; the format field decides.
     path = tmp_path / "ckpt"
     path.mkdir()
-    (path / _dirs.COMMIT_RECORD).write_text('{"format": "xlakit-sharded", "version": 1}')
+    (path / folders.COMMIT_RECORD).write_text('{"format": "xlakit-sharded", "version": 1}')
     with pytest.raises(xlakit.CheckpointFormatError, match="load it with xlakit.load"):
         xlakit.dcp_load(_template(), path)
 
@@ -122,7 +122,7 @@ def test_write_failure_inside_dcp_keeps_previous_and_leaves_no_temporary(tmp_pat
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_dirs, "write_commit_record", full)
+    monkeypatch.setattr(folders, "write_commit_record", full)
     with pytest.raises(xlakit.CheckpointWriteError, match="no space") as info:
         xlakit.dcp_save(_state(2.0), path)
     assert info.value.errno == 28
@@ -135,7 +135,7 @@ def test_write_failure_inside_dcp_keeps_previous_and_leaves_no_temporary(tmp_pat
 def test_next_save_removes_temporaries_of_dead_processes(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    stale = tmp_path / f".ckpt.{atomic._host()}.{dead}.0badcafe{atomic.TMP_SUFFIX}"
+    stale = tmp_path / f".ckpt.{paths.host()}.{dead}.0badcafe{paths.TMP_SUFFIX}"
     stale.mkdir()
     (stale / "__0_0.distcp").write_bytes(b"half")
     xlakit.dcp_save(_state(1.0), tmp_path / "ckpt")
@@ -161,7 +161,7 @@ def test_hung_transfer_times_out_and_keeps_previous(tmp_path, monkeypatch):
         hung.release()
     assert 0.5 <= elapsed < 0.5 + 1.5
     assert info.value.stage == "transfer" and info.value.tensor == "model.w"
-    assert _job.wait_for_abandoned(10)
+    assert operation.wait_until_idle(10)
     assert _temps(tmp_path) == []
     loaded = _template()
     xlakit.dcp_load(loaded, path)

@@ -17,7 +17,7 @@ import torch
 import xlakit
 from tests import ranks
 from tests.dcp_worker import DEADLINE_S
-from xlakit import _dirs
+from xlakit.checkpoint import folders
 
 pytestmark = pytest.mark.multiproc
 WORKER = Path(__file__).resolve().parent / "dcp_worker.py"
@@ -61,7 +61,7 @@ def test_two_ranks_save_three_ranks_load_resharded_bit_exactly(tmp_path):
     assert all("save" in r for r in saved.values()), saved
     # One folder for the job, committed once: every rank's files are in its record.
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-    record = json.loads((tmp_path / "ckpt" / _dirs.COMMIT_RECORD).read_text())
+    record = json.loads((tmp_path / "ckpt" / folders.COMMIT_RECORD).read_text())
     assert sorted(record["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     loaded = run_ranks("load", tmp_path, world=3)
     for rank, r in loaded.items():

@@ -62,8 +62,8 @@ def test_a_stalled_rank_times_out_and_the_others_name_it(tmp_path):
     assert results[2]["error"] == "CheckpointTimeoutError" and "stage 'transfer'" in results[2]["message"]
     for rank in (0, 1):
         r = results[rank]
-        assert r["error"] == "CheckpointPeerError" and "rank 2:" in r["message"], r
-        assert r["rank_named"] == 2
+        assert r["error"] == "CheckpointTimeoutError" and r["rank_named"] == 2, r
+        assert "rank(s) [2]" in r["message"] or "rank 2:" in r["message"], r
         assert r["elapsed_s"] < DEADLINE_S + MARGIN_S
     assert all(r["previous_version"] == 1 for r in results.values())
 
@@ -73,8 +73,9 @@ def test_a_dead_replicated_writer_is_named_by_the_waiting_ranks(tmp_path):
     results = run_ranks("replicated-0-dies", tmp_path, world=2)
     assert results[0]["exit"] == 17
     r = results[1]
-    assert r.get("error") in ("CheckpointTimeoutError",), r
-    assert "rank 0" in r["message"] and r["elapsed_s"] < DEADLINE_S + MARGIN_S
+    # Rank 0 hosts the job's store here: its death is seen at once, as a peer that is gone.
+    assert r.get("error") in ("CheckpointTimeoutError", "CheckpointPeerError"), r
+    assert r["rank_named"] == 0 and "rank 0" in r["message"] and r["elapsed_s"] < DEADLINE_S + MARGIN_S
     assert torch.equal(xlakit.load(tmp_path / "ckpt.pt")["w"], torch.full((1000,), 10.0))
 
 
@@ -91,10 +92,9 @@ def test_a_folder_without_commit_record_is_refused(tmp_path):
     folder = tmp_path / "ckpt"
     folder.mkdir()
     xlakit.save({"w": torch.ones(2)}, folder / "shard-00000-of-00001.x.pt")
-    with pytest.raises(xlakit.CheckpointIncompleteError, match="no commit record"):
-        xlakit.load(folder, shard=0)
-    with pytest.raises(xlakit.XlakitError, match="pass shard=N"):
-        xlakit.load(folder)
+    for shard in (0, None):
+        with pytest.raises(xlakit.CheckpointIncompleteError, match="no commit record.*interrupted sharded"):
+            xlakit.load(folder, shard=shard)
 
 
 def test_coordinated_layout_without_torch_distributed_says_how_to_fix(tmp_path):
@@ -103,20 +103,21 @@ def test_coordinated_layout_without_torch_distributed_says_how_to_fix(tmp_path):
 
 
 def test_a_dcp_folder_is_not_read_as_a_sharded_checkpoint(tmp_path):
-    from xlakit import _dirs
+    from xlakit.checkpoint import folders
 
     folder = tmp_path / "dcp"
     folder.mkdir()
-    (folder / "xlakit-commit.json").write_text(json.dumps({"format": _dirs.FORMAT, "files": {}}))
+    (folder / "xlakit-commit.json").write_text(json.dumps({"format": folders.DCP_FORMAT, "files": {}}))
     with pytest.raises(xlakit.CheckpointFormatError, match="load it with xlakit.dcp_load"):
         xlakit.load(folder, shard=0)
 
 
-def test_stale_temporary_folders_are_left_to_their_own_cleanup(tmp_path):
-    from xlakit import atomic
+def test_stale_temporary_folders_of_dead_processes_are_removed_too(tmp_path):
+    from xlakit.checkpoint import paths
 
     final = tmp_path / "ckpt"
-    stale = atomic.temp_path(final)
+    stale = paths.temp_path(final)
     stale = stale.with_name(stale.name.replace(f".{os.getpid()}.", ".999999999."))
     stale.mkdir()
-    assert atomic.remove_stale_temps(final) == [] and stale.is_dir()
+    (stale / "shard").write_bytes(b"x")
+    assert paths.remove_stale_temps(tmp_path, stem="ckpt") == [stale] and not stale.exists()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.spmd_run import run_scenario
-from xlakit import spmd
+from xlakit.checkpoint import spmd
 
 pytestmark = pytest.mark.xla
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import xlakit
-from xlakit import transfer
-from xlakit._tree import TensorEntry
+from xlakit.checkpoint import transfer
+from xlakit.checkpoint.state import StorageEntry
 
 
 @pytest.mark.parametrize("make", [
@@ -25,7 +25,7 @@ def test_byte_span_copy_of_any_view_matches_contiguous(make):
 
 
 def test_batches_respect_the_cap_and_keep_order():
-    entries = [TensorEntry(i, f"t{i}", torch.empty(n)) for i, n in enumerate([10, 10, 30, 5, 5, 5])]
+    entries = [StorageEntry(i, f"t{i}", torch.empty(n)) for i, n in enumerate([10, 10, 30, 5, 5, 5])]
     plan = [[e.index for e in b] for b in transfer.batches(entries, 80)]
     assert plan == [[0, 1], [2], [3, 4, 5]]  # 40+40 bytes, then a 120-byte tensor alone
 

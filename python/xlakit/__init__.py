@@ -7,7 +7,7 @@ patched binding exists it is used, otherwise the stock path that behaves best.
 from xlakit._version import __version__
 from xlakit.compile_cache import cache_stats, enable_persistent_cache
 from xlakit.contract import check_run_contract
-from xlakit.options import LoadOptions, Progress, SaveOptions
+from xlakit.checkpoint.options import LoadOptions, Progress, SaveOptions
 from xlakit.errors import (
     CheckpointAsyncError,
     CheckpointBusyError,
@@ -29,10 +29,12 @@ from xlakit._manifest import log_manifest, manifest, manifest_line
 from xlakit.memory import MemoryInfo, memory_info
 
 # Loaded on first use so that `import xlakit` (and the CLI) works where torch is
-# missing or broken; `xlakit doctor` has to run exactly there. The DCP pair also
-# spares everyone else torch.distributed.checkpoint's import (~0.3 s).
-_LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint", "SaveHandle": "xlakit.async_save",
-         "dcp_save": "xlakit.dcp", "dcp_load": "xlakit.dcp"}
+# missing or broken; `xlakit doctor` has to run exactly there. The checkpoint
+# package itself imports torch and torch.distributed.checkpoint (~0.3 s) only
+# inside its functions.
+_LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint", "dcp_save": "xlakit.checkpoint",
+         "dcp_load": "xlakit.checkpoint", "wait_until_idle": "xlakit.checkpoint",
+         "SaveHandle": "xlakit.checkpoint.background"}
 
 
 def __getattr__(name: str):
@@ -49,6 +51,7 @@ __all__ = [
     "load",
     "dcp_save",
     "dcp_load",
+    "wait_until_idle",
     "SaveOptions",
     "LoadOptions",
     "Progress",

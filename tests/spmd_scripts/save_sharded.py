@@ -4,7 +4,7 @@ import torch
 
 import common
 import xlakit
-from xlakit import _archive, spmd
+from xlakit.checkpoint import archive, spmd
 
 tmp = common.args()
 src = common.sources()
@@ -21,7 +21,7 @@ def mismatches(loaded: dict) -> list[str]:
     for k, want in expected.items():
         got = loaded.get(k)
         if got is None or got.dtype != want.dtype or got.shape != want.shape or bytes(
-                _archive.tensor_bytes(got.contiguous())) != bytes(_archive.tensor_bytes(want)):
+                archive.tensor_bytes(got.contiguous())) != bytes(archive.tensor_bytes(want)):
             bad.append(k)
     return bad
 

@@ -2,12 +2,16 @@
 
 Defaults come from the environment (`_knobs`) when a field is not given, so a
 job can raise every save's timeout with one variable; an explicit argument
-always wins.
+always wins. Every field is checked for its type, range and combination with
+the others when the options are built, before any work starts: a wrong option
+is a `TypeError` or `ValueError` naming the option, what it got and what it
+accepts, never a save that does something else than asked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,12 +43,37 @@ class Progress:
 
 
 ProgressCallback = Callable[[Progress], None]
-LAYOUTS = ("single", "replicated", "sharded")
+SAVE_LAYOUTS = ("single", "replicated", "sharded")
+LOAD_LAYOUTS = ("auto", "single", "replicated")
 
 
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
+def _bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def _seconds(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def _count(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value!r}")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _callback(value: object) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"progress_callback must be callable or None, got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -56,13 +85,15 @@ class SaveOptions:
         max_inflight_bytes: cap on tensor bytes held on the host at once.
         stall_warning_s: warn when no progress was made for this long.
         progress_interval_s: log progress of long saves at this interval.
-        progress_callback: called with a `Progress` while the save runs and at the end.
+        progress_callback: called with a `Progress` while the save runs and at the end;
+            an exception it raises cancels the save.
         asynchronous: return once the state is staged in host memory; the write and
             commit run in the background under the same deadline (see `SaveHandle`).
+            Works with every layout.
         layout: "single" (this process writes `path`), "replicated" (every rank of a
             torch.distributed job passes the same state; `writer_rank` writes it) or
             "sharded" (every rank writes its own state as a shard of folder `path`).
-        writer_rank: the rank that writes a replicated checkpoint.
+        writer_rank: the rank that writes a replicated checkpoint (layout "replicated" only).
         compute_crc32: also fill in the zip CRC32 fields. Off by default: torch.load
             never checks them, xlakit's xxh3 checksums cover every byte, and they
             cost ~0.4 s per GB; turn on for generic zip tools (`unzip -t`).
@@ -80,16 +111,18 @@ class SaveOptions:
     writer_rank: int = 0
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
-        if self.asynchronous and self.layout != "single":
-            raise ValueError("asynchronous=True works with layout='single' only (for now)")
-        _positive("timeout_s", self.timeout_s)
-        _positive("max_inflight_bytes", self.max_inflight_bytes)
-        _positive("stall_warning_s", self.stall_warning_s)
-        _positive("progress_interval_s", self.progress_interval_s)
-        if self.progress_callback is not None and not callable(self.progress_callback):
-            raise TypeError(f"progress_callback must be callable, got {type(self.progress_callback).__name__}")
+        _seconds("timeout_s", self.timeout_s)
+        _count("max_inflight_bytes", self.max_inflight_bytes, minimum=1)
+        _seconds("stall_warning_s", self.stall_warning_s)
+        _seconds("progress_interval_s", self.progress_interval_s)
+        _callback(self.progress_callback)
+        _bool("compute_crc32", self.compute_crc32)
+        _bool("asynchronous", self.asynchronous)
+        _choice("layout", self.layout, SAVE_LAYOUTS)
+        _count("writer_rank", self.writer_rank, minimum=0)
+        if self.writer_rank != 0 and self.layout != "replicated":
+            raise ValueError(f"writer_rank={self.writer_rank} applies to layout='replicated' only "
+                             f"(layout is {self.layout!r}); drop it or use layout='replicated'")
 
 
 @dataclass(frozen=True)
@@ -97,14 +130,14 @@ class LoadOptions:
     """How `xlakit.load` runs.
 
     Attributes:
-        verify: check every checksum before returning (refuses files without them).
+        verify: check every checksum (refuses files without them).
         timeout_s: deadline for the whole load.
         mmap: map tensor data from the file instead of reading it into memory.
         stall_warning_s, progress_interval_s, progress_callback: as for saving.
         layout: "auto" (a folder is a sharded checkpoint, a file is read by this process
-            alone) or "replicated" (every rank of the job reads the file; all succeed or
-            all raise).
-        shard: read this one shard of a sharded checkpoint, without coordination.
+            alone), "single" (this process alone) or "replicated" (every rank of the job
+            reads the file; all succeed or all raise).
+        shard: read this one shard of a sharded checkpoint folder, without coordination.
     """
 
     verify: bool = True
@@ -118,11 +151,18 @@ class LoadOptions:
     shard: int | None = None
 
     def __post_init__(self) -> None:
-        if self.layout not in ("auto", "single", "replicated"):
-            raise ValueError(f"layout must be auto, single or replicated, got {self.layout!r}")
-        _positive("timeout_s", self.timeout_s)
-        _positive("stall_warning_s", self.stall_warning_s)
-        _positive("progress_interval_s", self.progress_interval_s)
+        _bool("verify", self.verify)
+        _seconds("timeout_s", self.timeout_s)
+        _bool("mmap", self.mmap)
+        _seconds("stall_warning_s", self.stall_warning_s)
+        _seconds("progress_interval_s", self.progress_interval_s)
+        _callback(self.progress_callback)
+        _choice("layout", self.layout, LOAD_LAYOUTS)
+        if self.shard is not None:
+            _count("shard", self.shard, minimum=0)
+            if self.layout == "replicated":
+                raise ValueError("shard=N reads one shard without coordination; it cannot be combined "
+                                 "with layout='replicated'")
 
 
 def resolve(cls: type, options: Any, overrides: dict[str, Any]) -> Any:

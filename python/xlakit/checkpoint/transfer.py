@@ -10,10 +10,10 @@ One backend per device type, chosen once per save:
   copies at ~0.1-0.2 GB/s); other clients use `_xla_get_cpu_tensors`.
   SPMD-sharded tensors go to `spmd.py` (local shards, assembled on the host)
   unless the patched binding is there to do it.
-* CUDA (and other accelerators with storages): copied into host tensors; a
-  non-contiguous tensor is copied as the raw byte span of its storage and
-  compacted on the host, so nothing is ever cloned on the device.
-* CPU: used in place (made contiguous on the host when it is a view).
+* CUDA (and other accelerators with storages): each storage is copied whole
+  into a host buffer (the plan hands whole storages as uint8 tensors), so
+  nothing is ever cloned on the device.
+* CPU: used in place.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from xlakit import _features, _knobs, spmd
-from xlakit._tree import TensorEntry
+from xlakit import _features, _knobs
+from xlakit.checkpoint import spmd
+from xlakit.checkpoint.state import StorageEntry
+from xlakit.errors import CheckpointTimeoutError
 
 log = logging.getLogger("xlakit")
 
@@ -48,20 +50,10 @@ class HostTransfer:
 
 
 def copy_to_host(t: torch.Tensor) -> torch.Tensor:
-    """Copy a tensor with a storage to a contiguous host tensor, never cloning it on its device."""
-    t = t.detach()
-    if t.is_contiguous():
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        host.copy_(t)
-        return host
-    # Copy the byte span the view covers (contiguous on the device), compact it on the host.
-    esize = t.element_size()
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
-    raw = torch.empty(0, dtype=torch.uint8, device=t.device)
-    raw.set_(t.untyped_storage(), t.storage_offset() * esize, (span * esize,), (1,))
-    host_raw = torch.empty(span * esize, dtype=torch.uint8, device="cpu")
-    host_raw.copy_(raw)
-    return host_raw.view(t.dtype).as_strided(t.shape, t.stride(), 0).contiguous()
+    """Copy a contiguous device tensor into a new host tensor, never cloning it on its device."""
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    host.copy_(t.detach())
+    return host
 
 
 class DeviceTransfer(HostTransfer):
@@ -163,11 +155,9 @@ def backend_for(device_type: str, sample: torch.Tensor) -> HostTransfer:
     return DeviceTransfer()
 
 
-def batch_to_host(backend: HostTransfer, batch: Sequence[TensorEntry], *,
+def batch_to_host(backend: HostTransfer, batch: Sequence[StorageEntry], *,
                   timeout_s: float) -> list[torch.Tensor]:
     """`backend.to_host` for entries; a runtime's own deadline error names the batch's tensors."""
-    from xlakit.errors import CheckpointTimeoutError
-
     try:
         return backend.to_host([e.tensor for e in batch], timeout_s=timeout_s)
     except CheckpointTimeoutError:
@@ -179,9 +169,9 @@ def batch_to_host(backend: HostTransfer, batch: Sequence[TensorEntry], *,
             stage="transfer", tensor=batch[0].path) from e
 
 
-def batches(entries: Sequence[TensorEntry], max_bytes: int) -> Iterator[list[TensorEntry]]:
+def batches(entries: Sequence[StorageEntry], max_bytes: int) -> Iterator[list[StorageEntry]]:
     """Consecutive groups of at most `max_bytes` (a larger tensor travels alone)."""
-    batch: list[TensorEntry] = []
+    batch: list[StorageEntry] = []
     size = 0
     for e in entries:
         if batch and size + e.nbytes > max_bytes:

@@ -12,7 +12,6 @@ folders too.
 from __future__ import annotations
 
 import io
-import time
 from typing import Any
 
 import torch
@@ -23,17 +22,19 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.utils._pytree import tree_leaves
 
-from xlakit import _features, _job, spmd, transfer
-from xlakit._tree import TensorEntry
-from xlakit.options import SaveOptions
+from xlakit import _features
+from xlakit.checkpoint import spmd, transfer
+from xlakit.checkpoint.operation import Operation
+from xlakit.checkpoint.options import SaveOptions
+from xlakit.checkpoint.state import StorageEntry
 
 
 class SavePlanner(DefaultSavePlanner):
     """DCP's default planner, with device tensors written as local shards pulled in batches."""
 
-    def __init__(self, job: _job.Job, opts: SaveOptions):
+    def __init__(self, op: Operation, opts: SaveOptions):
         super().__init__()
-        self.job, self.opts = job, opts
+        self.op, self.opts = op, opts
         self.staged: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
@@ -63,9 +64,9 @@ class SavePlanner(DefaultSavePlanner):
         key = (fqn, tuple(write_item.index.offset))
         if key not in self.staged:
             self._stage_from(fqn)
-        self.job.enter("write", fqn)
+        self.op.enter("write", fqn)
         host = self.staged.pop(key)
-        self.job.advance(host.numel() * host.element_size())
+        self.op.advance(host.numel() * host.element_size())
         return host
 
     def _stage_from(self, fqn: str) -> None:
@@ -77,16 +78,16 @@ class SavePlanner(DefaultSavePlanner):
                 break
             batch.append(name)
             size += nbytes
-        self.job.enter("transfer", fqn)
+        self.op.enter("transfer", fqn)
         plain = [n for n in batch if not spmd.is_sharded(self.state_dict[n])]
         for name in batch:
             if name not in plain:
                 for data, idx in spmd.local_shards(self.state_dict[name]):
                     self.staged[(name, tuple(s.start for s in idx))] = data
         if plain:
-            entries = [TensorEntry(i, n, self.state_dict[n]) for i, n in enumerate(plain)]
+            entries = [StorageEntry(i, n, self.state_dict[n]) for i, n in enumerate(plain)]
             backend = transfer.backend_for(entries[0].device_type, entries[0].tensor)
-            left = max(self.job.started + self.opts.timeout_s - time.monotonic(), 0.001)
+            left = max(self.op.remaining(), 0.001)
             for name, host in zip(plain, transfer.batch_to_host(backend, entries, timeout_s=left)):
                 self.staged[(name, (0,) * host.dim())] = host
 

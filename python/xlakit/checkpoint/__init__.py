@@ -1,0 +1,255 @@
+"""Checkpoints: the public entry points, on top of the pipeline they drive.
+
+Reading order, top-down:
+
+* here: `save`, `load`, `dcp_save`, `dcp_load`, `wait_until_idle` (options
+  resolved, then handed to the layout that runs them);
+* `pipeline.py`: one file saved through plan, sync, transfer, write, commit;
+  `loading.py`: one file verified and read; `background.py`: the same save
+  with its write and commit in the background;
+* `ranks.py` (replicated and sharded layouts) and `dcp.py` / `dcp_ranks.py`
+  (torch.distributed.checkpoint folders), over `agreement.py` (what every
+  rank agrees on before anything is deleted or committed);
+* below them: `operation.py` (deadline, cancellation, commit point), `state.py`
+  (the plan of tensors and storages), `archive.py` (the file format),
+  `transfer.py` / `spmd.py` (device to host), `paths.py` / `folders.py`
+  (temporary names, atomic replacement, commit records), `options.py`.
+
+Nothing heavy is imported until a function is called, so `import xlakit`
+works where torch is missing or broken.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from xlakit.checkpoint.options import LoadOptions, SaveOptions, resolve
+
+if TYPE_CHECKING:
+    from xlakit.checkpoint.background import SaveHandle
+
+
+def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = None,
+         **overrides: Any) -> "SaveHandle | None":
+    """Save a training state atomically, verified and within one deadline.
+
+    The save is owned by the caller: if the caller sees any exception while it
+    runs (its deadline, Ctrl-C, a progress callback that raises), it is
+    cancelled and never commits; the previous checkpoint stays.
+
+    Args:
+        obj: nested state: dicts/lists/tuples of tensors (XLA, CUDA or CPU), numbers,
+            strings, bools, None; e.g. ``{"model": m.state_dict(), "step": 10}``.
+            Tensors sharing a storage are written once and load back sharing it.
+        path: the checkpoint file (its folder must exist), or with ``layout="sharded"``
+            the checkpoint folder.
+        options: a `SaveOptions`; keyword overrides (``timeout_s=600``) win over it.
+            ``layout="replicated"|"sharded"`` coordinates the ranks of a torch.distributed
+            job; ``asynchronous=True`` returns once the state is on the host.
+
+    Returns:
+        None, or with ``asynchronous=True`` a `SaveHandle` whose ``result()`` raises
+        what the background write raised.
+
+    Raises:
+        CheckpointTimeoutError: the deadline passed (stage, tensor and bytes named).
+        CheckpointSerializationError: `obj` holds something a weights-only file cannot.
+        CheckpointWriteError: a folder as target, no folder, no permission, disk full.
+        CheckpointPeerError: (coordinated) another rank failed or disagrees; it is named.
+        CheckpointBusyError: an asynchronous save is still writing, or a cancelled one
+            is stuck in the runtime.
+        CheckpointAsyncError: an earlier asynchronous save failed and nobody asked.
+
+    Example:
+        >>> import torch, xlakit
+        >>> xlakit.save({"w": torch.ones(2)}, getfixture("tmp_path") / "ckpt.pt")
+    """
+    from xlakit.checkpoint import background, operation, pipeline
+
+    opts: SaveOptions = resolve(SaveOptions, options, overrides)
+    final = Path(path)
+    background.check_previous()  # an unseen background failure speaks first
+    if opts.layout != "single":
+        from xlakit.checkpoint import ranks
+
+        return ranks.save(obj, final, opts)  # checks for busy work on every rank, and tells them
+    operation.check_idle()
+    if opts.asynchronous:
+        return background.save_file(obj, final, opts)
+    pipeline.save_file(obj, final, opts)
+    return None
+
+
+def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overrides: Any) -> Any:
+    """Load a checkpoint after verifying every checksum; tensors come back on the CPU.
+
+    Weights-only: no pickled code is ever run. Move tensors to the device with
+    ``model.load_state_dict(state)`` as usual.
+
+    Args:
+        path: a file written by `xlakit.save` (with ``verify=False``, any torch.save file),
+            or the folder of a sharded checkpoint: inside the job each rank gets its own
+            shard (all ranks load, or all raise); elsewhere pass ``shard=N``.
+        options: a `LoadOptions`; keyword overrides (``verify=False``) win over it.
+
+    Raises:
+        CheckpointCorruptError: a checksum does not match (the tensor is named), or the
+            file is truncated or not an archive.
+        CheckpointFormatError: the file has no xlakit checksums and `verify` is on, was
+            written by a newer xlakit, or the folder is a DCP checkpoint.
+        CheckpointIncompleteError: the folder has no commit record (an interrupted save).
+        CheckpointTimeoutError: the deadline passed.
+
+    Example:
+        >>> import torch, xlakit
+        >>> p = getfixture("tmp_path") / "ckpt.pt"
+        >>> xlakit.save({"w": torch.ones(2)}, p)
+        >>> xlakit.load(p)["w"]
+        tensor([1., 1.])
+    """
+    from xlakit.checkpoint import loading
+
+    opts: LoadOptions = resolve(LoadOptions, options, overrides)
+    final = Path(path)
+    if final.is_dir():
+        return _load_folder(final, opts)
+    if opts.shard is not None:
+        raise ValueError(f"shard={opts.shard} reads one shard of a sharded checkpoint folder; {final} "
+                         f"is {'a file' if final.exists() else 'missing'}")
+    if opts.layout == "replicated":
+        from xlakit.checkpoint import ranks
+
+        return ranks.load(final, opts)
+    return loading.load_file(final, opts)
+
+
+def _load_folder(folder: Path, opts: LoadOptions) -> Any:
+    from xlakit.checkpoint import agreement, ranks
+
+    ranks.read_commit(folder)  # refuses what is not a committed sharded checkpoint, saying what it is
+    if opts.shard is not None:
+        return ranks.load_shard(folder, opts.shard, opts)
+    if agreement.world_size() == 1:
+        from xlakit.errors import CheckpointFormatError
+
+        raise CheckpointFormatError(f"{folder} is a sharded checkpoint: inside the job that wrote it "
+                                    f"each rank loads its own shard; elsewhere pass shard=N to read one")
+    return ranks.load(folder, opts)
+
+
+def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | None = None,
+             **overrides: Any) -> None:
+    """Save (sharded) XLA state as a torch.distributed.checkpoint folder, atomically.
+
+    Args:
+        state: a (nested) state dict; tensors may be SPMD-sharded XLA tensors,
+            other XLA tensors or CPU tensors, beside plain values.
+        path: the checkpoint folder; its parent must exist. An existing checkpoint
+            there (committed or not) is replaced only once the new one is durable.
+            Under torch.distributed every rank passes the same path, on storage
+            every rank sees; rank 0 commits once every rank's files are durable.
+        options: a `SaveOptions` (``compute_crc32``, ``asynchronous`` and ``layout``
+            do not apply); keyword overrides win.
+
+    Raises:
+        CheckpointTimeoutError: the deadline passed (stage and tensor named).
+        CheckpointWriteError: no folder, no permission, disk full, or `path` holds
+            files that are not a checkpoint's (they are never deleted).
+        CheckpointPeerError: (several ranks) another rank failed or disagrees; it is
+            named. A rank that died or stalled is named by a CheckpointTimeoutError.
+
+    Example:
+        >>> import torch, xlakit
+        >>> xlakit.dcp_save({"w": torch.ones(2)}, getfixture("tmp_path") / "ckpt")
+    """
+    opts: SaveOptions = resolve(SaveOptions, options, overrides)
+    for name, given in (("compute_crc32", opts.compute_crc32), ("asynchronous", opts.asynchronous),
+                        ("layout", opts.layout != "single")):
+        if given:
+            raise ValueError(f"{name} applies to xlakit.save, not to dcp_save (DCP folders are "
+                             f"always sharded by rank and written synchronously)")
+    from xlakit.checkpoint import agreement, background
+
+    background.check_previous()
+    if agreement.world_size() > 1:
+        from xlakit.checkpoint import dcp_ranks
+
+        return dcp_ranks.save(state, Path(path), opts)
+    from xlakit.checkpoint import dcp
+
+    dcp.save(state, Path(path), opts)
+    return None
+
+
+def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | None = None,
+             **overrides: Any) -> None:
+    """Load a folder written by `dcp_save` into `state`, in place, resharding as needed.
+
+    Each tensor of `state` receives the saved values in its own placement: an
+    SPMD-sharded XLA tensor keeps its sharding (which may differ from the saved
+    one, on another mesh or device count), a CPU tensor is filled on the host.
+    Under torch.distributed every rank calls it; the job may have another world
+    size than the one that saved, and DTensors another mesh and placement.
+
+    Args:
+        state: the template: a state dict with tensors of the saved shapes and dtypes.
+        path: the checkpoint folder.
+        options: a `LoadOptions` (``mmap``, ``layout`` and ``shard`` do not apply);
+            ``verify`` checks every file against the commit record first.
+
+    Raises:
+        CheckpointIncompleteError: the folder has no commit record (an interrupted
+            save, or one not written by xlakit).
+        CheckpointCorruptError: a file is missing, truncated or fails its checksum.
+        CheckpointTimeoutError: the deadline passed; `state` may be partly loaded.
+        CheckpointPeerError: (several ranks) another rank failed; it is named.
+
+    Example:
+        >>> import torch, xlakit
+        >>> p = getfixture("tmp_path") / "ckpt"
+        >>> xlakit.dcp_save({"w": torch.ones(2)}, p)
+        >>> state = {"w": torch.zeros(2)}
+        >>> xlakit.dcp_load(state, p)
+        >>> state["w"]
+        tensor([1., 1.])
+    """
+    opts: LoadOptions = resolve(LoadOptions, options, overrides)
+    for name, given in (("mmap", opts.mmap), ("layout", opts.layout != "auto"),
+                        ("shard", opts.shard is not None)):
+        if given:
+            raise ValueError(f"{name} applies to xlakit.load's files, not to DCP folders")
+    from xlakit.checkpoint import agreement
+
+    if agreement.world_size() > 1:
+        from xlakit.checkpoint import dcp_ranks
+
+        return dcp_ranks.load(state, Path(path), opts)
+    from xlakit.checkpoint import dcp
+
+    dcp.load(state, Path(path), opts)
+    return None
+
+
+def wait_until_idle(timeout_s: float | None = None) -> bool:
+    """Wait until no xlakit worker is running: asynchronous saves, cancelled workers.
+
+    A save cancelled while its worker was inside the runtime (a hung device) stops
+    once that call returns; a new save waits for it briefly, then refuses
+    (`CheckpointBusyError`). This waits for it explicitly.
+
+    Args:
+        timeout_s: how long to wait at most; None waits as long as it takes.
+
+    Returns:
+        True when every worker has returned, False if some still run after `timeout_s`.
+
+    Example:
+        >>> import xlakit
+        >>> xlakit.wait_until_idle(1.0)
+        True
+    """
+    from xlakit.checkpoint import operation
+
+    return operation.wait_until_idle(timeout_s)

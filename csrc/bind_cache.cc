@@ -66,6 +66,21 @@ std::string_view View(const py::bytes& b) {
   return std::string_view(data, static_cast<size_t>(size));
 }
 
+// All three identity fields, or none (check integrity only).
+std::optional<RuntimeIdentity> Identity(
+    const std::optional<std::string>& platform_name,
+    const std::optional<std::string>& platform_version,
+    const std::optional<std::string>& patch_series_id) {
+  int given = !!platform_name + !!platform_version + !!patch_series_id;
+  if (given == 0) return std::nullopt;
+  if (given != 3) {
+    throw py::value_error(
+        "pass all of platform_name, platform_version and "
+        "patch_series_id to check an entry against a runtime, or none");
+  }
+  return RuntimeIdentity{*platform_name, *platform_version, *patch_series_id};
+}
+
 }  // namespace
 
 void BindCache(py::module_& m) {
@@ -104,27 +119,48 @@ void BindCache(py::module_& m) {
       [](py::bytes data, std::optional<std::string> platform_name,
          std::optional<std::string> platform_version,
          std::optional<std::string> patch_series_id) {
-        int given = !!platform_name + !!platform_version + !!patch_series_id;
-        if (given != 0 && given != 3) {
-          throw py::value_error(
-              "pass all of platform_name, platform_version and "
-              "patch_series_id to check an entry against a runtime, or none");
-        }
+        std::optional<RuntimeIdentity> self =
+            Identity(platform_name, platform_version, patch_series_id);
         std::string_view view = View(data);
         DecodeResult r;
         {
           // The checksum walks the whole payload; let other threads run.
           py::gil_scoped_release nogil;
-          r = given == 3 ? VerifyEntry(view, RuntimeIdentity{*platform_name,
-                                                             *platform_version,
-                                                             *patch_series_id})
-                         : DecodeEntry(view);
+          r = self ? VerifyEntry(view, *self) : DecodeEntry(view);
         }
         return ResultToDict(r);
       },
       py::arg("data"), py::kw_only(), py::arg("platform_name") = py::none(),
       py::arg("platform_version") = py::none(),
       py::arg("patch_series_id") = py::none());
+
+  m.attr("MAX_HEADER_BYTES") = kMaxHeaderBytes;
+
+  m.def(
+      "verify_entry_file",
+      [](const std::string& path, std::optional<std::string> platform_name,
+         std::optional<std::string> platform_version,
+         std::optional<std::string> patch_series_id, size_t chunk_bytes) {
+        std::optional<RuntimeIdentity> self =
+            Identity(platform_name, platform_version, patch_series_id);
+        if (chunk_bytes == 0) throw py::value_error("chunk_bytes must be > 0");
+        DecodeResult r;
+        std::string error;
+        {
+          py::gil_scoped_release nogil;
+          r = VerifyEntryFile(path, self ? &*self : nullptr, chunk_bytes,
+                              &error);
+        }
+        if (!error.empty()) {
+          PyErr_SetString(PyExc_OSError, error.c_str());
+          throw py::error_already_set();
+        }
+        return ResultToDict(r);
+      },
+      py::arg("path"), py::kw_only(), py::arg("platform_name") = py::none(),
+      py::arg("platform_version") = py::none(),
+      py::arg("patch_series_id") = py::none(),
+      py::arg("chunk_bytes") = size_t{1} << 20);
 
   m.def(
       "cache_key_material",

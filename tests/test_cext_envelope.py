@@ -122,3 +122,39 @@ def test_cache_key_material_separates_fields():
     a = _C.cache_key_material(platform_name="tpu", platform_version="ab", patch_series_id="c")
     b = _C.cache_key_material(platform_name="tpu", platform_version="a", patch_series_id="bc")
     assert a != b
+
+
+def _variants() -> dict[str, bytes]:
+    entry = _entry(b"payload-" * 50)
+    flipped = bytearray(entry)
+    flipped[-3] ^= 0x10
+    return {"good": entry, "flipped": bytes(flipped), "truncated": entry[:-7], "trailing": entry + b"\0",
+            "header_only": entry[:20], "empty_payload": _entry(b"")}
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 4096, 1 << 20])
+@pytest.mark.parametrize("identity", [None, IDENTITY, {**IDENTITY, "platform_version": "libtpu 0.0.37"}])
+def test_file_verification_in_pieces_matches_verification_in_memory(tmp_path, chunk_bytes, identity):
+    for name, data in _variants().items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        streamed = _C.verify_entry_file(str(path), chunk_bytes=chunk_bytes, **(identity or {}))
+        assert streamed == _C.verify_entry(data, **(identity or {})), (name, chunk_bytes)
+
+
+def test_file_verification_reads_no_link_and_names_what_it_cannot_open(tmp_path):
+    (tmp_path / "real").write_bytes(_entry())
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(OSError, match=r"cannot open .*link"):
+        _C.verify_entry_file(str(tmp_path / "link"))
+    with pytest.raises(OSError, match=r"cannot open .*missing: No such file"):
+        _C.verify_entry_file(str(tmp_path / "missing"))
+
+
+def test_a_header_longer_than_any_fixed_prefix_is_read_whole(tmp_path):
+    entry = _entry(b"p", platform_version="v" * 0xFFFF, patch_series_id="s" * 0xFFFF)
+    assert len(entry) - 1 > 2 * 0xFFFF and len(entry) - 1 <= _C.MAX_HEADER_BYTES
+    (tmp_path / "e").write_bytes(entry)
+    info = _C.verify_entry_file(str(tmp_path / "e"), chunk_bytes=3)
+    assert info["ok"] and len(info["platform_version"]) == 0xFFFF
+    assert _C.inspect_header(entry[:_C.MAX_HEADER_BYTES], len(entry))["ok"]

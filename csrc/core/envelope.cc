@@ -1,7 +1,12 @@
 // Cache entry envelope encode/decode; see envelope.h for the layout.
 #include "envelope.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 
@@ -40,6 +45,39 @@ DecodeResult Fail(EntryStatus status, std::string message) {
 }
 
 std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
+
+DecodeResult ChecksumMismatch(uint64_t expected, uint64_t actual) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf),
+                "checksum mismatch: header says %016llx, content hashes to "
+                "%016llx",
+                static_cast<unsigned long long>(expected),
+                static_cast<unsigned long long>(actual));
+  return Fail(EntryStatus::kChecksumMismatch, buf);
+}
+
+// Reads up to `n` bytes (fewer only at end of file); false on a read error.
+bool ReadUpTo(int fd, size_t n, std::string* out) {
+  out->resize(n);
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::read(fd, &(*out)[got], n - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return false;
+    if (r == 0) break;
+    got += static_cast<size_t>(r);
+  }
+  out->resize(got);
+  return true;
+}
+
+// Closes the descriptor on every return path.
+struct Fd {
+  int fd;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
 
 }  // namespace
 
@@ -185,15 +223,7 @@ DecodeResult DecodeEntry(std::string_view data) {
   const EntryHeader& h = r.header;
   uint64_t actual = Fnv1a64(data.substr(h.payload_offset),
                             Fnv1a64(data.substr(0, h.payload_offset - 8)));
-  if (actual != h.checksum) {
-    char buf[96];
-    std::snprintf(buf, sizeof(buf),
-                  "checksum mismatch: header says %016llx, content hashes to "
-                  "%016llx",
-                  static_cast<unsigned long long>(h.checksum),
-                  static_cast<unsigned long long>(actual));
-    return Fail(EntryStatus::kChecksumMismatch, buf);
-  }
+  if (actual != h.checksum) return ChecksumMismatch(h.checksum, actual);
   return r;
 }
 
@@ -217,6 +247,54 @@ DecodeResult VerifyEntry(std::string_view data, const RuntimeIdentity& self) {
                 Quote(h.patch_series_id) + ", this runtime has " +
                 Quote(self.patch_series_id);
   }
+  return r;
+}
+
+DecodeResult VerifyEntryFile(const std::string& path,
+                             const RuntimeIdentity* self, size_t chunk_bytes,
+                             std::string* io_error) {
+  auto fail_io = [&](const char* what) {
+    *io_error = std::string(what) + " " + path + ": " + std::strerror(errno);
+    return DecodeResult{};
+  };
+  // Never follow a link: the cache writer makes none, and a tool must judge
+  // the file in the folder, not whatever it points at.
+  Fd file{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
+  if (file.fd < 0) return fail_io("cannot open");
+  struct stat st;
+  if (::fstat(file.fd, &st) != 0) return fail_io("cannot stat");
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  std::string prefix;
+  if (!ReadUpTo(file.fd, std::min<uint64_t>(size, kMaxHeaderBytes), &prefix)) {
+    return fail_io("cannot read");
+  }
+  DecodeResult r = DecodeHeader(prefix, size);
+  if (r.status != EntryStatus::kOk) return r;
+  const EntryHeader& h = r.header;
+  std::string_view head(prefix);
+  uint64_t hash = Fnv1a64(head.substr(h.payload_offset),
+                          Fnv1a64(head.substr(0, h.payload_offset - 8)));
+  uint64_t left = size - prefix.size();
+  std::string chunk;
+  while (left > 0) {
+    if (!ReadUpTo(file.fd, std::min<uint64_t>(left, chunk_bytes), &chunk)) {
+      return fail_io("cannot read");
+    }
+    if (chunk.empty()) {
+      return Fail(EntryStatus::kTruncated,
+                  "entry shrank while it was read (" + std::to_string(left) +
+                      " bytes fewer than its size said)");
+    }
+    hash = Fnv1a64(chunk, hash);
+    left -= chunk.size();
+  }
+  if (hash != h.checksum) return ChecksumMismatch(h.checksum, hash);
+  if (self == nullptr) return r;
+  // VerifyEntry's identity rules, applied to the header alone (re-encoded
+  // with an empty payload) so they live in one place.
+  DecodeResult judged = VerifyEntry(EncodeEntry(h, ""), *self);
+  r.status = judged.status;
+  r.message = judged.message;
   return r;
 }
 

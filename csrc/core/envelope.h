@@ -13,6 +13,7 @@
 #ifndef XLAKIT_CORE_ENVELOPE_H_
 #define XLAKIT_CORE_ENVELOPE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -93,6 +94,19 @@ DecodeResult DecodeEntry(std::string_view data);
 // name is checked first, then platform version, then the patch series, so the
 // status names the most fundamental difference.
 DecodeResult VerifyEntry(std::string_view data, const RuntimeIdentity& self);
+
+// The longest header an entry can have: the fixed prefix, four strings at
+// their maximum length, payload length and checksum. Reading this many bytes
+// is always enough to decode a header.
+inline constexpr size_t kMaxHeaderBytes = 8 + 4 * (2 + 0xffff) + 16;
+
+// VerifyEntry over a file (DecodeEntry when `self` is null), read in pieces of
+// `chunk_bytes` so memory stays bounded whatever the payload's size. The
+// identity rules are VerifyEntry's own. When the file cannot be opened or
+// read, sets `*io_error` (path and errno text) and the result is meaningless.
+DecodeResult VerifyEntryFile(const std::string& path,
+                             const RuntimeIdentity* self, size_t chunk_bytes,
+                             std::string* io_error);
 
 // The bytes the cache key is salted with, so an entry for another platform
 // version or patch series is never even looked up.

@@ -21,6 +21,16 @@ def verify_entry(
     platform_version: str | None = None,
     patch_series_id: str | None = None,
 ) -> dict[str, object]: ...
+MAX_HEADER_BYTES: int
+
+def verify_entry_file(
+    path: str,
+    *,
+    platform_name: str | None = None,
+    platform_version: str | None = None,
+    patch_series_id: str | None = None,
+    chunk_bytes: int = 1 << 20,
+) -> dict[str, object]: ...
 def cache_key_material(*, platform_name: str, platform_version: str, patch_series_id: str) -> bytes: ...
 def write_file_atomic(path: str, data: bytes) -> None: ...
 def plan_transfer_batches(item_bytes: list[int], *, max_inflight_bytes: int) -> list[tuple[int, int, int]]: ...

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import xlakit
-from xlakit import _features, _knobs, _manifest, compile_cache, contract, memory
+from xlakit import _features, _knobs, _manifest, _runtime_start, compile_cache, contract, memory
 
 _STATS_MARK = "xlakit-cache-probe-stats: "
 UNPATCHED = "entries are written but never load: this torch_xla is unpatched, install the xlakit wheels"
@@ -135,7 +135,7 @@ def probe_stack(m: dict) -> list[Probe]:
         out.append(Probe("stack", "ok", f"{line} (matches profile {prof['name']}: {prof['why']})"))
     if "device_type" not in m["runtime"]:
         out.append(Probe("runtime", "fail", m["runtime"].get("why_not", "unknown"),
-                         "fix the contract or the runtime error above, then re-run"))
+                         m["runtime"].get("fix") or "fix the contract above, then re-run"))
     return out
 
 
@@ -184,9 +184,13 @@ def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float
             print(p.render(), file=out, flush=True)
 
     report(probe_contract())
+    blocked = _runtime_start.blocker(pins)
     if probes[-1].verdict == "fail":
         # The children would start the runtime with the broken environment (libtpu aborts on a removed flag).
         report(Probe("cache", "fail", "not probed: the run contract is broken", "fix the contract first"))
+    elif blocked:
+        report(Probe("cache", "fail", f"not probed: the runtime cannot start ({blocked['why_not']})",
+                     "fix the runtime first (see the runtime line)"))
     else:
         report(probe_cache(timeout_s=timeout_s))
     m = _manifest.manifest(profile=profile, pins=pins)

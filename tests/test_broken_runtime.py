@@ -132,3 +132,12 @@ def test_a_runtime_that_fails_inside_its_plugin_is_a_finding(tmp_path):
     assert f"xlakit manifest --check: runtime: the runtime did not start: RuntimeError: Failed to open {not_a_library}" \
         in check.stderr
     assert "fix: check that PJRT_DEVICE=TPU names hardware this host has" in check.stderr
+
+
+def test_memory_reports_a_runtime_that_cannot_start(tmp_path, tpu_without_libtpu):
+    run = _xlakit(tpu_without_libtpu, "memory")
+    assert run.returncode == 1
+    assert run.stderr.startswith("xlakit memory: PJRT_DEVICE=TPU but libtpu is not installed")
+    assert f"  fix: pip install libtpu=={PINNED_LIBTPU}" in run.stderr
+    run = _xlakit(_env(tmp_path, PJRT_DEVICE="FOO"), "memory")
+    assert run.returncode == 1 and "xlakit memory: the run contract is broken: PJRT_DEVICE='FOO'" in run.stderr

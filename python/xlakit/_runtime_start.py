@@ -40,6 +40,14 @@ def blocker(pins: str | os.PathLike | None = None) -> dict[str, str] | None:
                    f"export {_knobs.PJRT_DEVICE}=CPU"}
 
 
+def failure(error: Exception) -> dict[str, str]:
+    """A runtime start that raised, as a finding."""
+    device = os.environ.get(_knobs.PJRT_DEVICE)
+    return {"why_not": f"the runtime did not start: {type(error).__name__}: {error}",
+            "fix": f"check that {_knobs.PJRT_DEVICE}={device} names hardware this host has, that its plugin "
+                   "is installed and that no other process holds the devices (the error is torch_xla's)"}
+
+
 def start(*, contract_ok: bool, pins: str | os.PathLike | None = None) -> dict[str, Any]:
     """Start the runtime unless something forbids it, and describe it; a failure holds `why_not` (and `fix`)."""
     found = blocker(pins)
@@ -63,7 +71,4 @@ def start(*, contract_ok: bool, pins: str | os.PathLike | None = None) -> dict[s
     # A plugin may raise anything while the client starts (OSError, RuntimeError, ValueError, ...): whatever
     # it is, it is what this report is for.
     except Exception as e:
-        device = os.environ.get(_knobs.PJRT_DEVICE)
-        return {"why_not": f"the runtime did not start: {type(e).__name__}: {e}",
-                "fix": f"check that {_knobs.PJRT_DEVICE}={device} names hardware this host has, that its plugin "
-                       "is installed and that no other process holds the devices (the error is torch_xla's)"}
+        return failure(e)

@@ -54,6 +54,8 @@ py::dict ResultToDict(const DecodeResult& r) {
   d["torch_xla_revision"] = parsed ? Text(h.torch_xla_revision) : py::none();
   d["patch_series_id"] = parsed ? Text(h.patch_series_id) : py::none();
   d["payload_length"] = parsed ? py::cast(h.payload_length) : py::none();
+  d["authenticated"] = r.authenticated;
+  d["tag_checked"] = r.tag_checked;
   return d;
 }
 
@@ -64,6 +66,42 @@ std::string_view View(const py::bytes& b) {
     throw py::error_already_set();
   }
   return std::string_view(data, static_cast<size_t>(size));
+}
+
+// EntryMac over Python's hmac (HMAC-SHA256), so xlakit._C links no crypto
+// library; the runtime's is core/entry_mac_openssl.h. Made and destroyed with
+// the GIL held; its methods take the GIL, so they may run in a nogil section.
+class PyEntryMac : public EntryMac {
+ public:
+  explicit PyEntryMac(const py::bytes& key) {
+    py::module_ hmac = py::module_::import("hmac");
+    mac_ = hmac.attr("new")(key, py::arg("digestmod") = "sha256");
+    compare_ = hmac.attr("compare_digest");
+  }
+  void Update(std::string_view data) override {
+    py::gil_scoped_acquire gil;
+    mac_.attr("update")(py::memoryview::from_memory(data.data(),
+                                                     data.size()));
+  }
+  std::string Tag() override {
+    py::gil_scoped_acquire gil;
+    return mac_.attr("digest")().cast<std::string>();
+  }
+  bool Matches(std::string_view tag) override {
+    py::gil_scoped_acquire gil;
+    return compare_(mac_.attr("digest")(), py::bytes(tag.data(), tag.size()))
+        .cast<bool>();
+  }
+
+ private:
+  py::object mac_;
+  py::object compare_;
+};
+
+std::optional<PyEntryMac> MacFor(const std::optional<py::bytes>& key) {
+  if (!key) return std::nullopt;
+  if (View(*key).empty()) throw py::value_error("key must not be empty");
+  return std::optional<PyEntryMac>(std::in_place, *key);
 }
 
 // All three identity fields, or none (check integrity only).
@@ -87,25 +125,30 @@ void BindCache(py::module_& m) {
   m.attr("ENVELOPE_MAGIC") = py::bytes(kEnvelopeMagic, 4);
   m.attr("ENVELOPE_FORMAT_VERSION") = kEnvelopeFormatVersion;
   m.attr("TEMP_PREFIX") = kTempPrefix;
+  m.attr("AUTH_MAGIC") = py::bytes(kAuthMagic, 4);
+  m.attr("CACHE_KEY_ENV") = kCacheKeyEnv;
 
   m.def(
       "encode_entry",
       [](py::bytes payload, const std::string& kind,
          const std::string& platform_name, const std::string& platform_version,
          const std::string& torch_xla_revision,
-         const std::string& patch_series_id) {
+         const std::string& patch_series_id, std::optional<py::bytes> key) {
         EntryHeader h;
         h.kind = KindFromName(kind);
         h.platform_name = platform_name;
         h.platform_version = platform_version;
         h.torch_xla_revision = torch_xla_revision;
         h.patch_series_id = patch_series_id;
-        std::string out = EncodeEntry(h, View(payload));
+        std::optional<PyEntryMac> mac = MacFor(key);
+        std::string out = mac ? EncodeAuthenticatedEntry(h, View(payload), *mac)
+                              : EncodeEntry(h, View(payload));
         return py::bytes(out);
       },
       py::arg("payload"), py::kw_only(), py::arg("kind"),
       py::arg("platform_name"), py::arg("platform_version"),
-      py::arg("torch_xla_revision"), py::arg("patch_series_id"));
+      py::arg("torch_xla_revision"), py::arg("patch_series_id"),
+      py::arg("key") = py::none());
 
   m.def(
       "inspect_header",
@@ -118,21 +161,24 @@ void BindCache(py::module_& m) {
       "verify_entry",
       [](py::bytes data, std::optional<std::string> platform_name,
          std::optional<std::string> platform_version,
-         std::optional<std::string> patch_series_id) {
+         std::optional<std::string> patch_series_id,
+         std::optional<py::bytes> key) {
         std::optional<RuntimeIdentity> self =
             Identity(platform_name, platform_version, patch_series_id);
+        std::optional<PyEntryMac> mac = MacFor(key);
         std::string_view view = View(data);
         DecodeResult r;
         {
           // The checksum walks the whole payload; let other threads run.
           py::gil_scoped_release nogil;
-          r = self ? VerifyEntry(view, *self) : DecodeEntry(view);
+          r = VerifyCacheEntry(view, self ? &*self : nullptr,
+                               mac ? &*mac : nullptr);
         }
         return ResultToDict(r);
       },
       py::arg("data"), py::kw_only(), py::arg("platform_name") = py::none(),
       py::arg("platform_version") = py::none(),
-      py::arg("patch_series_id") = py::none());
+      py::arg("patch_series_id") = py::none(), py::arg("key") = py::none());
 
   m.attr("MAX_HEADER_BYTES") = kMaxHeaderBytes;
 
@@ -140,16 +186,18 @@ void BindCache(py::module_& m) {
       "verify_entry_file",
       [](const std::string& path, std::optional<std::string> platform_name,
          std::optional<std::string> platform_version,
-         std::optional<std::string> patch_series_id, size_t chunk_bytes) {
+         std::optional<std::string> patch_series_id,
+         std::optional<py::bytes> key, size_t chunk_bytes) {
         std::optional<RuntimeIdentity> self =
             Identity(platform_name, platform_version, patch_series_id);
         if (chunk_bytes == 0) throw py::value_error("chunk_bytes must be > 0");
+        std::optional<PyEntryMac> mac = MacFor(key);
         DecodeResult r;
         std::string error;
         {
           py::gil_scoped_release nogil;
-          r = VerifyEntryFile(path, self ? &*self : nullptr, chunk_bytes,
-                              &error);
+          r = VerifyEntryFile(path, self ? &*self : nullptr,
+                              mac ? &*mac : nullptr, chunk_bytes, &error);
         }
         if (!error.empty()) {
           PyErr_SetString(PyExc_OSError, error.c_str());
@@ -159,7 +207,7 @@ void BindCache(py::module_& m) {
       },
       py::arg("path"), py::kw_only(), py::arg("platform_name") = py::none(),
       py::arg("platform_version") = py::none(),
-      py::arg("patch_series_id") = py::none(),
+      py::arg("patch_series_id") = py::none(), py::arg("key") = py::none(),
       py::arg("chunk_bytes") = size_t{1} << 20);
 
   m.def(

@@ -153,7 +153,7 @@ void BindCache(py::module_& m) {
   m.def(
       "inspect_header",
       [](py::bytes prefix, uint64_t total_size) {
-        return ResultToDict(DecodeHeader(View(prefix), total_size));
+        return ResultToDict(DecodeCacheHeader(View(prefix), total_size));
       },
       py::arg("prefix"), py::arg("total_size"));
 
@@ -180,7 +180,8 @@ void BindCache(py::module_& m) {
       py::arg("platform_version") = py::none(),
       py::arg("patch_series_id") = py::none(), py::arg("key") = py::none());
 
-  m.attr("MAX_HEADER_BYTES") = kMaxHeaderBytes;
+  // Enough bytes to decode any header, plain or authenticated.
+  m.attr("MAX_HEADER_BYTES") = kAuthPrefixBytes + kMaxHeaderBytes;
 
   m.def(
       "verify_entry_file",

@@ -276,3 +276,11 @@ def test_entries_the_runtime_writes_verify_in_the_tools(openssl_check, tmp_path)
     assert _C.verify_entry(data, key=KEY)["ok"] and _C.verify_entry(data, key=OTHER_KEY)["status"] == "bad_tag"
     assert data[38:] == _C.encode_entry(b"compiled", kind="executable", platform_name="cpu", platform_version="",
                                         torch_xla_revision="", patch_series_id="")
+
+
+def test_headers_of_authenticated_entries_are_read_without_the_key():
+    entry = _entry(b"z" * 1000, key=KEY)
+    info = _C.inspect_header(entry[:300], len(entry))
+    assert info["ok"] and info["authenticated"] and not info["tag_checked"] and info["payload_length"] == 1000
+    assert _C.inspect_header(entry[:300], len(entry) + 1)["status"] == "trailing_bytes"
+    assert _C.inspect_header(entry[:20], 20)["status"] == "truncated"

@@ -339,6 +339,16 @@ DecodeResult VerifyCacheEntry(std::string_view data,
       mac != nullptr);
 }
 
+DecodeResult DecodeCacheHeader(std::string_view data, uint64_t total_size) {
+  if (!StartsWith(data, kAuthMagic)) return DecodeHeader(data, total_size);
+  std::string_view tag;
+  DecodeResult prefix = ParseAuthPrefix(data, total_size, &tag);
+  if (prefix.status != EntryStatus::kOk) return Authenticated(prefix, false);
+  return Authenticated(DecodeHeader(data.substr(kAuthPrefixBytes),
+                                    total_size - kAuthPrefixBytes),
+                       false);
+}
+
 DecodeResult VerifyEntryFile(const std::string& path,
                              const RuntimeIdentity* self, EntryMac* mac,
                              size_t chunk_bytes, std::string* io_error) {

@@ -149,6 +149,10 @@ std::string EncodeAuthenticatedEntry(const EntryHeader& header,
 DecodeResult VerifyCacheEntry(std::string_view data,
                               const RuntimeIdentity* self, EntryMac* mac);
 
+// DecodeHeader for a plain or an authenticated entry (the tag unchecked):
+// what `xlakit cache ls` shows without reading payloads.
+DecodeResult DecodeCacheHeader(std::string_view data, uint64_t total_size);
+
 // VerifyCacheEntry over a file, read in pieces of `chunk_bytes` so memory
 // stays bounded whatever the payload's size; the same statuses and messages.
 // When the file cannot be opened or read, sets `*io_error` (path and errno

@@ -19,6 +19,12 @@ PROGRESS_INTERVAL_S = "XLAKIT_PROGRESS_INTERVAL_S"
 TRANSFER_BACKEND = "XLAKIT_TRANSFER_BACKEND"
 PROFILE = "XLAKIT_PROFILE"  # VERSIONS.toml profile the manifest checks against
 DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
+# Accept a persistent cache folder a group you belong to can write (see cache_trust).
+CACHE_TRUST_SHARED = "XLAKIT_CACHE_TRUST_SHARED"
+# The job's secret for authenticated cache entries; the C++ runtime reads the same variable
+# (kCacheKeyEnv in csrc/core/envelope.h). Never logged.
+CACHE_KEY = "XLAKIT_CACHE_KEY"
+MIN_CACHE_KEY_CHARS = 32
 
 # torch_xla's and libtpu's own variables, which xlakit reads (never sets behind
 # the user's back) to record and check the run contract.
@@ -72,6 +78,17 @@ def get_int(name: str) -> int:
     if value <= 0:
         raise ValueError(f"{name}={raw!r}: expected a positive number")
     return value
+
+
+def get_cache_key() -> bytes | None:
+    """The job's cache key, or None when unset; refuses one too short to be a secret (never shows it)."""
+    raw = os.environ.get(CACHE_KEY)
+    if not raw:
+        return None
+    if len(raw) < MIN_CACHE_KEY_CHARS:
+        raise ValueError(f"{CACHE_KEY} holds {len(raw)} characters, expected a secret of at least "
+                         f"{MIN_CACHE_KEY_CHARS} (e.g. the output of `openssl rand -hex 32`)")
+    return raw.encode()
 
 
 def get_str(name: str) -> str:

@@ -25,8 +25,8 @@ OLD = time.time() - 2 * cache_files.TEMP_MIN_AGE_S
 KEY_JSON = json.dumps({"patch_set": "stock", "platform_version": "cpu"})
 
 
-def _entry(version="v1", kind="executable", payload=b"exe" * 100) -> bytes:
-    return _C.encode_entry(payload, kind=kind, torch_xla_revision="c04e61c",
+def _entry(version="v1", kind="executable", payload=b"exe" * 100, key=None) -> bytes:
+    return _C.encode_entry(payload, kind=kind, torch_xla_revision="c04e61c", key=key,
                            **{**IDENTITY, "platform_version": version})
 
 
@@ -53,7 +53,7 @@ def _tree(root: Path) -> dict[str, bytes | None]:
 
 def _statuses(capsys, *argv) -> tuple[int, dict[str, str]]:
     rc = main([*argv, "--json"])
-    return rc, {r["name"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+    return rc, {r["name"]: r["status"] for r in json.loads(capsys.readouterr().out)["entries"]}
 
 
 def test_ls_reads_headers_only(cache, capsys):
@@ -234,6 +234,64 @@ def test_verify_and_prune_stream_a_large_entry_in_bounded_memory(tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(Path(xlakit.__file__).parents[1])))
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.splitlines()[-1])
-    assert json.loads(run.stdout[:run.stdout.index("\n]") + 2])[0]["status"] == "ok"  # every byte was hashed
+    listed = json.loads(run.stdout[:run.stdout.index("\n}") + 2])
+    assert listed["entries"][0]["status"] == "ok"  # every byte was hashed
     assert out["rcs"] == [0, 0] and (tmp_path / "777").exists()
     assert (out["peak_kib"] - out["base_kib"]) * 1024 < size // 64, out
+
+
+KEY = "k" * 32
+
+
+@pytest.fixture
+def keyed(tmp_path):
+    from tests.test_cext_envelope import _tampered
+
+    payload = b"exe" * 100
+    good = _entry(payload=payload, key=KEY.encode())
+    (tmp_path / "1").write_bytes(good)
+    (tmp_path / "2").write_bytes(_tampered(good, len(payload)))  # altered, FNV checksum recomputed
+    (tmp_path / "3").write_bytes(_entry(payload=payload))  # plain: written without the key
+    (tmp_path / "4").write_bytes(_entry(payload=payload, key=b"o" * 32))  # another job's key
+    return tmp_path
+
+
+def test_with_the_key_verify_refuses_what_the_keyed_runtime_refuses(keyed, capsys, monkeypatch):
+    monkeypatch.setenv("XLAKIT_CACHE_KEY", KEY)
+    rc, st = _statuses(capsys, "cache", "verify", str(keyed))
+    assert rc == 1 and st == {"1": "ok", "2": "bad_tag", "3": "unauthenticated", "4": "bad_tag"}
+    assert main(["cache", "verify", str(keyed)]) == 1
+    assert "4 entries (3 not loadable)" in capsys.readouterr().out
+    assert main(["cache", "prune", str(keyed)]) == 0
+    assert sorted(p.name for p in keyed.iterdir()) == ["1"]
+
+
+def test_without_the_key_tags_are_not_checked_and_say_so(keyed, capsys, monkeypatch):
+    monkeypatch.delenv("XLAKIT_CACHE_KEY", raising=False)
+    assert main(["cache", "verify", str(keyed), "--json"]) == 0
+    entries = {e["name"]: e for e in json.loads(capsys.readouterr().out)["entries"]}
+    assert entries["2"]["status"] == "ok" and "tag not checked" in entries["2"]["message"]
+    assert entries["3"]["message"] == ""  # a plain entry carries no tag to check
+
+
+def test_a_short_key_is_refused_without_showing_it(keyed, capsys, monkeypatch):
+    monkeypatch.setenv("XLAKIT_CACHE_KEY", "hunter2")
+    assert main(["cache", "verify", str(keyed)]) == 2
+    err = capsys.readouterr().err
+    assert "XLAKIT_CACHE_KEY holds 7 characters, expected a secret of at least 32" in err and "hunter2" not in err
+
+
+def test_ls_says_who_can_put_entries_into_the_folder(cache, capsys):
+    assert main(["cache", "ls", str(cache)]) == 0
+    assert capsys.readouterr().out.startswith(f"folder {cache}: owner-only")
+    cache.chmod(0o777)
+    try:
+        assert main(["cache", "ls", str(cache), "--json"]) == 0
+    finally:
+        cache.chmod(0o700)
+    folder = json.loads(capsys.readouterr().out)["folder"]
+    assert folder["state"] == "untrusted" and folder["fix"] == f"chmod 700 {cache}"
+
+
+def test_the_key_variable_is_the_one_the_runtime_reads():
+    assert xlakit._knobs.CACHE_KEY == _C.CACHE_KEY_ENV

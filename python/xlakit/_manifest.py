@@ -28,7 +28,7 @@ import re
 import sys
 from typing import Any
 
-from xlakit import _features, _knobs, _pins, _runtime_start, contract
+from xlakit import _features, _knobs, _pins, _runtime_start, compile_cache, contract
 from xlakit._version import __version__
 
 SCHEMA = 1
@@ -140,7 +140,9 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
 
     Returns:
         A JSON-ready dict: `python`, `torch`, `torch_xla`, `libtpu`, `jax`,
-        `jaxlib`, `patches`, `runtime`, `env`, `contract` (violations),
+        `jaxlib`, `patches`, `runtime`, `cache` (the persistent cache
+        folder's trust state: owner-only, shared-trusted or untrusted, and
+        whether entries are authenticated), `env`, `contract` (violations),
         `profile` and `drift` (mismatches, each with `what`, `pin`,
         `expected`, `found`). A part that cannot be read holds `why_not`;
         a runtime that cannot start holds `why_not` and `fix`.
@@ -169,6 +171,7 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
         "env": env,
         "contract": violations,
         "runtime": _runtime_start.start(contract_ok=not violations, pins=pins),
+        "cache": compile_cache.folder_report(),
         "profile": {"name": name, "why": why, "pins": str(pins or _pins.baked_path())},
     }
     m["drift"] = drift(m, name, pins)
@@ -182,6 +185,11 @@ def problems(m: dict[str, Any]) -> list[str]:
     out += [f"contract: {v}" for v in m["contract"]]
     if "fix" in m["runtime"]:  # a runtime that failed, not one left unstarted because of the contract
         out.append(f"runtime: {m['runtime']['why_not']}; fix: {m['runtime']['fix']}")
+    cache = m["cache"]
+    if cache.get("folder") == "untrusted":
+        out.append(f"cache: {cache['problem']}; fix: {cache['fix']}")
+    if "key_problem" in cache:
+        out.append(f"cache: {cache['key_problem']}")
     return out
 
 

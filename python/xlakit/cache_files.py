@@ -16,6 +16,12 @@ request (`--foreign`), and only in a folder `xlakit.enable_persistent_cache`
 made (it holds its key file), since a stock runtime may still be using them.
 Everything else in the folder (a README, a lock file, `__init__.py`, a
 subfolder, a link) is listed as `other` and never touched.
+
+With `XLAKIT_CACHE_KEY` set, `verify` and `prune` check every entry's tag
+as the runtime does: an entry without one, or whose tag does not verify
+(written with another key, or altered with its checksum recomputed), is not
+loadable. Each command first says who can put entries into the folder
+(`cache_trust`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from xlakit import _C
+from xlakit import _C, _knobs, cache_trust
 from xlakit.compile_cache import KEY_FILE
 from xlakit.errors import XlakitError
 
@@ -39,7 +45,7 @@ _ENTRY_NAME = re.compile(r"[0-9]{1,39}")
 _TEMP_NAME = re.compile(re.escape(_C.TEMP_PREFIX) + r"([0-9]{1,39})\.[0-9]+\.[0-9]+")
 # A temporary file younger than this may still be written to; a killed writer's is older.
 TEMP_MIN_AGE_S = 15 * 60
-_MAGIC = _C.ENVELOPE_MAGIC
+_MAGICS = (_C.ENVELOPE_MAGIC, _C.AUTH_MAGIC)
 
 LOADABLE = "ok"
 TEMPORARY, IN_PROGRESS = "temporary", "in_progress"
@@ -83,7 +89,7 @@ def _from_envelope(name: str, st: os.stat_result, info: dict) -> EntryReport:
 
 
 def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str, str] | None,
-              now: float) -> EntryReport:
+              key: bytes | None, now: float) -> EntryReport:
     name = path.name
     if name == KEY_FILE:
         return _plain(name, st, KEY, "")
@@ -96,18 +102,23 @@ def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str,
     if not _is_entry_name(name):
         return _plain(name, st, OTHER, "not a cache file (torch_xla names entries by a decimal hash); left alone")
     try:
+        deep = full or identity or key
         with open(path, "rb") as f:
-            prefix = f.read(4 if full or identity else _C.MAX_HEADER_BYTES)
-        if not prefix.startswith(_MAGIC):
-            return _plain(name, st, FOREIGN, f"no xlakit envelope (expected magic {_MAGIC!r}, found "
-                          f"{prefix[:4]!r}): a stock torch_xla's entry, which the patched runtime never loads")
-        if full or identity:
-            info = _C.verify_entry_file(str(path), **(identity or {}))
+            prefix = f.read(4 if deep else _C.MAX_HEADER_BYTES)
+        if not prefix.startswith(_MAGICS):
+            return _plain(name, st, FOREIGN, f"no xlakit envelope (expected magic {' or '.join(map(repr, _MAGICS))},"
+                          f" found {prefix[:4]!r}): a stock torch_xla's entry, which the patched runtime never loads")
+        if deep:
+            info = _C.verify_entry_file(str(path), key=key, **(identity or {}))
         else:
             info = _C.inspect_header(prefix, st.st_size)
     except OSError as e:
         return _plain(name, st, UNREADABLE, f"cannot read it: {e}")
-    return _from_envelope(name, st, info)
+    report = _from_envelope(name, st, info)
+    if info["ok"] and info["authenticated"] and not info["tag_checked"]:
+        report = EntryReport(**{**asdict(report), "message": "authenticated (tag not checked: `xlakit cache "
+                                f"verify` with {_knobs.CACHE_KEY} set checks it)"})
+    return report
 
 
 def _regular_files(directory: Path) -> list[tuple[Path, os.stat_result]]:
@@ -131,12 +142,19 @@ def _require_folder(directory: str | os.PathLike) -> Path:
     return path
 
 
-def scan(directory: str | os.PathLike, *, full: bool, identity: dict[str, str] | None = None
-         ) -> list[EntryReport]:
-    """Report every plain file in a cache folder; `full` checksums payloads (in bounded pieces)."""
+def _key() -> bytes | None:
+    try:
+        return _knobs.get_cache_key()
+    except ValueError as e:
+        raise XlakitError(str(e)) from None
+
+
+def scan(directory: str | os.PathLike, *, full: bool, identity: dict[str, str] | None = None,
+         key: bytes | None = None) -> list[EntryReport]:
+    """Report every plain file in a cache folder; `full` checksums payloads (in bounded pieces), `key` checks tags."""
     folder = _require_folder(directory)
     now = time.time()
-    return [_classify(p, st, full=full, identity=identity, now=now) for p, st in _regular_files(folder)]
+    return [_classify(p, st, full=full, identity=identity, key=key, now=now) for p, st in _regular_files(folder)]
 
 
 def made_by_xlakit(directory: Path) -> bool:
@@ -167,10 +185,18 @@ def summary(reports: list[EntryReport]) -> str:
             f"({bad} not loadable), {temporary} temporary, {other} not cache files")
 
 
-def _print(reports: list[EntryReport], as_json: bool) -> None:
+def _trust(directory: str | os.PathLike) -> cache_trust.FolderTrust:
+    return cache_trust.judge(Path(directory).resolve(), trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
+
+
+def _print(directory: str | os.PathLike, reports: list[EntryReport], as_json: bool) -> None:
+    trust = _trust(directory)
     if as_json:
-        print(json.dumps([asdict(r) for r in reports], indent=2))
+        folder = {k: v for k, v in asdict(trust).items() if k != "folder"}
+        print(json.dumps({"folder": {"path": str(trust.folder), **folder},
+                          "entries": [asdict(r) for r in reports]}, indent=2))
         return
+    print(f"folder {trust.folder}: {trust.describe()}")
     for r in reports:
         platform = f"{r.platform_name} {r.platform_version!r}" if r.platform_name else "-"
         line = f"{r.status:<26} {r.kind or '-':<11} {r.size_bytes:>12}  {platform:<28} {r.name}"
@@ -179,13 +205,13 @@ def _print(reports: list[EntryReport], as_json: bool) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    _print(scan(args.dir, full=False, identity=_identity(args)), args.json)
+    _print(args.dir, scan(args.dir, full=False, identity=_identity(args)), args.json)
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    reports = scan(args.dir, full=True, identity=_identity(args))
-    _print(reports, args.json)
+    reports = scan(args.dir, full=True, identity=_identity(args), key=_key())
+    _print(args.dir, reports, args.json)
     return 0 if all(r.valid for r in reports if r.is_entry) else 1
 
 
@@ -215,12 +241,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"--foreign removes entries without an envelope only in a folder xlakit.enable_persistent_cache "
             f"made (it holds {KEY_FILE}); {folder} has none, so its files may be another program's. Nothing "
             "was removed; delete them by hand if you are sure, or prune without --foreign")
-    identity = _identity(args)
+    identity, key = _identity(args), _key()
     now = time.time()
     files = _regular_files(folder)
     removed = 0
     for path, st in files:
-        r = _classify(path, st, full=True, identity=identity, now=now)
+        r = _classify(path, st, full=True, identity=identity, key=key, now=now)
         if not removable(r, foreign=args.foreign):
             continue
         if args.dry_run:
@@ -244,12 +270,13 @@ def add_parser(subparsers) -> None:
     sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     for name, func, help_text in (
         ("ls", cmd_ls, "list entries from their headers"),
-        ("verify", cmd_verify, "checksum every entry; exit 1 if any is not loadable"),
+        ("verify", cmd_verify, f"checksum every entry (and its tag, with {_knobs.CACHE_KEY}); exit 1 if any is not "
+                               "loadable"),
         ("prune", cmd_prune, "delete rejected entries and abandoned temporary files, nothing else"),
     ):
         q = sub.add_parser(name, help=help_text)
         q.add_argument("dir", help="the cache folder (XLA_PERSISTENT_CACHE_PATH)")
-        q.add_argument("--json", action="store_true", help="print a JSON list")
+        q.add_argument("--json", action="store_true", help="print the folder's trust state and the entries as JSON")
         q.add_argument("--platform-name", help="check entries against this runtime (with the next two)")
         q.add_argument("--platform-version")
         q.add_argument("--patch-series-id")

@@ -150,6 +150,25 @@ def probe_contract() -> Probe:
     return Probe("contract", "ok", f"holds ({flags}; {spmd})")
 
 
+def probe_cache_folder() -> Probe:
+    """Who can put an entry into the cache this environment points at, and whether entries are authenticated."""
+    r = compile_cache.folder_report()
+    name = "cache folder"
+    if r["path"] is None:
+        return Probe(name, "n/a", f"{r['why']}; xlakit.enable_persistent_cache() sets it inside the job")
+    if r["folder"] == "untrusted":
+        return Probe(name, "fail", f"{r['path']}: {r['problem']}", r["fix"])
+    if "key_problem" in r:
+        return Probe(name, "fail", r["key_problem"], f"give the job a longer {_knobs.CACHE_KEY}")
+    auth = (f"entries authenticated ({_knobs.CACHE_KEY})" if r["authenticated"] else
+            f"entries not authenticated ({r.get('why_not_authenticated') or _knobs.CACHE_KEY + ' unset'})")
+    if r["folder"] == "shared-trusted":
+        return Probe(name, "warn", f"{r['path']}: shared-trusted ({'; '.join(r['shared'])}); {auth}",
+                     f"every member of those groups can put code into your jobs; set {_knobs.CACHE_KEY} so only "
+                     "jobs holding the key can")
+    return Probe(name, "ok", f"{r['path']}: owner-only; {auth}")
+
+
 def probe_memory(device_type: str | None) -> list[Probe]:
     out = []
     for info in memory.memory_info():
@@ -184,8 +203,10 @@ def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float
             print(p.render(), file=out, flush=True)
 
     report(probe_contract())
+    contract_failed = probes[-1].verdict == "fail"
+    report(probe_cache_folder())
     blocked = _runtime_start.blocker(pins)
-    if probes[-1].verdict == "fail":
+    if contract_failed:
         # The children would start the runtime with the broken environment (libtpu aborts on a removed flag).
         report(Probe("cache", "fail", "not probed: the run contract is broken", "fix the contract first"))
     elif blocked:

@@ -73,7 +73,7 @@ def enable(monkeypatch):
     monkeypatch.setattr(xr, "initialize_cache", lambda path, readonly: asked.append(path))
     monkeypatch.delenv("XLAKIT_CACHE_TRUST_SHARED", raising=False)
     monkeypatch.delenv("XLAKIT_CACHE_KEY", raising=False)
-    compile_cache._logged_shared.clear()
+    monkeypatch.setattr(compile_cache, "_shared_accepted", set())
     return xlakit.enable_persistent_cache
 
 
@@ -202,6 +202,9 @@ def test_trust_shared_accepts_your_groups_folder_logs_once_and_creates_group_rea
             assert enable(team) == where
     finally:
         os.umask(saved)
+    monkeypatch.delenv("XLAKIT_CACHE_TRUST_SHARED")
+    monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", str(where))
+    assert compile_cache.folder_report()["folder"] == "shared-trusted"  # what this process accepted
     shared_logs = [r for r in caplog.records if "is shared (trust_shared)" in r.getMessage()]
     assert len(shared_logs) == 1 and f"{team} is writable by group" in shared_logs[0].getMessage()
     assert _mode(where) == 0o750 and _mode(where / compile_cache.KEY_FILE) == 0o640

@@ -84,7 +84,8 @@ def cache_dir_name(key: dict[str, Any]) -> str:
     return f"{(key.get('device_type') or 'unknown').lower()}-{key['patch_set']}-{digest}"
 
 
-_logged_shared: set[Path] = set()
+# Folders this process accepted as shared (logged once each; the manifest reports them as accepted).
+_shared_accepted: set[Path] = set()
 
 
 def _trusted(where: Path, *, trust_shared: bool) -> cache_trust.FolderTrust:
@@ -93,8 +94,8 @@ def _trusted(where: Path, *, trust_shared: bool) -> cache_trust.FolderTrust:
         raise CacheFolderTrustError(
             f"expected a cache folder only you (and root) can write, since its entries are code your jobs run; "
             f"found {verdict.problem}; fix: {verdict.fix}")
-    if verdict.state == cache_trust.SHARED_TRUSTED and where not in _logged_shared:
-        _logged_shared.add(where)
+    if verdict.state == cache_trust.SHARED_TRUSTED and where not in _shared_accepted:
+        _shared_accepted.add(where)
         log.warning("persistent cache %s is shared (trust_shared): %s; every one of them can put code into this "
                     "job", where, "; ".join(verdict.shared))
     return verdict
@@ -206,7 +207,8 @@ def folder_report(path: str | os.PathLike | None = None) -> dict[str, Any]:
     if not path:
         return {"path": None, "folder": None, "authenticated": False,
                 "why": f"no persistent cache ({_knobs.XLA_PERSISTENT_CACHE_PATH} unset)"}
-    verdict = cache_trust.judge(path, trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
+    shared = _knobs.get_flag(_knobs.CACHE_TRUST_SHARED) or Path(path).resolve() in _shared_accepted
+    verdict = cache_trust.judge(path, trust_shared=shared)
     out: dict[str, Any] = {"path": str(path), "folder": verdict.state}
     if not verdict.trusted:
         out.update(problem=verdict.problem, fix=verdict.fix)

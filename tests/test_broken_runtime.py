@@ -37,6 +37,14 @@ def _xlakit(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return run
 
 
+def _check_and_doctor(env: dict[str, str]) -> tuple[str, str]:
+    """`manifest --check` and `doctor` both fail (exit 1); returns what each printed (stderr, stdout)."""
+    check = _xlakit(env, "manifest", "--check")
+    doctor = _xlakit(env, "doctor", "--timeout-s", "60")
+    assert (check.returncode, doctor.returncode) == (1, 1), check.stderr + doctor.stdout
+    return check.stderr, doctor.stdout
+
+
 def _fake_torch_xla(tmp_path: Path, raises: str) -> str:
     """A stand-in torch_xla package whose import fails the way a broken install does."""
     fake = tmp_path / "fake-site"
@@ -58,13 +66,10 @@ def test_tpu_without_libtpu_is_a_finding_with_the_pinned_fix(tpu_without_libtpu)
     fix = f"pip install libtpu=={PINNED_LIBTPU} (the newest the pinned tpu profile allows)"
     row = _xlakit(tpu_without_libtpu, "manifest")
     assert row.returncode == 0 and row.stdout.rstrip().endswith("| RUNTIME BROKEN")
-    check = _xlakit(tpu_without_libtpu, "manifest", "--check")
-    assert check.returncode == 1
-    assert f"xlakit manifest --check: runtime: {finding}" in check.stderr and f"fix: {fix}" in check.stderr
-    doctor = _xlakit(tpu_without_libtpu, "doctor", "--timeout-s", "60")
-    assert doctor.returncode == 1
-    assert f"FAIL  runtime: {finding}" in doctor.stdout and f"      fix: {fix}" in doctor.stdout
-    assert "FAIL  cache: not probed: the runtime cannot start" in doctor.stdout
+    check, doctor = _check_and_doctor(tpu_without_libtpu)
+    assert f"xlakit manifest --check: runtime: {finding}" in check and f"fix: {fix}" in check
+    assert f"FAIL  runtime: {finding}" in doctor and f"      fix: {fix}" in doctor
+    assert "FAIL  cache: not probed: the runtime cannot start" in doctor
 
 
 def test_log_manifest_logs_the_finding_and_returns(tpu_without_libtpu):
@@ -90,12 +95,9 @@ def test_log_manifest_logs_the_finding_and_returns(tpu_without_libtpu):
 def test_a_device_torch_xla_cannot_start_fails_check_and_doctor(tmp_path, device, says):
     if device in contract.accepted_devices({})[0]:
         pytest.skip(f"a plugin for {device} is installed here")
-    env = _env(tmp_path, PJRT_DEVICE=device)
-    check = _xlakit(env, "manifest", "--check")
-    assert check.returncode == 1 and says in check.stderr
-    doctor = _xlakit(env, "doctor")
-    assert doctor.returncode == 1
-    assert f"FAIL  {says}" in doctor.stdout and "FAIL  cache: not probed: the run contract is broken" in doctor.stdout
+    check, doctor = _check_and_doctor(_env(tmp_path, PJRT_DEVICE=device))
+    assert says in check
+    assert f"FAIL  {says}" in doctor and "FAIL  cache: not probed: the run contract is broken" in doctor
 
 
 @pytest.mark.parametrize("raises", ['RuntimeError("fake: built for another torch")',
@@ -105,22 +107,18 @@ def test_a_torch_xla_that_fails_to_import_is_a_finding(tmp_path, raises):
     env = _env(tmp_path, PJRT_DEVICE="CPU", PYTHONPATH_FIRST=_fake_torch_xla(tmp_path, raises))
     kind, message = raises.split("(", 1)
     imported = f"cannot import torch_xla: {kind}: {message[1:-2]}"
-    check = _xlakit(env, "manifest", "--check")
-    assert check.returncode == 1 and f"xlakit manifest --check: runtime: {imported}; fix: repair" in check.stderr
-    assert f"torch_xla: expected 2.9.0 (profiles.cpu-dev.packages.torch_xla), found {imported}" in check.stderr
-    doctor = _xlakit(env, "doctor")
-    assert doctor.returncode == 1 and f"FAIL  runtime: {imported}" in doctor.stdout
+    check, doctor = _check_and_doctor(env)
+    assert f"xlakit manifest --check: runtime: {imported}; fix: repair" in check
+    assert f"torch_xla: expected 2.9.0 (profiles.cpu-dev.packages.torch_xla), found {imported}" in check
+    assert f"FAIL  runtime: {imported}" in doctor
 
 
 def test_a_cache_path_that_is_a_file_fails_check_and_doctor(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("x")
-    env = _env(tmp_path, PJRT_DEVICE="CPU", XLA_PERSISTENT_CACHE_PATH=str(blocker))
     says = f"contract: XLA_PERSISTENT_CACHE_PATH={blocker} is a file, expected a folder"
-    check = _xlakit(env, "manifest", "--check")
-    assert check.returncode == 1 and says in check.stderr
-    doctor = _xlakit(env, "doctor")
-    assert doctor.returncode == 1 and f"FAIL  {says}" in doctor.stdout
+    check, doctor = _check_and_doctor(_env(tmp_path, PJRT_DEVICE="CPU", XLA_PERSISTENT_CACHE_PATH=str(blocker)))
+    assert says in check and f"FAIL  {says}" in doctor
 
 
 def test_a_runtime_that_fails_inside_its_plugin_is_a_finding(tmp_path):

@@ -127,8 +127,8 @@ def test_a_runtime_that_fails_inside_its_plugin_is_a_finding(tmp_path):
     env = _env(tmp_path, PJRT_DEVICE="TPU", TPU_LIBRARY_PATH=str(not_a_library))
     check = _xlakit(env, "manifest", "--check")
     assert check.returncode == 1
-    assert f"xlakit manifest --check: runtime: the runtime did not start: RuntimeError: Failed to open {not_a_library}" \
-        in check.stderr
+    failed = f"the runtime did not start: RuntimeError: Failed to open {not_a_library}"
+    assert f"xlakit manifest --check: runtime: {failed}" in check.stderr
     assert "fix: check that PJRT_DEVICE=TPU names hardware this host has" in check.stderr
 
 

@@ -121,8 +121,8 @@ def test_prune_leaves_what_it_cannot_identify_alone(mixed, capsys):
     assert _tree(mixed) == before
     assert "0 of 9 files removed" in capsys.readouterr().out
     rc, st = _statuses(capsys, "cache", "verify", str(mixed))
-    assert {n: st[n] for n in ("__init__.py", ".gitkeep", "cache.lock", "empty", "README", "notes.bin")} == dict.fromkeys(
-        ("__init__.py", ".gitkeep", "cache.lock", "empty", "README", "notes.bin"), "other")
+    strangers = ("__init__.py", ".gitkeep", "cache.lock", "empty", "README", "notes.bin")
+    assert {n: st[n] for n in strangers} == dict.fromkeys(strangers, "other")
     assert st["12345"] == st["678"] == st["679"] == "foreign"
     assert "4242" not in st and "sub" not in st  # links and folders are not even listed
 

@@ -37,9 +37,8 @@ class OpenSslEntryMac : public EntryMac {
   OpenSslEntryMac& operator=(const OpenSslEntryMac&) = delete;
 
   void Update(std::string_view data) override {
-    ok_ = ok_ && HMAC_Update(ctx_,
-                             reinterpret_cast<const unsigned char*>(data.data()),
-                             data.size()) == 1;
+    const auto* bytes = reinterpret_cast<const unsigned char*>(data.data());
+    ok_ = ok_ && HMAC_Update(ctx_, bytes, data.size()) == 1;
   }
 
   std::string Tag() override {

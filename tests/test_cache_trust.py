@@ -228,3 +228,11 @@ def test_readonly_checks_the_folder_too(enable, tmp_path):
     (tmp_path / "open").chmod(0o757)
     with pytest.raises(xlakit.CacheFolderTrustError):
         enable(tmp_path / "open", readonly=True)
+
+
+def test_a_link_is_judged_by_the_folder_it_leads_to(tmp_path):
+    (tmp_path / "open").mkdir()
+    (tmp_path / "open").chmod(0o777)
+    (tmp_path / "link").symlink_to(tmp_path / "open")
+    verdict = cache_trust.judge(tmp_path / "link" / "cache")
+    assert not verdict.trusted and verdict.fix.startswith(f"chmod o-w {tmp_path / 'open'}")

@@ -82,9 +82,10 @@ def judge(folder: str | os.PathLike, *, trust_shared: bool = False) -> FolderTru
     """Whether entries in `folder` can only come from the user (and root), and if not, the fix.
 
     `folder` need not exist: the folders xlakit would create are owner-only,
-    so the nearest existing one is judged as a folder above the cache.
+    so the nearest existing one is judged as a folder above the cache. Links
+    on the way are resolved first.
     """
-    folder = Path(os.path.abspath(folder))
+    folder = Path(folder).resolve()  # judge the folders the entries really are in, not a link's
     me = os.geteuid()
     my_groups = set(os.getgroups()) | {os.getegid()}
     shared: list[str] = []

@@ -117,7 +117,7 @@ def _make_folders(where: Path, mode: int) -> None:
 
 
 def _write_key_file(where: Path, key: dict[str, Any], mode: int) -> None:
-    fd = os.open(where / KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    fd = os.open(where / KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
     with os.fdopen(fd, "w") as f:
         os.fchmod(fd, mode)
         f.write(json.dumps(key, indent=2, sort_keys=True) + "\n")

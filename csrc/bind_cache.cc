@@ -54,6 +54,8 @@ py::dict ResultToDict(const DecodeResult& r) {
   d["torch_xla_revision"] = parsed ? Text(h.torch_xla_revision) : py::none();
   d["patch_series_id"] = parsed ? Text(h.patch_series_id) : py::none();
   d["payload_length"] = parsed ? py::cast(h.payload_length) : py::none();
+  d["authenticated"] = r.authenticated;
+  d["tag_checked"] = r.tag_checked;
   return d;
 }
 
@@ -66,36 +68,92 @@ std::string_view View(const py::bytes& b) {
   return std::string_view(data, static_cast<size_t>(size));
 }
 
+// EntryMac over Python's hmac (HMAC-SHA256), so xlakit._C links no crypto
+// library; the runtime's is core/entry_mac_openssl.h. Made and destroyed with
+// the GIL held; its methods take the GIL, so they may run in a nogil section.
+class PyEntryMac : public EntryMac {
+ public:
+  explicit PyEntryMac(const py::bytes& key) {
+    py::module_ hmac = py::module_::import("hmac");
+    mac_ = hmac.attr("new")(key, py::arg("digestmod") = "sha256");
+    compare_ = hmac.attr("compare_digest");
+  }
+  void Update(std::string_view data) override {
+    py::gil_scoped_acquire gil;
+    mac_.attr("update")(py::memoryview::from_memory(data.data(),
+                                                     data.size()));
+  }
+  std::string Tag() override {
+    py::gil_scoped_acquire gil;
+    return mac_.attr("digest")().cast<std::string>();
+  }
+  bool Matches(std::string_view tag) override {
+    py::gil_scoped_acquire gil;
+    return compare_(mac_.attr("digest")(), py::bytes(tag.data(), tag.size()))
+        .cast<bool>();
+  }
+
+ private:
+  py::object mac_;
+  py::object compare_;
+};
+
+std::optional<PyEntryMac> MacFor(const std::optional<py::bytes>& key) {
+  if (!key) return std::nullopt;
+  if (View(*key).empty()) throw py::value_error("key must not be empty");
+  return std::optional<PyEntryMac>(std::in_place, *key);
+}
+
+// All three identity fields, or none (check integrity only).
+std::optional<RuntimeIdentity> Identity(
+    const std::optional<std::string>& platform_name,
+    const std::optional<std::string>& platform_version,
+    const std::optional<std::string>& patch_series_id) {
+  int given = !!platform_name + !!platform_version + !!patch_series_id;
+  if (given == 0) return std::nullopt;
+  if (given != 3) {
+    throw py::value_error(
+        "pass all of platform_name, platform_version and "
+        "patch_series_id to check an entry against a runtime, or none");
+  }
+  return RuntimeIdentity{*platform_name, *platform_version, *patch_series_id};
+}
+
 }  // namespace
 
 void BindCache(py::module_& m) {
   m.attr("ENVELOPE_MAGIC") = py::bytes(kEnvelopeMagic, 4);
   m.attr("ENVELOPE_FORMAT_VERSION") = kEnvelopeFormatVersion;
   m.attr("TEMP_PREFIX") = kTempPrefix;
+  m.attr("AUTH_MAGIC") = py::bytes(kAuthMagic, 4);
+  m.attr("CACHE_KEY_ENV") = kCacheKeyEnv;
 
   m.def(
       "encode_entry",
       [](py::bytes payload, const std::string& kind,
          const std::string& platform_name, const std::string& platform_version,
          const std::string& torch_xla_revision,
-         const std::string& patch_series_id) {
+         const std::string& patch_series_id, std::optional<py::bytes> key) {
         EntryHeader h;
         h.kind = KindFromName(kind);
         h.platform_name = platform_name;
         h.platform_version = platform_version;
         h.torch_xla_revision = torch_xla_revision;
         h.patch_series_id = patch_series_id;
-        std::string out = EncodeEntry(h, View(payload));
+        std::optional<PyEntryMac> mac = MacFor(key);
+        std::string out = mac ? EncodeAuthenticatedEntry(h, View(payload), *mac)
+                              : EncodeEntry(h, View(payload));
         return py::bytes(out);
       },
       py::arg("payload"), py::kw_only(), py::arg("kind"),
       py::arg("platform_name"), py::arg("platform_version"),
-      py::arg("torch_xla_revision"), py::arg("patch_series_id"));
+      py::arg("torch_xla_revision"), py::arg("patch_series_id"),
+      py::arg("key") = py::none());
 
   m.def(
       "inspect_header",
       [](py::bytes prefix, uint64_t total_size) {
-        return ResultToDict(DecodeHeader(View(prefix), total_size));
+        return ResultToDict(DecodeCacheHeader(View(prefix), total_size));
       },
       py::arg("prefix"), py::arg("total_size"));
 
@@ -103,28 +161,55 @@ void BindCache(py::module_& m) {
       "verify_entry",
       [](py::bytes data, std::optional<std::string> platform_name,
          std::optional<std::string> platform_version,
-         std::optional<std::string> patch_series_id) {
-        int given = !!platform_name + !!platform_version + !!patch_series_id;
-        if (given != 0 && given != 3) {
-          throw py::value_error(
-              "pass all of platform_name, platform_version and "
-              "patch_series_id to check an entry against a runtime, or none");
-        }
+         std::optional<std::string> patch_series_id,
+         std::optional<py::bytes> key) {
+        std::optional<RuntimeIdentity> self =
+            Identity(platform_name, platform_version, patch_series_id);
+        std::optional<PyEntryMac> mac = MacFor(key);
         std::string_view view = View(data);
         DecodeResult r;
         {
           // The checksum walks the whole payload; let other threads run.
           py::gil_scoped_release nogil;
-          r = given == 3 ? VerifyEntry(view, RuntimeIdentity{*platform_name,
-                                                             *platform_version,
-                                                             *patch_series_id})
-                         : DecodeEntry(view);
+          r = VerifyCacheEntry(view, self ? &*self : nullptr,
+                               mac ? &*mac : nullptr);
         }
         return ResultToDict(r);
       },
       py::arg("data"), py::kw_only(), py::arg("platform_name") = py::none(),
       py::arg("platform_version") = py::none(),
-      py::arg("patch_series_id") = py::none());
+      py::arg("patch_series_id") = py::none(), py::arg("key") = py::none());
+
+  // Enough bytes to decode any header, plain or authenticated.
+  m.attr("MAX_HEADER_BYTES") = kAuthPrefixBytes + kMaxHeaderBytes;
+
+  m.def(
+      "verify_entry_file",
+      [](const std::string& path, std::optional<std::string> platform_name,
+         std::optional<std::string> platform_version,
+         std::optional<std::string> patch_series_id,
+         std::optional<py::bytes> key, size_t chunk_bytes) {
+        std::optional<RuntimeIdentity> self =
+            Identity(platform_name, platform_version, patch_series_id);
+        if (chunk_bytes == 0) throw py::value_error("chunk_bytes must be > 0");
+        std::optional<PyEntryMac> mac = MacFor(key);
+        DecodeResult r;
+        std::string error;
+        {
+          py::gil_scoped_release nogil;
+          r = VerifyEntryFile(path, self ? &*self : nullptr,
+                              mac ? &*mac : nullptr, chunk_bytes, &error);
+        }
+        if (!error.empty()) {
+          PyErr_SetString(PyExc_OSError, error.c_str());
+          throw py::error_already_set();
+        }
+        return ResultToDict(r);
+      },
+      py::arg("path"), py::kw_only(), py::arg("platform_name") = py::none(),
+      py::arg("platform_version") = py::none(),
+      py::arg("patch_series_id") = py::none(), py::arg("key") = py::none(),
+      py::arg("chunk_bytes") = size_t{1} << 20);
 
   m.def(
       "cache_key_material",

@@ -114,3 +114,57 @@ def test_stats_read_the_counters(monkeypatch):
     monkeypatch.delenv("XLA_PERSISTENT_CACHE_READ_ONLY", raising=False)
     assert xlakit.cache_stats() == {"path": "/cache/cpu-stock-0123", "readonly": False, "hits": 3, "misses": 0,
                                     "deserialize_failures": 1}
+
+
+@pytest.fixture
+def enable_here(monkeypatch):
+    """The real enable_persistent_cache before any compilation; torch_xla's own switch is recorded, not flipped."""
+    import torch_xla.runtime as xr
+
+    monkeypatch.setattr(_features, "xlac", lambda: FakeXLAC(_features._import_xlac()[0]))
+    monkeypatch.setattr(xr, "initialize_cache", lambda path, readonly: None)
+    monkeypatch.delenv("XLAKIT_CACHE_TRUST_SHARED", raising=False)
+    return xlakit.enable_persistent_cache
+
+
+def test_a_key_gets_its_own_subfolder_named_without_revealing_it(enable_here, monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("XLAKIT_CACHE_KEY", raising=False)
+    plain = enable_here(tmp_path)
+    secret = "s3cret-" * 6
+    monkeypatch.setenv("XLAKIT_CACHE_KEY", secret)
+    with caplog.at_level("WARNING", logger="xlakit.compile_cache"):
+        keyed = enable_here(tmp_path)
+    monkeypatch.setenv("XLAKIT_CACHE_KEY", "another-" * 6)
+    other = enable_here(tmp_path)
+    assert len({plain, keyed, other}) == 3  # jobs with different keys, or none, never evict each other's entries
+    recorded = json.loads((keyed / compile_cache.KEY_FILE).read_text())
+    assert recorded["key_id"] == compile_cache.key_id(secret.encode()) and "key_id" not in json.loads(
+        (plain / compile_cache.KEY_FILE).read_text())
+    assert not any(secret in p.read_text() for p in tmp_path.rglob("*") if p.is_file())
+    assert "XLAKIT_CACHE_KEY is set, but stock torch_xla writes and reads entries without a tag" in caplog.text
+    assert secret not in caplog.text
+
+
+def test_a_short_key_is_refused_before_anything_is_made(enable_here, monkeypatch, tmp_path):
+    monkeypatch.setenv("XLAKIT_CACHE_KEY", "short")
+    with pytest.raises(xlakit.CompileCacheError, match="holds 5 characters, expected a secret of at least 32"):
+        enable_here(tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_folder_report_records_trust_and_authentication(monkeypatch, tmp_path):
+    monkeypatch.delenv("XLAKIT_CACHE_KEY", raising=False)
+    monkeypatch.delenv("XLA_PERSISTENT_CACHE_PATH", raising=False)
+    assert compile_cache.folder_report()["folder"] is None
+    monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", str(tmp_path))
+    assert compile_cache.folder_report() == {"path": str(tmp_path), "folder": "owner-only", "authenticated": False}
+    monkeypatch.setenv("XLAKIT_CACHE_KEY", "k" * 32)
+    report = compile_cache.folder_report()
+    assert not report["authenticated"] and "stock torch_xla writes entries without a tag" in \
+        report["why_not_authenticated"]
+    tmp_path.chmod(0o777)
+    try:
+        report = compile_cache.folder_report()
+    finally:
+        tmp_path.chmod(0o700)
+    assert report["folder"] == "untrusted" and report["fix"] == f"chmod 700 {tmp_path}"

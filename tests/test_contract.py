@@ -96,3 +96,45 @@ def test_manifest_check_refuses_before_the_runtime_starts(tmp_path):
     assert run.returncode == 1, run.stderr
     assert "runtime not started" in run.stdout and "CONTRACT BROKEN x1" in run.stdout
     assert "--xla_disable_hlo_passes" in run.stderr and REPLACEMENT in run.stderr
+
+
+def _installed_plugins() -> list[str]:
+    import importlib.metadata
+
+    return sorted({ep.name.upper() for ep in importlib.metadata.entry_points(group="torch_xla.plugins")})
+
+
+def test_accepted_devices_are_cpu_and_the_installed_plugins():
+    accepted, source = contract.accepted_devices({})
+    assert accepted == ("CPU", *_installed_plugins()) and "torch_xla.plugins" in source
+    static, source = contract.accepted_devices({"XLA_REGISTER_INSTALLED_PLUGINS": "0"})
+    assert static == ("CPU", "NEURON", "TPU", "XPU") and "XLA_REGISTER_INSTALLED_PLUGINS=0" in source
+
+
+@pytest.mark.parametrize("value, says", [
+    ("FOO", "PJRT_DEVICE='FOO' is not a device torch_xla can start, expected one of CPU"),
+    ("CUDA", "or install the plugin for CUDA (a package with a 'cuda' entry point in torch_xla.plugins)"),
+    ("", "PJRT_DEVICE is set but empty, expected one of CPU"),
+    ("cpu", "names are case-sensitive: export PJRT_DEVICE=CPU"),
+])
+def test_a_device_torch_xla_cannot_start_breaks_the_contract(value, says):
+    # Regression: PJRT_DEVICE=FOO passed `xlakit manifest --check`.
+    if value in contract.accepted_devices({})[0]:
+        pytest.skip(f"a plugin for {value} is installed here")
+    with pytest.raises(xlakit.RunContractError) as e:
+        xlakit.check_run_contract(env={"PJRT_DEVICE": value})
+    assert says in str(e.value) and len(e.value.violations) == 1
+
+
+@pytest.mark.parametrize("env", [{}, {"PJRT_DEVICE": "CPU"}, {"PJRT_DEVICE": "TPU"}])
+def test_an_unset_or_accepted_device_holds(env):
+    assert contract.contract_violations(env=env) == []
+
+
+def test_a_cache_path_that_is_a_file_breaks_the_contract(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for path, says in ((blocker, "is a file, expected a folder"), (blocker / "sub", f"lies under {blocker}")):
+        (problem,) = contract.contract_violations(env={"XLA_PERSISTENT_CACHE_PATH": str(path)})
+        assert f"XLA_PERSISTENT_CACHE_PATH={path} {says}" in problem
+    assert contract.contract_violations(env={"XLA_PERSISTENT_CACHE_PATH": str(tmp_path / "new" / "cache")}) == []

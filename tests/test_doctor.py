@@ -110,3 +110,23 @@ def test_the_deadline_knob_reaches_the_cache_probe(monkeypatch):
     assert seen == [7.5]
     doctor.run(profile="cpu-dev", timeout_s=2.0, out=io.StringIO())  # the argument beats the environment
     assert seen == [7.5, 2.0]
+
+
+def test_the_cache_folder_probe_says_who_can_write_it(monkeypatch, tmp_path):
+    monkeypatch.delenv("XLAKIT_CACHE_KEY", raising=False)
+    monkeypatch.delenv("XLAKIT_CACHE_TRUST_SHARED", raising=False)
+    monkeypatch.delenv("XLA_PERSISTENT_CACHE_PATH", raising=False)
+    assert doctor.probe_cache_folder().verdict == "n/a"
+    monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", str(tmp_path))
+    probe = doctor.probe_cache_folder()
+    assert probe.verdict == "ok" and probe.detail == (f"{tmp_path}: owner-only; entries not authenticated "
+                                                      "(XLAKIT_CACHE_KEY unset)")
+    tmp_path.chmod(0o770)
+    try:
+        refused = doctor.probe_cache_folder()
+        monkeypatch.setenv("XLAKIT_CACHE_TRUST_SHARED", "1")
+        shared = doctor.probe_cache_folder()
+    finally:
+        tmp_path.chmod(0o700)
+    assert refused.verdict == "fail" and refused.fix.startswith(f"chmod g-w {tmp_path}")
+    assert shared.verdict == "warn" and "shared-trusted" in shared.detail and "XLAKIT_CACHE_KEY" in shared.fix

@@ -170,3 +170,16 @@ def test_the_package_reads_its_baked_pins_not_the_checkout(monkeypatch, tmp_path
     monkeypatch.setattr(_pins, "baked_path", lambda: baked)  # an installed copy that differs from the checkout
     m = xlakit.manifest(profile="cpu-dev")
     assert m["profile"]["pins"] == str(baked) and [d["what"] for d in m["drift"]] == ["torch"]
+
+
+def test_an_untrusted_cache_folder_fails_the_check_with_its_fix(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", str(tmp_path))
+    monkeypatch.delenv("XLAKIT_CACHE_KEY", raising=False)
+    assert xlakit.manifest(profile="cpu-dev", pins=PINS)["cache"]["folder"] == "owner-only"
+    tmp_path.chmod(0o777)
+    try:
+        assert cli.main(["manifest", "--check", "--profile", "cpu-dev", "--pins", str(PINS)]) == 1
+    finally:
+        tmp_path.chmod(0o700)
+    err = capsys.readouterr().err
+    assert f"xlakit manifest --check: cache: {tmp_path} (owner " in err and f"fix: chmod 700 {tmp_path}" in err

@@ -1,7 +1,12 @@
 // Cache entry envelope encode/decode; see envelope.h for the layout.
 #include "envelope.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 
@@ -41,6 +46,89 @@ DecodeResult Fail(EntryStatus status, std::string message) {
 
 std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
+DecodeResult ChecksumMismatch(uint64_t expected, uint64_t actual) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf),
+                "checksum mismatch: header says %016llx, content hashes to "
+                "%016llx",
+                static_cast<unsigned long long>(expected),
+                static_cast<unsigned long long>(actual));
+  return Fail(EntryStatus::kChecksumMismatch, buf);
+}
+
+// Reads up to `n` bytes (fewer only at end of file); false on a read error.
+bool ReadUpTo(int fd, size_t n, std::string* out) {
+  out->resize(n);
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::read(fd, &(*out)[got], n - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return false;
+    if (r == 0) break;
+    got += static_cast<size_t>(r);
+  }
+  out->resize(got);
+  return true;
+}
+
+bool StartsWith(std::string_view data, const char (&magic)[4]) {
+  return data.size() >= sizeof(magic) &&
+         std::memcmp(data.data(), magic, sizeof(magic)) == 0;
+}
+
+// The tag of an authenticated entry starting with `data` (`total_size` bytes
+// in all), or why there is none.
+DecodeResult ParseAuthPrefix(std::string_view data, uint64_t total_size,
+                             std::string_view* tag) {
+  if (data.size() < kAuthPrefixBytes) {
+    return Fail(EntryStatus::kTruncated,
+                "authenticated entry is truncated inside its tag (file has " +
+                    std::to_string(total_size) + " bytes)");
+  }
+  uint16_t version = GetU16(data.data() + sizeof(kAuthMagic));
+  if (version != kAuthFormatVersion) {
+    return Fail(EntryStatus::kUnsupportedVersion,
+                "expected authenticated entry format " +
+                    std::to_string(kAuthFormatVersion) + ", found " +
+                    std::to_string(version));
+  }
+  *tag = data.substr(sizeof(kAuthMagic) + 2, kAuthTagBytes);
+  return DecodeResult{};
+}
+
+DecodeResult Unauthenticated() {
+  return Fail(EntryStatus::kUnauthenticated,
+              std::string("entry carries no tag (written without ") +
+                  kCacheKeyEnv +
+                  ") and this job has a key: only entries written with the "
+                  "same key are loaded");
+}
+
+DecodeResult BadTag() {
+  return Fail(EntryStatus::kBadTag,
+              std::string("the entry's tag does not verify under this job's ") +
+                  kCacheKeyEnv +
+                  ": it was written with another key, or changed after it "
+                  "was written");
+}
+
+// A result for the plain entry inside an authenticated one, as a result for
+// the whole entry.
+DecodeResult Authenticated(DecodeResult r, bool tag_checked) {
+  r.header.payload_offset += kAuthPrefixBytes;
+  r.authenticated = true;
+  r.tag_checked = tag_checked;
+  return r;
+}
+
+// Closes the descriptor on every return path.
+struct Fd {
+  int fd;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
 }  // namespace
 
 const char* EntryStatusName(EntryStatus status) {
@@ -65,6 +153,10 @@ const char* EntryStatusName(EntryStatus status) {
       return "platform_version_mismatch";
     case EntryStatus::kPatchSeriesMismatch:
       return "patch_series_mismatch";
+    case EntryStatus::kUnauthenticated:
+      return "unauthenticated";
+    case EntryStatus::kBadTag:
+      return "bad_tag";
   }
   return "unknown";
 }
@@ -185,15 +277,7 @@ DecodeResult DecodeEntry(std::string_view data) {
   const EntryHeader& h = r.header;
   uint64_t actual = Fnv1a64(data.substr(h.payload_offset),
                             Fnv1a64(data.substr(0, h.payload_offset - 8)));
-  if (actual != h.checksum) {
-    char buf[96];
-    std::snprintf(buf, sizeof(buf),
-                  "checksum mismatch: header says %016llx, content hashes to "
-                  "%016llx",
-                  static_cast<unsigned long long>(h.checksum),
-                  static_cast<unsigned long long>(actual));
-    return Fail(EntryStatus::kChecksumMismatch, buf);
-  }
+  if (actual != h.checksum) return ChecksumMismatch(h.checksum, actual);
   return r;
 }
 
@@ -218,6 +302,129 @@ DecodeResult VerifyEntry(std::string_view data, const RuntimeIdentity& self) {
                 Quote(self.patch_series_id);
   }
   return r;
+}
+
+std::string EncodeAuthenticatedEntry(const EntryHeader& header,
+                                     std::string_view payload, EntryMac& mac) {
+  std::string inner = EncodeEntry(header, payload);
+  mac.Update(inner);
+  std::string tag = mac.Tag();
+  if (tag.size() != kAuthTagBytes) return "";
+  std::string out(kAuthMagic, sizeof(kAuthMagic));
+  PutU16(&out, kAuthFormatVersion);
+  out += tag;
+  out.reserve(out.size() + inner.size());
+  out += inner;
+  return out;
+}
+
+DecodeResult VerifyCacheEntry(std::string_view data,
+                              const RuntimeIdentity* self, EntryMac* mac) {
+  if (!StartsWith(data, kAuthMagic)) {
+    if (mac != nullptr && StartsWith(data, kEnvelopeMagic)) {
+      return Unauthenticated();
+    }
+    return self != nullptr ? VerifyEntry(data, *self) : DecodeEntry(data);
+  }
+  std::string_view tag;
+  DecodeResult prefix = ParseAuthPrefix(data, data.size(), &tag);
+  if (prefix.status != EntryStatus::kOk) return Authenticated(prefix, false);
+  std::string_view inner = data.substr(kAuthPrefixBytes);
+  if (mac != nullptr) {
+    mac->Update(inner);
+    if (!mac->Matches(tag)) return Authenticated(BadTag(), true);
+  }
+  return Authenticated(
+      self != nullptr ? VerifyEntry(inner, *self) : DecodeEntry(inner),
+      mac != nullptr);
+}
+
+DecodeResult DecodeCacheHeader(std::string_view data, uint64_t total_size) {
+  if (!StartsWith(data, kAuthMagic)) return DecodeHeader(data, total_size);
+  std::string_view tag;
+  DecodeResult prefix = ParseAuthPrefix(data, total_size, &tag);
+  if (prefix.status != EntryStatus::kOk) return Authenticated(prefix, false);
+  return Authenticated(DecodeHeader(data.substr(kAuthPrefixBytes),
+                                    total_size - kAuthPrefixBytes),
+                       false);
+}
+
+DecodeResult VerifyEntryFile(const std::string& path,
+                             const RuntimeIdentity* self, EntryMac* mac,
+                             size_t chunk_bytes, std::string* io_error) {
+  auto fail_io = [&](const char* what) {
+    *io_error = std::string(what) + " " + path + ": " + std::strerror(errno);
+    return DecodeResult{};
+  };
+  // Never follow a link: the cache writer makes none, and a tool must judge
+  // the file in the folder, not whatever it points at.
+  Fd file{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
+  if (file.fd < 0) return fail_io("cannot open");
+  struct stat st;
+  if (::fstat(file.fd, &st) != 0) return fail_io("cannot stat");
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  std::string prefix;
+  if (!ReadUpTo(file.fd,
+                std::min<uint64_t>(size, kAuthPrefixBytes + kMaxHeaderBytes),
+                &prefix)) {
+    return fail_io("cannot read");
+  }
+  std::string_view head(prefix);
+  bool keyed = StartsWith(head, kAuthMagic);
+  std::string_view tag;
+  if (keyed) {
+    DecodeResult p = ParseAuthPrefix(head, size, &tag);
+    if (p.status != EntryStatus::kOk) return Authenticated(p, false);
+  } else if (mac != nullptr && StartsWith(head, kEnvelopeMagic)) {
+    return Unauthenticated();
+  }
+  EntryMac* tag_mac = keyed ? mac : nullptr;
+  uint64_t skip = keyed ? kAuthPrefixBytes : 0;
+  auto done = [&](DecodeResult r) {
+    return keyed ? Authenticated(std::move(r), tag_mac != nullptr) : r;
+  };
+  std::string_view inner = head.substr(skip);
+  DecodeResult r = DecodeHeader(inner, size - skip);
+  // A header that does not decode ends the check, unless a tag must still be
+  // judged first (over every byte, as VerifyCacheEntry does).
+  bool hashing = r.status == EntryStatus::kOk;
+  if (!hashing && tag_mac == nullptr) return done(r);
+  if (tag_mac != nullptr) tag_mac->Update(inner);
+  uint64_t hash = 0;
+  if (hashing) {
+    uint64_t offset = r.header.payload_offset;
+    hash = Fnv1a64(inner.substr(offset), Fnv1a64(inner.substr(0, offset - 8)));
+  }
+  uint64_t left = size - prefix.size();
+  std::string chunk;
+  while (left > 0) {
+    if (!ReadUpTo(file.fd, std::min<uint64_t>(left, chunk_bytes), &chunk)) {
+      return fail_io("cannot read");
+    }
+    if (chunk.empty()) break;  // the file shrank while it was read
+    if (tag_mac != nullptr) tag_mac->Update(chunk);
+    if (hashing) hash = Fnv1a64(chunk, hash);
+    left -= chunk.size();
+  }
+  if (tag_mac != nullptr && !tag_mac->Matches(tag)) return done(BadTag());
+  if (!hashing) return done(r);
+  if (left > 0) {
+    return done(Fail(EntryStatus::kTruncated,
+                     "entry shrank while it was read (" +
+                         std::to_string(left) +
+                         " bytes fewer than its size said)"));
+  }
+  if (hash != r.header.checksum) {
+    return done(ChecksumMismatch(r.header.checksum, hash));
+  }
+  if (self != nullptr) {
+    // VerifyEntry's identity rules, applied to the header alone (re-encoded
+    // with an empty payload) so they live in one place.
+    DecodeResult judged = VerifyEntry(EncodeEntry(r.header, ""), *self);
+    r.status = judged.status;
+    r.message = judged.message;
+  }
+  return done(r);
 }
 
 std::string CacheKeyMaterial(const RuntimeIdentity& self) {

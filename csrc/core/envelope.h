@@ -13,6 +13,7 @@
 #ifndef XLAKIT_CORE_ENVELOPE_H_
 #define XLAKIT_CORE_ENVELOPE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -42,6 +43,10 @@ enum class EntryStatus : uint8_t {
   kPlatformMismatch,
   kPlatformVersionMismatch,
   kPatchSeriesMismatch,
+  // A runtime with a key (XLAKIT_CACHE_KEY) found an entry without a tag.
+  kUnauthenticated,
+  // The entry's tag does not verify under the runtime's key.
+  kBadTag,
 };
 
 struct EntryHeader {
@@ -62,6 +67,10 @@ struct DecodeResult {
   // Says what was expected and what was found; empty when status is kOk.
   std::string message;
   EntryHeader header;
+  // The entry carries a tag (see "Authenticated entries"), and whether it
+  // was checked against a key.
+  bool authenticated = false;
+  bool tag_checked = false;
 };
 
 // What the running process is; an entry must match all three to be used.
@@ -93,6 +102,64 @@ DecodeResult DecodeEntry(std::string_view data);
 // name is checked first, then platform version, then the patch series, so the
 // status names the most fundamental difference.
 DecodeResult VerifyEntry(std::string_view data, const RuntimeIdentity& self);
+
+// The longest header an entry can have: the fixed prefix, four strings at
+// their maximum length, payload length and checksum. Reading this many bytes
+// is always enough to decode a header.
+inline constexpr size_t kMaxHeaderBytes = 8 + 4 * (2 + 0xffff) + 16;
+
+// Authenticated entries. A checksum proves an entry intact, not who wrote
+// it. A job given a secret key (XLAKIT_CACHE_KEY) writes
+//   magic "XLKA" | u16 auth_format_version | 32-byte tag | plain entry
+// where the plain entry is the layout above, complete, and the tag is
+// HMAC-SHA256 under the key over all of it (header and payload). Only a holder
+// of the key can make an entry a keyed runtime loads; the inner checksum
+// still lets tools without the key find corruption.
+inline constexpr char kAuthMagic[4] = {'X', 'L', 'K', 'A'};
+inline constexpr uint16_t kAuthFormatVersion = 1;
+inline constexpr size_t kAuthTagBytes = 32;
+inline constexpr size_t kAuthPrefixBytes = 4 + 2 + kAuthTagBytes;
+// Where a job's key comes from.
+inline constexpr char kCacheKeyEnv[] = "XLAKIT_CACHE_KEY";
+
+// HMAC-SHA256 under the job's key, from a crypto library: BoringSSL in the
+// runtime (core/entry_mac_openssl.h), Python's hmac in xlakit._C. xlakit
+// implements no cryptography itself. One object per entry.
+class EntryMac {
+ public:
+  virtual ~EntryMac() = default;
+  virtual void Update(std::string_view data) = 0;
+  // The tag of everything passed to Update (kAuthTagBytes bytes; empty if
+  // the library failed).
+  virtual std::string Tag() = 0;
+  // Whether `tag` is that tag, compared in constant time.
+  virtual bool Matches(std::string_view tag) = 0;
+};
+
+// EncodeEntry wrapped with its tag; "" (do not cache) if the MAC failed.
+std::string EncodeAuthenticatedEntry(const EntryHeader& header,
+                                     std::string_view payload, EntryMac& mac);
+
+// The check before an entry is loaded. With `mac` (the job has a key) the
+// entry must carry a tag that verifies, else kUnauthenticated or kBadTag (a
+// counted miss; the tag is checked before anything else is parsed). Without
+// `mac`, an authenticated entry is judged by its plain entry alone. Then
+// VerifyEntry's checks against `self` (DecodeEntry's when `self` is null).
+// `header.payload_offset` is relative to `data`.
+DecodeResult VerifyCacheEntry(std::string_view data,
+                              const RuntimeIdentity* self, EntryMac* mac);
+
+// DecodeHeader for a plain or an authenticated entry (the tag unchecked):
+// what `xlakit cache ls` shows without reading payloads.
+DecodeResult DecodeCacheHeader(std::string_view data, uint64_t total_size);
+
+// VerifyCacheEntry over a file, read in pieces of `chunk_bytes` so memory
+// stays bounded whatever the payload's size; the same statuses and messages.
+// When the file cannot be opened or read, sets `*io_error` (path and errno
+// text) and the result is meaningless.
+DecodeResult VerifyEntryFile(const std::string& path,
+                             const RuntimeIdentity* self, EntryMac* mac,
+                             size_t chunk_bytes, std::string* io_error);
 
 // The bytes the cache key is salted with, so an entry for another platform
 // version or patch series is never even looked up.

@@ -3,6 +3,8 @@
 ENVELOPE_MAGIC: bytes
 ENVELOPE_FORMAT_VERSION: int
 TEMP_PREFIX: str
+AUTH_MAGIC: bytes
+CACHE_KEY_ENV: str
 
 def encode_entry(
     payload: bytes,
@@ -12,6 +14,7 @@ def encode_entry(
     platform_version: str,
     torch_xla_revision: str,
     patch_series_id: str,
+    key: bytes | None = None,
 ) -> bytes: ...
 def inspect_header(prefix: bytes, total_size: int) -> dict[str, object]: ...
 def verify_entry(
@@ -20,6 +23,18 @@ def verify_entry(
     platform_name: str | None = None,
     platform_version: str | None = None,
     patch_series_id: str | None = None,
+    key: bytes | None = None,
+) -> dict[str, object]: ...
+MAX_HEADER_BYTES: int
+
+def verify_entry_file(
+    path: str,
+    *,
+    platform_name: str | None = None,
+    platform_version: str | None = None,
+    patch_series_id: str | None = None,
+    key: bytes | None = None,
+    chunk_bytes: int = 1 << 20,
 ) -> dict[str, object]: ...
 def cache_key_material(*, platform_name: str, platform_version: str, patch_series_id: str) -> bytes: ...
 def write_file_atomic(path: str, data: bytes) -> None: ...

@@ -9,6 +9,7 @@ from xlakit.compile_cache import cache_stats, enable_persistent_cache
 from xlakit.contract import check_run_contract
 from xlakit.checkpoint.options import LoadOptions, Progress, SaveOptions
 from xlakit.errors import (
+    CacheFolderTrustError,
     CheckpointAsyncError,
     CheckpointBusyError,
     CheckpointCorruptError,
@@ -56,6 +57,7 @@ __all__ = [
     "LoadOptions",
     "Progress",
     "SaveHandle",
+    "CacheFolderTrustError",
     "CheckpointAsyncError",
     "CheckpointBusyError",
     "CheckpointCorruptError",

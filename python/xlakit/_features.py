@@ -22,7 +22,9 @@ def _import_xlac() -> tuple[ModuleType | None, str | None]:
     try:
         import torch_xla  # noqa: F401
         from torch_xla import _XLAC
-    except ImportError as e:
+    # A broken install raises more than ImportError at import (OSError for a missing library, RuntimeError
+    # from a version check); each is recorded with its reason for the manifest and doctor.
+    except Exception as e:
         return None, f"{type(e).__name__}: {e}"
     return _XLAC, None
 

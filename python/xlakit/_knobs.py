@@ -19,6 +19,12 @@ PROGRESS_INTERVAL_S = "XLAKIT_PROGRESS_INTERVAL_S"
 TRANSFER_BACKEND = "XLAKIT_TRANSFER_BACKEND"
 PROFILE = "XLAKIT_PROFILE"  # VERSIONS.toml profile the manifest checks against
 DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
+# Accept a persistent cache folder a group you belong to can write (see cache_trust).
+CACHE_TRUST_SHARED = "XLAKIT_CACHE_TRUST_SHARED"
+# The job's secret for authenticated cache entries; the C++ runtime reads the same variable
+# (kCacheKeyEnv in csrc/core/envelope.h). Never logged.
+CACHE_KEY = "XLAKIT_CACHE_KEY"
+MIN_CACHE_KEY_CHARS = 32
 
 # torch_xla's and libtpu's own variables, which xlakit reads (never sets behind
 # the user's back) to record and check the run contract.
@@ -29,6 +35,12 @@ XLA_NO_SPECIAL_SCALARS = "XLA_NO_SPECIAL_SCALARS"
 XLA_USE_SPMD = "XLA_USE_SPMD"
 XLA_PERSISTENT_CACHE_PATH = "XLA_PERSISTENT_CACHE_PATH"
 XLA_PERSISTENT_CACHE_READ_ONLY = "XLA_PERSISTENT_CACHE_READ_ONLY"
+# Which PJRT_DEVICE values torch_xla accepts depends on these (torch_xla/__init__.py, pjrt_registry.cpp).
+XLA_REGISTER_INSTALLED_PLUGINS = "XLA_REGISTER_INSTALLED_PLUGINS"
+PJRT_DYNAMIC_PLUGINS = "PJRT_DYNAMIC_PLUGINS"
+# Where torch_xla's TPU plugin looks for libtpu; the second is set by torch_xla's import when it finds one.
+TPU_LIBRARY_PATH = "TPU_LIBRARY_PATH"
+PTXLA_TPU_LIBRARY_PATH = "PTXLA_TPU_LIBRARY_PATH"
 CONTRACT_ENV = (PJRT_DEVICE, XLA_NO_SPECIAL_SCALARS, XLA_USE_SPMD, XLA_FLAGS, LIBTPU_INIT_ARGS,
                 XLA_PERSISTENT_CACHE_PATH, XLA_PERSISTENT_CACHE_READ_ONLY)
 
@@ -66,6 +78,17 @@ def get_int(name: str) -> int:
     if value <= 0:
         raise ValueError(f"{name}={raw!r}: expected a positive number")
     return value
+
+
+def get_cache_key() -> bytes | None:
+    """The job's cache key, or None when unset; refuses one too short to be a secret (never shows it)."""
+    raw = os.environ.get(CACHE_KEY)
+    if not raw:
+        return None
+    if len(raw) < MIN_CACHE_KEY_CHARS:
+        raise ValueError(f"{CACHE_KEY} holds {len(raw)} characters, expected a secret of at least "
+                         f"{MIN_CACHE_KEY_CHARS} (e.g. the output of `openssl rand -hex 32`)")
+    return raw.encode()
 
 
 def get_str(name: str) -> str:

@@ -13,7 +13,8 @@ recorded with the reason, so the manifest itself never fails a run.
 
 The runtime is only started here when the run contract holds: a removed
 libtpu flag would otherwise abort the process inside libtpu before the
-manifest could say why.
+manifest could say why. A runtime that cannot start is a finding with its fix
+(`_runtime_start`), never an exception.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import re
 import sys
 from typing import Any
 
-from xlakit import _features, _knobs, _pins, contract
+from xlakit import _features, _knobs, _pins, _runtime_start, compile_cache, contract
 from xlakit._version import __version__
 
 SCHEMA = 1
@@ -41,7 +42,7 @@ def _short(rev: str | None) -> str | None:
 def _torch() -> dict[str, Any]:
     try:
         import torch
-    except ImportError as e:
+    except Exception as e:  # a broken torch raises more than ImportError (OSError for a missing library)
         return {"version": None, "why_not": f"cannot import torch: {type(e).__name__}: {e}"}
     return {"version": torch.__version__, "git": torch.version.git_version}
 
@@ -80,28 +81,6 @@ def _patches(build: dict | None) -> dict[str, Any]:
     return {k: build.get(k) for k in ("patch_set", "patches", "series_sha256")}
 
 
-def _runtime(contract_ok: bool) -> dict[str, Any]:
-    xlac = _features.xlac()
-    if xlac is None:
-        return {"why_not": f"cannot import torch_xla: {_features.xla_import_error()}"}
-    if not contract_ok and not xlac._xla_runtime_is_initialized():
-        return {"why_not": "not started: the run contract is broken (see contract)"}
-    import torch_xla.runtime as xr
-
-    try:
-        local = list(xlac._xla_get_runtime_devices())
-        return {
-            "device_type": xr.device_type(),
-            "platform_version": xlac._xla_get_platform_version(),
-            "spmd": xr.is_spmd(),
-            "local_devices": len(local),
-            "global_devices": xr.global_runtime_device_count(),
-            "runtime_devices": local,
-        }
-    except RuntimeError as e:  # e.g. the TPU is held by another process
-        return {"why_not": f"the runtime did not answer: {type(e).__name__}: {e}"}
-
-
 def _same_commit(found: str | None, pinned: str) -> bool:
     # A short revision (a `+gitc04e61c` label) matches the full pin it abbreviates.
     return bool(found) and len(found) >= 7 and (pinned.startswith(found) or found.startswith(pinned))
@@ -120,9 +99,11 @@ def drift(m: dict[str, Any], profile: str, pins: str | os.PathLike | None = None
         out.append(_drift_item("python", f"{key}.python", _pins.describe(prof["python"]), m["python"], ""))
     modules = {"torch": m["torch"], "torch_xla": m["torch_xla"]}
     for dist, spec in prof.get("packages", {}).items():
-        found = (modules.get(dist) or m.get(dist) or _package(dist)).get("version")
+        part = modules.get(dist) or m.get(dist) or _package(dist)
+        found = part.get("version")
         if found is None or not _pins.satisfies(found, spec):
-            out.append(_drift_item(dist, f"{key}.packages.{dist}", _pins.describe(spec), found, "not installed"))
+            out.append(_drift_item(dist, f"{key}.packages.{dist}", _pins.describe(spec), found,
+                                   part.get("why_not") or "not installed"))
     src = prof.get("sources", {})
     revisions = {  # pinned source -> (what it is, the revision the running stack reports)
         "pytorch": ("torch git revision", m["torch"].get("git"), m["torch"].get("version")),
@@ -159,9 +140,12 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
 
     Returns:
         A JSON-ready dict: `python`, `torch`, `torch_xla`, `libtpu`, `jax`,
-        `jaxlib`, `patches`, `runtime`, `env`, `contract` (violations),
+        `jaxlib`, `patches`, `runtime`, `cache` (the persistent cache
+        folder's trust state: owner-only, shared-trusted or untrusted, and
+        whether entries are authenticated), `env`, `contract` (violations),
         `profile` and `drift` (mismatches, each with `what`, `pin`,
-        `expected`, `found`). A part that cannot be read holds `why_not`.
+        `expected`, `found`). A part that cannot be read holds `why_not`;
+        a runtime that cannot start holds `why_not` and `fix`.
 
     Example:
         >>> import xlakit
@@ -186,7 +170,8 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
         "patches": _patches(build),
         "env": env,
         "contract": violations,
-        "runtime": _runtime(not violations),
+        "runtime": _runtime_start.start(contract_ok=not violations, pins=pins),
+        "cache": compile_cache.folder_report(),
         "profile": {"name": name, "why": why, "pins": str(pins or _pins.baked_path())},
     }
     m["drift"] = drift(m, name, pins)
@@ -194,10 +179,18 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
 
 
 def problems(m: dict[str, Any]) -> list[str]:
-    """Every drift and contract violation of manifest `m`, one message each."""
+    """Every drift, contract violation and runtime failure of manifest `m`, one message each."""
     out = [f"drift from {m['profile']['name']}: {d['what']}: expected {d['expected']} ({d['pin']}), "
            f"found {d['found']}" for d in m["drift"]]
-    return out + [f"contract: {v}" for v in m["contract"]]
+    out += [f"contract: {v}" for v in m["contract"]]
+    if "fix" in m["runtime"]:  # a runtime that failed, not one left unstarted because of the contract
+        out.append(f"runtime: {m['runtime']['why_not']}; fix: {m['runtime']['fix']}")
+    cache = m["cache"]
+    if cache.get("folder") == "untrusted":
+        out.append(f"cache: {cache['problem']}; fix: {cache['fix']}")
+    if "key_problem" in cache:
+        out.append(f"cache: {cache['key_problem']}")
+    return out
 
 
 def manifest_line(m: dict[str, Any] | None = None) -> str:
@@ -229,6 +222,8 @@ def manifest_line(m: dict[str, Any] | None = None) -> str:
     ]
     if m["contract"]:
         parts.append(f"CONTRACT BROKEN x{len(m['contract'])}")
+    if "fix" in rt:
+        parts.append("RUNTIME BROKEN")
     return " | ".join(parts)
 
 
@@ -275,7 +270,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("manifest", help="print the run manifest (stack, contract, drift)")
     p.add_argument("--json", action="store_true", help="the whole manifest as JSON instead of the row")
     p.add_argument("--check", action="store_true",
-                   help="exit 1 on drift from the pinned profile or a broken run contract, naming each")
+                   help="exit 1 on drift from the pinned profile, a broken run contract or a runtime that cannot "
+                        "start, naming each with its fix")
     p.add_argument("--profile", help=f"VERSIONS.toml profile to check against (default: ${_knobs.PROFILE}, "
                    "else tpu on a TPU host, else cpu-dev)")
     p.add_argument("--pins", help="a pins file instead of the one baked into xlakit")

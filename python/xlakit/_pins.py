@@ -79,6 +79,18 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
+def newest_pinned(dist: str, profile_name: str, path: str | os.PathLike | None = None) -> str | None:
+    """The newest version of `dist` that `profile_name` allows (its floor when it lists none), or None."""
+    spec = profile(profile_name, path).get("packages", {}).get(dist)
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        versions = spec.get("allowed") or [spec["floor"]]
+    else:
+        versions = [spec.removeprefix(">=")]
+    return max(versions, key=release)
+
+
 def choose_profile(name: str | None = None) -> tuple[str, str]:
     """The profile to check against and why it was chosen."""
     if name:

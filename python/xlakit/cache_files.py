@@ -3,12 +3,25 @@
 The patched torch_xla wraps every cache entry in an envelope (csrc/core/
 envelope.h); this tool reads it through the same C++ (`xlakit._C`) so what it
 calls valid is exactly what the runtime will load. `ls` reads headers only
-(cheap on multi-GB caches), `verify` checksums every payload, `prune` deletes
-what the runtime would reject anyway: corrupt entries, entries for another
-platform version or patch series (given `--platform-version` and friends),
-and temporary files left by killed writers. Entries written by a stock
-torch_xla have no envelope; they are listed as `foreign` and pruned only on
-request (`--foreign`), since a stock runtime may still be using the folder.
+(cheap on multi-GB caches); `verify` checksums every payload, streaming it in
+bounded pieces.
+
+`prune` deletes only files it positively identifies as the cache's own: an
+entry (named like torch_xla's cache keys, a 128-bit hash in decimal) whose
+envelope the runtime would reject (corrupt, or for another platform version
+or patch series given `--platform-version` and friends), and temporary files
+of the atomic writer old enough that no writer is still on them. Entries
+without an envelope (a stock torch_xla's) are `foreign` and removed only on
+request (`--foreign`), and only in a folder `xlakit.enable_persistent_cache`
+made (it holds its key file), since a stock runtime may still be using them.
+Everything else in the folder (a README, a lock file, `__init__.py`, a
+subfolder, a link) is listed as `other` and never touched.
+
+With `XLAKIT_CACHE_KEY` set, `verify` and `prune` check every entry's tag
+as the runtime does: an entry without one, or whose tag does not verify
+(written with another key, or altered with its checksum recomputed), is not
+loadable. Each command first says who can put entries into the folder
+(`cache_trust`).
 """
 
 from __future__ import annotations
@@ -16,20 +29,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from xlakit import _C
+from xlakit import _C, _knobs, cache_trust
+from xlakit.compile_cache import KEY_FILE
 from xlakit.errors import XlakitError
 
-_HEADER_PREFIX_BYTES = 64 * 1024
+# torch_xla's PersistentCache names a file `ss << key` (torch_xla/csrc/runtime/cache.h), the key being a
+# torch::lazy::hash_t, a 128-bit integer that an ostream writes in decimal.
+_ENTRY_NAME = re.compile(r"[0-9]{1,39}")
+# The atomic writer's temporary name (csrc/core/atomic_file.cc): prefix, entry name, pid, counter.
+_TEMP_NAME = re.compile(re.escape(_C.TEMP_PREFIX) + r"([0-9]{1,39})\.[0-9]+\.[0-9]+")
+# A temporary file younger than this may still be written to; a killed writer's is older.
+TEMP_MIN_AGE_S = 15 * 60
+_MAGICS = (_C.ENVELOPE_MAGIC, _C.AUTH_MAGIC)
+
+LOADABLE = "ok"
+TEMPORARY, IN_PROGRESS = "temporary", "in_progress"
+FOREIGN, UNREADABLE, KEY, OTHER = "foreign", "unreadable", "key", "other"
 
 
 @dataclass(frozen=True)
 class EntryReport:
     name: str
     size_bytes: int
-    status: str  # "ok", "temporary", "foreign", or an envelope status name
+    status: str  # "ok", an envelope status name, or one of the constants above
     kind: str | None
     platform_name: str | None
     platform_version: str | None
@@ -38,41 +65,106 @@ class EntryReport:
 
     @property
     def valid(self) -> bool:
-        return self.status == "ok"
+        return self.status == LOADABLE
+
+    @property
+    def is_entry(self) -> bool:
+        """A cache entry (loadable or not), as opposed to a temporary, the key file or a stranger."""
+        return self.status not in (TEMPORARY, IN_PROGRESS, KEY, OTHER)
 
 
-def _report(path: Path, info: dict | None, size: int) -> EntryReport:
-    if info is None:
-        status, message = "temporary", "left by a writer that did not finish (killed or running)"
-        info = {}
-    elif info["status"] == "bad_magic":
-        status, message = "foreign", info["message"]
-    else:
-        status, message = info["status"], info["message"]
-    return EntryReport(
-        name=path.name, size_bytes=size, status=status, kind=info.get("kind"),
-        platform_name=info.get("platform_name"), platform_version=info.get("platform_version"),
-        patch_series_id=info.get("patch_series_id"), message=message,
-    )
+def _is_entry_name(name: str) -> bool:
+    return _ENTRY_NAME.fullmatch(name) is not None and int(name) < 1 << 128
 
 
-def scan(directory: Path, *, full: bool, identity: dict[str, str] | None = None) -> list[EntryReport]:
-    """Report every file in a cache folder; `full` checksums payloads."""
-    if not directory.is_dir():
-        raise XlakitError(f"{directory}: not a directory (expected an XLA_PERSISTENT_CACHE_PATH folder)")
-    reports = []
-    for path in sorted(p for p in directory.iterdir() if p.is_file()):
-        size = path.stat().st_size
-        if path.name.startswith(_C.TEMP_PREFIX):
-            reports.append(_report(path, None, size))
-            continue
-        if full or identity:
-            info = _C.verify_entry(path.read_bytes(), **(identity or {}))
+def _plain(name: str, st: os.stat_result, status: str, message: str) -> EntryReport:
+    return EntryReport(name=name, size_bytes=st.st_size, status=status, kind=None, platform_name=None,
+                       platform_version=None, patch_series_id=None, message=message)
+
+
+def _from_envelope(name: str, st: os.stat_result, info: dict) -> EntryReport:
+    return EntryReport(name=name, size_bytes=st.st_size, status=info["status"], kind=info.get("kind"),
+                       platform_name=info.get("platform_name"), platform_version=info.get("platform_version"),
+                       patch_series_id=info.get("patch_series_id"), message=info["message"])
+
+
+def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str, str] | None,
+              key: bytes | None, now: float) -> EntryReport:
+    name = path.name
+    if name == KEY_FILE:
+        return _plain(name, st, KEY, "")
+    if _TEMP_NAME.fullmatch(name):
+        age = now - st.st_mtime
+        if age < TEMP_MIN_AGE_S:
+            return _plain(name, st, IN_PROGRESS, f"a writer's temporary file, modified {age:.0f} s ago: "
+                          f"it may still be written (kept until it is {TEMP_MIN_AGE_S} s old)")
+        return _plain(name, st, TEMPORARY, "left by a writer that did not finish (killed)")
+    if not _is_entry_name(name):
+        return _plain(name, st, OTHER, "not a cache file (torch_xla names entries by a decimal hash); left alone")
+    try:
+        deep = full or identity or key
+        with open(path, "rb") as f:
+            prefix = f.read(4 if deep else _C.MAX_HEADER_BYTES)
+        if not prefix.startswith(_MAGICS):
+            return _plain(name, st, FOREIGN, f"no xlakit envelope (expected magic {' or '.join(map(repr, _MAGICS))},"
+                          f" found {prefix[:4]!r}): a stock torch_xla's entry, which the patched runtime never loads")
+        if deep:
+            info = _C.verify_entry_file(str(path), key=key, **(identity or {}))
         else:
-            with open(path, "rb") as f:
-                info = _C.inspect_header(f.read(_HEADER_PREFIX_BYTES), size)
-        reports.append(_report(path, info, size))
-    return reports
+            info = _C.inspect_header(prefix, st.st_size)
+    except OSError as e:
+        return _plain(name, st, UNREADABLE, f"cannot read it: {e}")
+    report = _from_envelope(name, st, info)
+    if info["ok"] and info["authenticated"] and not info["tag_checked"]:
+        report = EntryReport(**{**asdict(report), "message": "authenticated (tag not checked: `xlakit cache "
+                                f"verify` with {_knobs.CACHE_KEY} set checks it)"})
+    return report
+
+
+def _regular_files(directory: Path) -> list[tuple[Path, os.stat_result]]:
+    out = []
+    with os.scandir(directory) as it:
+        for d in it:
+            # Never follow links and never descend: the runtime writes plain files, flat.
+            if d.is_file(follow_symlinks=False):
+                out.append((Path(d.path), d.stat(follow_symlinks=False)))
+    return sorted(out)
+
+
+def _require_folder(directory: str | os.PathLike) -> Path:
+    if str(directory) == "":
+        raise XlakitError("expected a cache folder, found an empty path (an unset variable?), which would mean "
+                          "the current directory; pass the folder explicitly, e.g. the value of "
+                          "XLA_PERSISTENT_CACHE_PATH")
+    path = Path(directory)
+    if not path.is_dir():
+        raise XlakitError(f"{path}: not a directory (expected an XLA_PERSISTENT_CACHE_PATH folder)")
+    return path
+
+
+def _key() -> bytes | None:
+    try:
+        return _knobs.get_cache_key()
+    except ValueError as e:
+        raise XlakitError(str(e)) from None
+
+
+def scan(directory: str | os.PathLike, *, full: bool, identity: dict[str, str] | None = None,
+         key: bytes | None = None) -> list[EntryReport]:
+    """Report every plain file in a cache folder; `full` checksums payloads (in bounded pieces), `key` checks tags."""
+    folder = _require_folder(directory)
+    now = time.time()
+    return [_classify(p, st, full=full, identity=identity, key=key, now=now) for p, st in _regular_files(folder)]
+
+
+def made_by_xlakit(directory: Path) -> bool:
+    """Whether `directory` holds the key file `enable_persistent_cache` writes (so its entries are a cache's)."""
+    try:
+        with open(directory / KEY_FILE, "rb") as f:
+            key = json.loads(f.read(1 << 16))
+    except (OSError, ValueError):
+        return False
+    return isinstance(key, dict) and {"patch_set", "platform_version"} <= key.keys()
 
 
 def _identity(args: argparse.Namespace) -> dict[str, str] | None:
@@ -84,42 +176,92 @@ def _identity(args: argparse.Namespace) -> dict[str, str] | None:
     return given
 
 
-def _print(reports: list[EntryReport], as_json: bool) -> None:
+def summary(reports: list[EntryReport]) -> str:
+    entries = [r for r in reports if r.is_entry]
+    bad = sum(not r.valid for r in entries)
+    temporary = sum(r.status in (TEMPORARY, IN_PROGRESS) for r in reports)
+    other = sum(r.status == OTHER for r in reports)
+    return (f"{len(reports)} files, {sum(r.size_bytes for r in reports)} bytes: {len(entries)} entries "
+            f"({bad} not loadable), {temporary} temporary, {other} not cache files")
+
+
+def _trust(directory: str | os.PathLike) -> cache_trust.FolderTrust:
+    return cache_trust.judge(Path(directory).resolve(), trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
+
+
+def _print(directory: str | os.PathLike, reports: list[EntryReport], as_json: bool) -> None:
+    trust = _trust(directory)
     if as_json:
-        print(json.dumps([asdict(r) for r in reports], indent=2))
+        folder = {k: v for k, v in asdict(trust).items() if k != "folder"}
+        print(json.dumps({"folder": {"path": str(trust.folder), **folder},
+                          "entries": [asdict(r) for r in reports]}, indent=2))
         return
+    print(f"folder {trust.folder}: {trust.describe()}")
     for r in reports:
         platform = f"{r.platform_name} {r.platform_version!r}" if r.platform_name else "-"
         line = f"{r.status:<26} {r.kind or '-':<11} {r.size_bytes:>12}  {platform:<28} {r.name}"
         print(line + (f"\n    {r.message}" if r.message else ""))
-    bad = sum(not r.valid for r in reports)
-    print(f"{len(reports)} files, {sum(r.size_bytes for r in reports)} bytes, {bad} not loadable")
+    print(summary(reports))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    _print(scan(Path(args.dir), full=False, identity=_identity(args)), args.json)
+    _print(args.dir, scan(args.dir, full=False, identity=_identity(args)), args.json)
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    reports = scan(Path(args.dir), full=True, identity=_identity(args))
-    _print(reports, args.json)
-    return 0 if all(r.valid for r in reports) else 1
+    reports = scan(args.dir, full=True, identity=_identity(args), key=_key())
+    _print(args.dir, reports, args.json)
+    return 0 if all(r.valid for r in reports if r.is_entry) else 1
+
+
+def removable(r: EntryReport, *, foreign: bool) -> bool:
+    """What prune deletes: a rejected envelope, an abandoned temporary, a foreign entry when asked."""
+    if r.status == TEMPORARY:
+        return True
+    if r.status == FOREIGN:
+        return foreign
+    return r.is_entry and not r.valid and r.status != UNREADABLE
+
+
+def _unchanged(path: Path, st: os.stat_result) -> bool:
+    # A writer may have renamed a fresh entry over the one judged; never delete what was not judged.
+    try:
+        now = path.lstat()
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_dev, st.st_ino, st.st_size,
+                                                                      st.st_mtime_ns)
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    reports = scan(Path(args.dir), full=True, identity=_identity(args))
-    doomed = [r for r in reports if not r.valid and (r.status != "foreign" or args.foreign)]
-    for r in doomed:
-        verb = "would remove" if args.dry_run else "removed"
-        if not args.dry_run:
-            # A concurrent prune or writer may have removed or renamed it first.
+    folder = _require_folder(args.dir)
+    if args.foreign and not made_by_xlakit(folder):
+        raise XlakitError(
+            f"--foreign removes entries without an envelope only in a folder xlakit.enable_persistent_cache "
+            f"made (it holds {KEY_FILE}); {folder} has none, so its files may be another program's. Nothing "
+            "was removed; delete them by hand if you are sure, or prune without --foreign")
+    identity, key = _identity(args), _key()
+    now = time.time()
+    files = _regular_files(folder)
+    removed = 0
+    for path, st in files:
+        r = _classify(path, st, full=True, identity=identity, key=key, now=now)
+        if not removable(r, foreign=args.foreign):
+            continue
+        if args.dry_run:
+            verb = "would remove"
+        elif not _unchanged(path, st):
+            verb = "changed since it was checked, kept"
+        else:
             try:
-                os.unlink(Path(args.dir) / r.name)
-            except FileNotFoundError:
+                path.unlink()
+                verb = "removed"
+            except FileNotFoundError:  # a concurrent prune or the runtime removed it first
                 verb = "already gone"
+        removed += verb in ("removed", "would remove")
         print(f"{verb}: {r.name} ({r.status})")
-    print(f"{len(doomed)} of {len(reports)} files {'to remove' if args.dry_run else 'removed'}")
+    print(f"{removed} of {len(files)} files {'to remove' if args.dry_run else 'removed'}")
     return 0
 
 
@@ -128,16 +270,18 @@ def add_parser(subparsers) -> None:
     sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     for name, func, help_text in (
         ("ls", cmd_ls, "list entries from their headers"),
-        ("verify", cmd_verify, "checksum every entry; exit 1 if any is not loadable"),
-        ("prune", cmd_prune, "delete corrupt, mismatched and temporary files"),
+        ("verify", cmd_verify, f"checksum every entry (and its tag, with {_knobs.CACHE_KEY}); exit 1 if any is not "
+                               "loadable"),
+        ("prune", cmd_prune, "delete rejected entries and abandoned temporary files, nothing else"),
     ):
         q = sub.add_parser(name, help=help_text)
         q.add_argument("dir", help="the cache folder (XLA_PERSISTENT_CACHE_PATH)")
-        q.add_argument("--json", action="store_true", help="print a JSON list")
+        q.add_argument("--json", action="store_true", help="print the folder's trust state and the entries as JSON")
         q.add_argument("--platform-name", help="check entries against this runtime (with the next two)")
         q.add_argument("--platform-version")
         q.add_argument("--patch-series-id")
         if name == "prune":
             q.add_argument("--dry-run", action="store_true", help="list what would be removed")
-            q.add_argument("--foreign", action="store_true", help="also remove entries without an envelope")
+            q.add_argument("--foreign", action="store_true",
+                           help=f"also remove entries without an envelope (only in a folder holding {KEY_FILE})")
         q.set_defaults(func=func)

@@ -7,6 +7,14 @@ therefore places entries in a subfolder named by the platform version (which
 carries the libtpu build on TPU), the torch_xla/openxla/torch revisions and
 the patch set, and writes the key beside them as JSON for people and tools.
 
+An entry is code the job runs, so the folder must be one only the user (and
+root) can write: `enable_persistent_cache` refuses any other (`cache_trust`),
+unless `trust_shared` accepts a group's, and creates its folders owner-only
+(group-readable when shared). With `XLAKIT_CACHE_KEY` the patched runtime
+writes authenticated entries and loads no other; the key's id (an HMAC of a
+constant, not the key) joins the subfolder name, so jobs with different keys,
+or none, never evict each other's entries.
+
 `cache_stats()` reads torch_xla's own counters. A stock torch_xla writes
 entries and then fails every load (`PersistentCacheDeserializeFailure`),
 silently recompiling; `xlakit doctor` probes exactly that.
@@ -15,14 +23,15 @@ silently recompiling; `xlakit doctor` probes exactly that.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from xlakit import _features, _knobs
-from xlakit.errors import CompileCacheError
+from xlakit import _features, _knobs, cache_trust
+from xlakit.errors import CacheFolderTrustError, CompileCacheError
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +49,13 @@ def _xlac():
     return _features.require_xlac("the persistent cache")
 
 
-def cache_key() -> dict[str, Any]:
-    """What an executable depends on beyond its graph: the runtime that compiled it."""
+def key_id(secret: bytes) -> str:
+    """A name for a cache key that reveals nothing of it (an HMAC under the key of a constant)."""
+    return hmac.new(secret, b"xlakit-cache-key-id", "sha256").hexdigest()[:16]
+
+
+def cache_key(secret: bytes | None = None) -> dict[str, Any]:
+    """What an executable depends on beyond its graph: the runtime that compiled it (and the key's id)."""
     xlac = _xlac()
     import torch
     import torch_xla
@@ -49,7 +63,7 @@ def cache_key() -> dict[str, Any]:
     import torch_xla.version as v
 
     build = _features.build_info() or {}
-    return {
+    key = {
         "device_type": xr.device_type(),
         "platform_version": xlac._xla_get_platform_version(),
         "torch_xla": torch_xla.__version__,
@@ -59,6 +73,9 @@ def cache_key() -> dict[str, Any]:
         "patch_set": build.get("patch_set") or "stock",
         "series_sha256": build.get("series_sha256"),
     }
+    if secret:  # only then, so the folder of a cache without a key keeps its name
+        key["key_id"] = key_id(secret)
+    return key
 
 
 def cache_dir_name(key: dict[str, Any]) -> str:
@@ -67,21 +84,69 @@ def cache_dir_name(key: dict[str, Any]) -> str:
     return f"{(key.get('device_type') or 'unknown').lower()}-{key['patch_set']}-{digest}"
 
 
-def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False) -> Path:
+# Folders this process accepted as shared (logged once each; the manifest reports them as accepted).
+_shared_accepted: set[Path] = set()
+
+
+def _trusted(where: Path, *, trust_shared: bool) -> cache_trust.FolderTrust:
+    verdict = cache_trust.judge(where, trust_shared=trust_shared)
+    if not verdict.trusted:
+        raise CacheFolderTrustError(
+            f"expected a cache folder only you (and root) can write, since its entries are code your jobs run; "
+            f"found {verdict.problem}; fix: {verdict.fix}")
+    if verdict.state == cache_trust.SHARED_TRUSTED and where not in _shared_accepted:
+        _shared_accepted.add(where)
+        log.warning("persistent cache %s is shared (trust_shared): %s; every one of them can put code into this "
+                    "job", where, "; ".join(verdict.shared))
+    return verdict
+
+
+def _make_folders(where: Path, mode: int) -> None:
+    """Create `where` and the folders above it that are missing, each with exactly `mode` (whatever the umask)."""
+    missing = []
+    for path in (where, *where.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, mode)
+        except FileExistsError:  # another process made it; it is judged again below
+            continue
+        os.chmod(path, mode)
+
+
+def _write_key_file(where: Path, key: dict[str, Any], mode: int) -> None:
+    fd = os.open(where / KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, mode)
+        f.write(json.dumps(key, indent=2, sort_keys=True) + "\n")
+
+
+def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False,
+                            trust_shared: bool | None = None) -> Path:
     """Turn on torch_xla's persistent compilation cache in a runtime-keyed subfolder.
 
     Call it before the first graph is compiled (torch_xla reads the setting
-    once, when it creates its computation cache).
+    once, when it creates its computation cache). The folder, and every folder
+    above it, must be one only you and root can write (a sticky folder such as
+    `/tmp` may be above it); xlakit creates what is missing owner-only.
 
     Args:
         path: The shared cache folder; created if missing (unless `readonly`).
         readonly: Load entries but never write any (for all but one worker).
+        trust_shared: Accept a folder a group you belong to can write (a team
+            cache); its folders are then created group-readable. Default
+            `XLAKIT_CACHE_TRUST_SHARED`.
 
     Returns:
         The subfolder this runtime's entries live in.
 
     Raises:
-        CompileCacheError: a graph was already compiled, or the folder cannot be made.
+        CacheFolderTrustError: another user can write the folder or one above
+            it; names the folder, its owner and mode, and the `chmod` that fixes it.
+        CompileCacheError: a graph was already compiled, the folder cannot be
+            made, or `XLAKIT_CACHE_KEY` is too short to be a secret.
         RuntimeFeatureError: torch_xla cannot be imported.
 
     Example:
@@ -94,16 +159,25 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False) 
             "expected to run before the first compilation, found torch_xla's computation cache already "
             "created, so the setting would be ignored; call enable_persistent_cache() at start-up, "
             "before any tensor is computed on an XLA device")
-    key = cache_key()
+    shared = trust_shared if trust_shared is not None else _knobs.get_flag(_knobs.CACHE_TRUST_SHARED)
+    try:
+        secret = _knobs.get_cache_key()
+    except ValueError as e:
+        raise CompileCacheError(str(e)) from None
+    key = cache_key(secret)
     where = Path(path).expanduser().resolve() / cache_dir_name(key)
+    _trusted(where, trust_shared=shared)
     if readonly:
         if not where.is_dir():
             log.warning("persistent cache %s holds nothing for this runtime yet (read-only: nothing will be "
                         "written); every graph will compile", where)
     else:
         try:
-            where.mkdir(parents=True, exist_ok=True)
-            (where / KEY_FILE).write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
+            _make_folders(where, 0o750 if shared else 0o700)
+            _trusted(where, trust_shared=shared)  # a folder another process made meanwhile is judged too
+            _write_key_file(where, key, 0o640 if shared else 0o600)
+        except CacheFolderTrustError:
+            raise
         except OSError as e:
             raise CompileCacheError(
                 f"expected a writable cache folder at {where}, found {type(e).__name__}: {e}; "
@@ -114,7 +188,42 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False) 
     if key["patch_set"] == "stock":
         log.warning("stock torch_xla: persistent cache entries are written but fail to load "
                     "(PersistentCacheDeserializeFailure); install the xlakit wheels for a working cache")
+        if secret:
+            log.warning("%s is set, but stock torch_xla writes and reads entries without a tag: they are not "
+                        "authenticated; install the xlakit wheels", _knobs.CACHE_KEY)
     return where
+
+
+def folder_report(path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The persistent cache's trust state, for the manifest and doctor (never raises).
+
+    Returns:
+        `{"path", "folder", "authenticated", ...}`: `folder` is owner-only,
+        shared-trusted or untrusted (with `problem` and `fix`), None with `why`
+        when no cache is set up (`XLA_PERSISTENT_CACHE_PATH` unset);
+        `authenticated` says whether entries carry a tag this job checks.
+    """
+    path = path or os.environ.get(_knobs.XLA_PERSISTENT_CACHE_PATH)
+    if not path:
+        return {"path": None, "folder": None, "authenticated": False,
+                "why": f"no persistent cache ({_knobs.XLA_PERSISTENT_CACHE_PATH} unset)"}
+    shared = _knobs.get_flag(_knobs.CACHE_TRUST_SHARED) or Path(path).resolve() in _shared_accepted
+    verdict = cache_trust.judge(path, trust_shared=shared)
+    out: dict[str, Any] = {"path": str(path), "folder": verdict.state}
+    if not verdict.trusted:
+        out.update(problem=verdict.problem, fix=verdict.fix)
+    elif verdict.shared:
+        out["shared"] = list(verdict.shared)
+    try:
+        secret = _knobs.get_cache_key()
+    except ValueError as e:
+        secret = None
+        out["key_problem"] = str(e)
+    patched = _features.build_info() is not None
+    out["authenticated"] = bool(secret) and patched
+    if secret and not patched:
+        out["why_not_authenticated"] = f"{_knobs.CACHE_KEY} is set, but stock torch_xla writes entries without a tag"
+    return out
 
 
 def cache_stats() -> dict[str, Any]:

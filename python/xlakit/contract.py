@@ -7,6 +7,10 @@ losses). Both are checked from the environment alone, so the check can run
 before torch_xla starts the runtime. Which libtpu flags were removed is data
 (`data/libtpu_flags.toml`), not code: a libtpu bump adds a row.
 
+The device must be one torch_xla can start (`PJRT_DEVICE`: CPU, built in, or
+an installed plugin; unset lets torch_xla choose), and a persistent cache path
+must not be a file: both otherwise fail only later, inside the runtime.
+
 The libtpu version a flag is judged against is, in order: the one given, the
 installed one, else the newest the pinned `tpu` profile allows (a run script
 checked on a laptop is meant for the pinned hosts).
@@ -15,12 +19,14 @@ checked on a laptop is meant for the pinned hosts).
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 import shlex
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 from xlakit import _knobs, _pins
 from xlakit.errors import RunContractError
@@ -59,15 +65,67 @@ def target_libtpu(libtpu_version: str | None = None, *, pins: str | os.PathLike 
     installed = _pins.installed_version("libtpu")
     if installed:
         return installed, "installed"
-    spec = _pins.profile(_pins.TPU_PROFILE, pins).get("packages", {}).get("libtpu")
-    if spec is None:
+    newest = _pins.newest_pinned("libtpu", _pins.TPU_PROFILE, pins)
+    if newest is None:
         return None, "libtpu is neither installed nor pinned"
-    if isinstance(spec, dict):
-        versions = spec.get("allowed") or [spec["floor"]]
-    else:
-        versions = [spec]
-    newest = max(versions, key=_pins.release)
     return newest, f"not installed; the newest the pinned {_pins.TPU_PROFILE} profile allows"
+
+
+# torch_xla registers every device but CPU from these entry points at import (torch_xla/__init__.py).
+PLUGIN_GROUP = "torch_xla.plugins"
+# With dynamic plugins off, torch_xla 2.9's C++ starts only these (InitializePjRt in pjrt_registry.cpp).
+_STATIC_DEVICES = ("CPU", "NEURON", "TPU", "XPU")
+
+
+def accepted_devices(env: Mapping[str, str] | None = None) -> tuple[tuple[str, ...], str]:
+    """The `PJRT_DEVICE` values this torch_xla can start, and where that list comes from."""
+    env = os.environ if env is None else env
+    dynamic = (env.get(_knobs.XLA_REGISTER_INSTALLED_PLUGINS, "1") == "1"
+               or _knobs.is_true(env.get(_knobs.PJRT_DYNAMIC_PLUGINS)))
+    if not dynamic:
+        return _STATIC_DEVICES, f"torch_xla's built-in clients ({_knobs.XLA_REGISTER_INSTALLED_PLUGINS}=0)"
+    plugins = sorted({ep.name.upper() for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP)})
+    return ("CPU", *plugins), f"CPU is built in, the others are the installed {PLUGIN_GROUP} entry points"
+
+
+def _device_violation(env: Mapping[str, str]) -> str | None:
+    if _knobs.PJRT_DEVICE not in env:
+        return None  # torch_xla chooses TPU, NEURON or CPU itself
+    value = env[_knobs.PJRT_DEVICE]
+    accepted, source = accepted_devices(env)
+    expected = f"expected one of {', '.join(accepted)} ({source})"
+    if not value.strip():
+        return (f"{_knobs.PJRT_DEVICE} is set but empty, {expected}; torch_xla refuses to start with it "
+                f"(\"$PJRT_DEVICE is not set\"); export {_knobs.PJRT_DEVICE}=<one of them>, or unset it to let "
+                "torch_xla choose")
+    if value in accepted:
+        return None
+    if value.upper() in accepted:
+        return (f"{_knobs.PJRT_DEVICE}={value!r} is not a device torch_xla can start, {expected}; names are "
+                f"case-sensitive: export {_knobs.PJRT_DEVICE}={value.upper()}")
+    return (f"{_knobs.PJRT_DEVICE}={value!r} is not a device torch_xla can start, {expected}; export "
+            f"{_knobs.PJRT_DEVICE}=<one of them>, or install the plugin for {value} (a package with a "
+            f"{value.lower()!r} entry point in {PLUGIN_GROUP})")
+
+
+def _cache_path_violation(env: Mapping[str, str]) -> str | None:
+    raw = env.get(_knobs.XLA_PERSISTENT_CACHE_PATH)
+    if not raw:
+        return None
+    path = Path(raw)
+    for where in (path, *path.parents):
+        try:
+            if not where.exists():
+                continue
+            if where.is_dir():
+                return None
+        except OSError:  # cannot look: the runtime will say what it finds
+            return None
+        what = "is a file" if where == path else f"lies under {where}, which is a file"
+        return (f"{_knobs.XLA_PERSISTENT_CACHE_PATH}={raw} {what}, expected a folder (torch_xla fails the first "
+                "compilation: \"filesystem error: cannot create directories\"); point it at a folder, or call "
+                "xlakit.enable_persistent_cache(folder), which sets it")
+    return None
 
 
 def contract_violations(*, env: Mapping[str, str] | None = None, libtpu_version: str | None = None,
@@ -77,7 +135,7 @@ def contract_violations(*, env: Mapping[str, str] | None = None, libtpu_version:
     Same arguments as `check_run_contract`, which raises instead.
     """
     env = os.environ if env is None else env
-    problems = []
+    problems = [p for p in (_device_violation(env), _cache_path_violation(env)) if p]
     args = env.get(_knobs.LIBTPU_INIT_ARGS) or ""
     if args:
         table = {f.name: f for f in removed_flags()}
@@ -120,7 +178,9 @@ def check_run_contract(*, env: Mapping[str, str] | None = None, libtpu_version: 
 
     Raises:
         RunContractError: naming each violation (flag, the libtpu version that
-            removed it, its replacement; or the missing SPMD setting).
+            removed it, its replacement; the missing SPMD setting; a
+            `PJRT_DEVICE` torch_xla cannot start, with the accepted values;
+            a persistent cache path that is a file).
 
     Example:
         >>> import xlakit

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import xlakit
-from xlakit import _features, _knobs, _manifest, compile_cache, contract, memory
+from xlakit import _features, _knobs, _manifest, _runtime_start, compile_cache, contract, memory
 
 _STATS_MARK = "xlakit-cache-probe-stats: "
 UNPATCHED = "entries are written but never load: this torch_xla is unpatched, install the xlakit wheels"
@@ -135,7 +135,7 @@ def probe_stack(m: dict) -> list[Probe]:
         out.append(Probe("stack", "ok", f"{line} (matches profile {prof['name']}: {prof['why']})"))
     if "device_type" not in m["runtime"]:
         out.append(Probe("runtime", "fail", m["runtime"].get("why_not", "unknown"),
-                         "fix the contract or the runtime error above, then re-run"))
+                         m["runtime"].get("fix") or "fix the contract above, then re-run"))
     return out
 
 
@@ -148,6 +148,25 @@ def probe_contract() -> Probe:
             else "SPMD off")
     flags = f"{_knobs.LIBTPU_INIT_ARGS} has no removed flag" if args else f"{_knobs.LIBTPU_INIT_ARGS} unset"
     return Probe("contract", "ok", f"holds ({flags}; {spmd})")
+
+
+def probe_cache_folder() -> Probe:
+    """Who can put an entry into the cache this environment points at, and whether entries are authenticated."""
+    r = compile_cache.folder_report()
+    name = "cache folder"
+    if r["path"] is None:
+        return Probe(name, "n/a", f"{r['why']}; xlakit.enable_persistent_cache() sets it inside the job")
+    if r["folder"] == "untrusted":
+        return Probe(name, "fail", f"{r['path']}: {r['problem']}", r["fix"])
+    if "key_problem" in r:
+        return Probe(name, "fail", r["key_problem"], f"give the job a longer {_knobs.CACHE_KEY}")
+    auth = (f"entries authenticated ({_knobs.CACHE_KEY})" if r["authenticated"] else
+            f"entries not authenticated ({r.get('why_not_authenticated') or _knobs.CACHE_KEY + ' unset'})")
+    if r["folder"] == "shared-trusted":
+        return Probe(name, "warn", f"{r['path']}: shared-trusted ({'; '.join(r['shared'])}); {auth}",
+                     f"every member of those groups can put code into your jobs; set {_knobs.CACHE_KEY} so only "
+                     "jobs holding the key can")
+    return Probe(name, "ok", f"{r['path']}: owner-only; {auth}")
 
 
 def probe_memory(device_type: str | None) -> list[Probe]:
@@ -184,9 +203,15 @@ def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float
             print(p.render(), file=out, flush=True)
 
     report(probe_contract())
-    if probes[-1].verdict == "fail":
+    contract_failed = probes[-1].verdict == "fail"
+    report(probe_cache_folder())
+    blocked = _runtime_start.blocker(pins)
+    if contract_failed:
         # The children would start the runtime with the broken environment (libtpu aborts on a removed flag).
         report(Probe("cache", "fail", "not probed: the run contract is broken", "fix the contract first"))
+    elif blocked:
+        report(Probe("cache", "fail", f"not probed: the runtime cannot start ({blocked['why_not']})",
+                     "fix the runtime first (see the runtime line)"))
     else:
         report(probe_cache(timeout_s=timeout_s))
     m = _manifest.manifest(profile=profile, pins=pins)

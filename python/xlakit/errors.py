@@ -104,3 +104,7 @@ class RunContractError(XlakitError, ValueError):
 
 class CompileCacheError(XlakitError, RuntimeError):
     """The persistent compilation cache cannot be enabled as asked."""
+
+
+class CacheFolderTrustError(CompileCacheError, PermissionError):
+    """Someone other than the user (and root) can put an entry into the cache folder; names the fix."""

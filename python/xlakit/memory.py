@@ -16,7 +16,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from xlakit import _features
+from xlakit import _features, _runtime_start, contract
 
 STOCK_MEMORY_INFO = "_xla_memory_info"
 
@@ -140,11 +140,21 @@ def format_table(infos: list[MemoryInfo]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    problems = contract.contract_violations()
+    found = _runtime_start.blocker() or (
+        {"why_not": "the run contract is broken: " + "; ".join(problems),
+         "fix": "change the run's environment as each item says"} if problems else None)
     try:
-        infos = memory_info(args.device)
+        infos = None if found else memory_info(args.device)
     except ValueError as e:  # an unknown device is a usage error, not a crash
         print(f"xlakit memory: {e}", file=sys.stderr)
         return 2
+    # Starting the runtime may raise anything a plugin raises; it is a finding here, not a crash.
+    except Exception as e:
+        found = _runtime_start.failure(e)
+    if found:
+        print(f"xlakit memory: {found['why_not']}\n  fix: {found['fix']}", file=sys.stderr)
+        return 1
     infos = infos if isinstance(infos, list) else [infos]
     print(format_table(infos))
     return 0 if all(i.supported for i in infos) else 1

@@ -1,11 +1,20 @@
-"""Start the ranks of a real multi-process job for a test: gloo over loopback."""
+"""Start the ranks of a real multi-process job for a test: gloo over loopback.
+
+`run` starts a job and waits for it; `Job` keeps the processes in hand so a
+test can inject faults by PID (SIGKILL, SIGSTOP/SIGCONT, SIGINT) at moments
+the ranks announce on stdout as JSON lines (`{"event": ...}`).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 
@@ -15,15 +24,106 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Job:
+    """Ranks 0..world-1 of `worker scenario folder`, their stdout read as JSON lines."""
+
+    def __init__(self, worker: Path, scenario: str, folder: Path, world: int, env: dict | None = None):
+        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                "WORLD_SIZE": str(world), **(env or {})}
+        self.procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(folder)],
+                                       env={**base, "RANK": str(r)}, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True) for r in range(world)]
+        self.lines: list[list[dict]] = [[] for _ in range(world)]
+        self.errors = ["" for _ in range(world)]
+        self._changed = threading.Condition()
+        self._readers = []
+        for r, p in enumerate(self.procs):
+            for stream, sink in ((p.stdout, self._line_sink(r)), (p.stderr, self._err_sink(r))):
+                t = threading.Thread(target=self._read, args=(stream, sink), daemon=True)
+                t.start()
+                self._readers.append(t)
+
+    def _line_sink(self, rank: int):
+        def sink(line: str) -> None:
+            if line.startswith("{"):
+                with self._changed:
+                    self.lines[rank].append(json.loads(line))
+                    self._changed.notify_all()
+        return sink
+
+    def _err_sink(self, rank: int):
+        def sink(line: str) -> None:
+            self.errors[rank] += line
+        return sink
+
+    @staticmethod
+    def _read(stream, sink) -> None:
+        for line in stream:
+            sink(line)
+
+    def pid(self, rank: int) -> int:
+        return self.procs[rank].pid
+
+    def wait_event(self, rank: int, event: str, timeout: float = 60.0) -> dict:
+        """The first line `{"event": event}` rank `rank` printed, waiting for it."""
+        end = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for line in self.lines[rank]:
+                    if line.get("event") == event:
+                        return line
+                left = end - time.monotonic()
+                if left <= 0 or self.procs[rank].poll() is not None and not self._pending(rank, event):
+                    raise AssertionError(f"rank {rank} never printed event {event!r}: "
+                                         f"{self.lines[rank]} {self.errors[rank][-2000:]}")
+                self._changed.wait(min(left, 0.1))
+
+    def _pending(self, rank: int, event: str) -> bool:
+        return any(line.get("event") == event for line in self.lines[rank])
+
+    def wait_stopped(self, rank: int, timeout: float = 60.0) -> None:
+        """Until rank `rank` is stopped (it sent itself SIGSTOP)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with open(f"/proc/{self.pid(rank)}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+            time.sleep(0.02)
+        raise AssertionError(f"rank {rank} did not stop")
+
+    def signal(self, rank: int, sig: int) -> None:
+        os.kill(self.pid(rank), sig)
+
+    def results(self, timeout: float = 120.0) -> dict[int, dict]:
+        """Wait for every rank; each one's last `{"result": ...}` line, or its exit status and stderr."""
+        end = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(end - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                for q in self.procs:
+                    if q.poll() is None:
+                        q.send_signal(signal.SIGCONT)
+                        q.kill()
+                raise AssertionError(f"the job hung: {[q.returncode for q in self.procs]}, "
+                                     f"{[e[-1500:] for e in self.errors]}") from None
+        for t in self._readers:
+            t.join(5)
+        for p in self.procs:
+            p.stdout.close()
+            p.stderr.close()
+        out = {}
+        for r, p in enumerate(self.procs):
+            found = [line["result"] for line in self.lines[r] if "result" in line]
+            out[r] = found[-1] if found else {}
+            out[r]["exit"] = p.returncode
+            out[r]["stderr"] = self.errors[r][-3000:]
+        return out
+
+
 def run(worker: Path, scenario: str, folder: Path, world: int) -> list[tuple[int, str, str]]:
-    """Run `worker scenario folder` as ranks 0..world-1; (exit status, stdout, stderr) each."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": str(world)}
-    procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(folder)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        results.append((proc.returncode, out, err))
-    return results
+    """Run `worker scenario folder` as ranks 0..world-1; (exit status, JSON lines, stderr) each."""
+    job = Job(worker, scenario, folder, world)
+    results = job.results()
+    return [(results[r]["exit"], "\n".join(json.dumps(line) for line in job.lines[r]), job.errors[r])
+            for r in range(world)]

@@ -45,7 +45,8 @@ from xlakit.errors import CheckpointPeerError, CheckpointTimeoutError, XlakitErr
 _POLL_S = 0.02
 _CLAIM_WAIT_S = 2.0  # how long a cancel waits for the store to confirm its abort
 _SURVIVOR_WAIT_S = 3.0
-_VERDICT_GRACE_S = 2.0  # at its deadline, how long a rank waits for the committer's verdict  # after a broken collective, how long survivors wait for each other's reports
+_VERDICT_GRACE_S = 2.0  # at its deadline, how long a rank waits for the committer's verdict
+STORE_HOST = 0  # the rank whose process serves the job's TCPStore when the job is not under torchrun  # after a broken collective, how long survivors wait for each other's reports
 _COMMIT_MARGIN_S = 1.0  # the committing rank stops this long before the earliest deadline
 _sequence = 0  # coordinated operations started by this process; every rank counts the same
 _sequence_lock = threading.Lock()
@@ -329,6 +330,7 @@ class AgreedGate(Gate):
         self.coord = coord
         self.held: dict | None = None
         self.confirmed = True
+        self.store_silent = False
 
     def settle(self, held: dict) -> None:
         self.held = held
@@ -375,7 +377,11 @@ class AgreedGate(Gate):
         if answer:
             self.settle(answer[0])
         else:  # the store host does not answer: the request is queued there, ahead of any later claim
-            self.held, self.outcome, self.confirmed = record, CANCEL, False
+            c.waiting_for, self.store_silent = [STORE_HOST], True
+            self.held = c._abort_record(
+                f"rank {c.rank} gave up ({reason}) in stage {stage!r}: the job's store did not answer",
+                [STORE_HOST], True, stage)
+            self.outcome, self.confirmed = CANCEL, False
         return self.outcome
 
     def may_discard(self) -> bool:
@@ -396,5 +402,8 @@ class AgreedGate(Gate):
         return self.coord.waiting_for[0] if self.coord.waiting_for else None
 
     def wait_note(self) -> str | None:
+        if self.store_silent:
+            return (f"rank {self.coord.rank} was waiting for the job's store, which did not answer: "
+                    f"its host (rank {STORE_HOST}, unless the job runs under torchrun) stalled or died")
         waiting = self.coord.waiting_for
         return f"rank {self.coord.rank} was waiting for rank(s) {waiting} (stalled or died)" if waiting else None

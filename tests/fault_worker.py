@@ -81,6 +81,18 @@ def run(scenario: str, folder: Path) -> dict:
     elif scenario == "layout-mismatch":
         layout = "replicated" if RANK == 1 else "sharded"
         out["save2"] = outcome(lambda: xlakit.save(state(2), target, layout=layout, timeout_s=DEADLINE_S))
+    elif scenario == "dies-mid-shard":
+        if RANK == 1:  # dies inside the transfer, its temporary shard file already open
+            from tests import fakes
+            from xlakit.checkpoint import transfer
+
+            class Dies(fakes.HostTransfer):
+                def to_host(self, tensors, *, timeout_s):
+                    os._exit(17)
+
+            transfer.backend_for = lambda device_type, sample: Dies()
+        out["save2"] = outcome(lambda: xlakit.save(state(2), target, layout="sharded", timeout_s=DEADLINE_S))
+        return out
     elif scenario == "absent-rank":
         if RANK == 3:
             time.sleep(DEADLINE_S + 6)  # misses this save entirely

@@ -30,7 +30,7 @@ import struct
 import sys
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -210,8 +210,12 @@ class ArchiveWriter:
                             ("byteorder", sys.byteorder.encode())):
             self._small(name, value)
 
-    def write_storage(self, entry: StorageEntry, view: memoryview) -> None:
-        """Write one storage's bytes; each chunk is copied once, then hashed and written."""
+    def write_storage(self, entry: StorageEntry, view: memoryview,
+                      on_chunk: Callable[[int], None] = lambda n: None) -> None:
+        """Write one storage's bytes; each chunk is copied once, then hashed and written.
+
+        `on_chunk(nbytes)` runs after each chunk (progress; it may raise to stop).
+        """
         offset = self._begin(f"data/{entry.key}")
         hasher, crc, buf = xxhash.xxh3_64(), 0, memoryview(self._buffer)
         n = len(view)
@@ -223,6 +227,7 @@ class ArchiveWriter:
             if self._crc:
                 crc = zlib.crc32(chunk, crc)
             self._put(chunk)
+            on_chunk(m)
         self._end(n, crc)
         self._storages[entry.key] = {"nbytes": n, "offset": offset, HASH: hasher.hexdigest(),
                                      "paths": entry.paths}

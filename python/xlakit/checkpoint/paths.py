@@ -171,8 +171,12 @@ def write_error(e: OSError, final: Path, *, stage: str, bytes_done: int = 0) -> 
 
 
 def check_target(final: Path) -> None:
-    """Refuse a file target that cannot be written, before any work: a folder, no parent."""
-    if final.is_dir():
+    """Refuse a file target that cannot be written, before any work: a folder, no parent, a bad name."""
+    try:
+        is_dir = final.is_dir()
+    except OSError as e:  # a name too long for the file system
+        raise write_error(e, final, stage="open") from e
+    if is_dir:
         err = CheckpointWriteError(errno.EISDIR, f"cannot save {final}: it is a folder; a checkpoint "
                                    f"file needs a file name")
         err.filename = str(final)

@@ -102,8 +102,7 @@ def write(op: Operation, job: FileSave, items: HostItems, *, commit: Commit | No
             for batch, hosts, *_ in items:
                 for entry, host in zip(batch, hosts):
                     op.enter("write", entry.path)
-                    writer.write_storage(entry, archive.tensor_bytes(host))
-                    op.advance(entry.nbytes)
+                    writer.write_storage(entry, archive.tensor_bytes(host), on_chunk=op.advance)
                 del hosts
             writer.finish()
             op.enter("commit")

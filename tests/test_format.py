@@ -1,0 +1,156 @@
+"""The file format: storage-faithful as torch.save, read by torch.load, versioned, hashed as written."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zipfile
+
+import pytest
+import torch
+
+import xlakit
+from xlakit.checkpoint import archive
+
+
+def _tied_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(32000, 1024)
+    head = torch.nn.Linear(1024, 32000, bias=False)
+    head.weight = embed.weight
+    return torch.nn.ModuleDict({"embed": embed, "head": head})
+
+
+def test_tied_weights_cost_what_torch_save_costs(tmp_path):
+    # Regression: a tied 32000x1024 embedding/head was written twice (250 MiB against 125).
+    sd = _tied_model().state_dict()
+    assert sd["embed.weight"] is not sd["head.weight"]  # state_dict() detaches: two objects, one storage
+    xlakit.save(sd, tmp_path / "x.pt")
+    torch.save(sd, tmp_path / "t.pt")
+    ours, theirs = (tmp_path / "x.pt").stat().st_size, (tmp_path / "t.pt").stat().st_size
+    assert abs(ours - theirs) / theirs < 0.01, (ours, theirs)
+    loaded = xlakit.load(tmp_path / "x.pt")
+    assert loaded["embed.weight"].untyped_storage().data_ptr() == loaded["head.weight"].untyped_storage().data_ptr()
+    assert torch.equal(loaded["head.weight"], sd["head.weight"])
+
+
+@pytest.mark.xla
+def test_tied_xla_weights_are_written_once(tmp_path):
+    import torch_xla
+
+    model = _tied_model().to(torch_xla.device())
+    model["head"].weight = model["embed"].weight  # .to() unties modules moved to XLA; tie again
+    sd = model.state_dict()
+    xlakit.save(sd, tmp_path / "x.pt")
+    torch.save({k: v.cpu() for k, v in _tied_model().state_dict().items()}, tmp_path / "t.pt")
+    ours, theirs = (tmp_path / "x.pt").stat().st_size, (tmp_path / "t.pt").stat().st_size
+    assert ours < theirs * 1.01, (ours, theirs)  # torch.save itself writes XLA tensors twice
+    loaded = xlakit.load(tmp_path / "x.pt")
+    assert loaded["embed.weight"].untyped_storage().data_ptr() == loaded["head.weight"].untyped_storage().data_ptr()
+
+
+def test_views_keep_their_storage_and_expands_stay_small(tmp_path):
+    base = torch.arange(100, dtype=torch.float32)
+    state = {"base": base, "view": base[10:20], "strided": base.view(10, 10).t(),
+             "expand": torch.ones(1).expand(16 << 20), "scalar_view": base[5]}
+    xlakit.save(state, tmp_path / "c.pt")
+    assert (tmp_path / "c.pt").stat().st_size < 8192  # the 64 MiB expand is one float on disk
+    for loaded in (xlakit.load(tmp_path / "c.pt"), torch.load(tmp_path / "c.pt", weights_only=True)):
+        for key, value in state.items():
+            assert torch.equal(loaded[key], value) and loaded[key].stride() == value.stride(), key
+        ptr = loaded["base"].untyped_storage().data_ptr()
+        assert all(loaded[k].untyped_storage().data_ptr() == ptr for k in ("view", "strided", "scalar_view"))
+        assert loaded["view"].storage_offset() == 10
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(3, dtype=torch.complex64).conj(),
+    lambda: torch.randn(3).bfloat16(),
+    lambda: torch.randn(3).to(torch.float8_e4m3fn),
+    lambda: torch.tensor([1, 2, 3], dtype=torch.int32).to(torch.uint16),
+    lambda: torch.tensor([True, False]),
+    lambda: torch.randn(2, dtype=torch.complex128),
+    lambda: torch.nn.Parameter(torch.randn(4)),
+    lambda: torch.empty(0, 3),
+])
+def test_every_dense_kind_round_trips_through_both_readers(tmp_path, make):
+    t = make()
+    xlakit.save({"t": t}, tmp_path / "c.pt")
+    for loaded in (xlakit.load(tmp_path / "c.pt")["t"], torch.load(tmp_path / "c.pt", weights_only=True)["t"]):
+        assert loaded.dtype == t.dtype and loaded.shape == t.shape and type(loaded) is type(t)
+        assert loaded.is_conj() == t.is_conj()
+
+        def raw(x):
+            return x.detach().resolve_conj().contiguous().view(torch.uint8)
+
+        assert torch.equal(raw(loaded), raw(t))  # bit-exact, NaNs and float8 included
+
+
+@pytest.mark.parametrize("value,why", [
+    (torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "quantized"),
+    (torch.randn(3, 3).to_sparse(), "layout"),
+    ((lambda b: [b, b.view(torch.int32)])(torch.randn(4)), "shares its storage"),
+])
+def test_what_cannot_round_trip_is_refused_before_any_byte_is_written(tmp_path, value, why):
+    # Regression: a quantized tensor saved "successfully" and loaded into a tensor that
+    # crashed on first use.
+    path = tmp_path / "c.pt"
+    xlakit.save({"old": torch.ones(2)}, path)
+    before = path.read_bytes()
+    with pytest.raises(xlakit.CheckpointSerializationError, match=why) as info:
+        xlakit.save({"model": {"w": value}}, path)
+    assert "model/w" in str(info.value)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
+
+
+def test_a_newer_format_version_is_refused_naming_both_versions(tmp_path):
+    # Regression: a file claiming a newer format version loaded silently.
+    path = tmp_path / "c.pt"
+    xlakit.save({"w": torch.ones(4)}, path)
+    data = path.read_bytes()
+    old = b'"version": 2'
+    assert data.count(old) == 1
+    path.write_bytes(data.replace(old, b'"version": 9'))
+    with pytest.raises(xlakit.CheckpointFormatError, match="format version 9.*up to 2"):
+        xlakit.load(path)
+
+
+def test_version_1_files_of_earlier_xlakit_still_load(tmp_path):
+    # A version-1 index: storages keyed by tensor, without offsets (written by xlakit <= 0.1).
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, buf)
+    raw = zipfile.ZipFile(buf)
+    pickle_bytes = raw.read("archive/data.pkl") if "archive/data.pkl" in raw.namelist() else None
+    path = tmp_path / "v1.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        for info in raw.infolist():
+            z.writestr(info.filename, raw.read(info.filename))
+        prefix = raw.namelist()[0].split("/")[0]
+        data = raw.read(f"{prefix}/data/0")
+        index = {"format": archive.FORMAT, "version": 1, "hash": archive.HASH,
+                 "pickle": {"nbytes": len(raw.read(f"{prefix}/data.pkl")),
+                            archive.HASH: archive.digest(raw.read(f"{prefix}/data.pkl"))},
+                 "storages": {"0": {"path": "w", "nbytes": len(data), "dtype": "float32", "shape": [4],
+                                    archive.HASH: archive.digest(data)}}}
+        z.writestr(f"{prefix}/{archive.CHECKSUMS_RECORD}", json.dumps(index))
+    assert pickle_bytes is None or pickle_bytes
+    assert torch.equal(xlakit.load(path)["w"], torch.arange(4.0))
+
+
+def test_zip_crc32s_are_right_when_asked_for(tmp_path):
+    xlakit.save({"w": torch.randn(1 << 16), "n": 3}, tmp_path / "c.pt", compute_crc32=True)
+    assert zipfile.ZipFile(tmp_path / "c.pt").testzip() is None
+
+
+def test_the_index_records_each_storage_at_its_offset_with_its_tensors(tmp_path):
+    base = torch.arange(8.0)
+    xlakit.save({"a": base, "b": base[2:], "c": torch.ones(3)}, tmp_path / "c.pt")
+    data = (tmp_path / "c.pt").read_bytes()
+    index = json.loads(bytes(torch._C.PyTorchFileReader(str(tmp_path / "c.pt")).get_record(
+        archive.CHECKSUMS_RECORD)))
+    assert index["version"] == archive.FORMAT_VERSION
+    shared = [s for s in index["storages"].values() if len(s["paths"]) == 2][0]
+    assert shared["paths"] == ["a", "b"] and shared["offset"] % archive.ALIGNMENT == 0
+    assert archive.digest(data[shared["offset"]:shared["offset"] + shared["nbytes"]]) == shared[archive.HASH]
+    assert struct.unpack("<I", data[-22:-18])[0] == 0x06054B50  # an end-of-central-directory record

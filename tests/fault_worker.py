@@ -132,7 +132,7 @@ def run(scenario: str, folder: Path) -> dict:
 
         real = archive.ArchiveWriter.write_storage
         if RANK == 2:  # this rank's background write hits a full disk (a fake one)
-            def full(self, entry, view):
+            def full(self, entry, view, on_chunk=None):
                 raise OSError(28, "No space left on device")
 
             archive.ArchiveWriter.write_storage = full

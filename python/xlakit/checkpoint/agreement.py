@@ -105,10 +105,14 @@ class Coordination:
         try:
             yield
         except RuntimeError as e:  # DistNetworkError, DistStoreError: the store's host is gone
-            raise CheckpointPeerError(
+            err = CheckpointPeerError(
                 f"coordinated {self.kind} of {self.proposal['path']} (rank {self.rank} of {self.world}): "
-                f"the job's store stopped answering ({_first_line(e)}); rank 0, which hosts it unless "
-                f"the job was started by torchrun, probably died", rank=0) from e
+                f"the job's store stopped answering ({_first_line(e)}); rank {STORE_HOST}, which hosts it "
+                f"unless the job was started by torchrun, probably died", rank=STORE_HOST)
+            if self.gate.outcome is None and self.op is not None and self.op.stage == "commit":
+                err.add_note("This rank had voted and did not learn the decision: the checkpoint is "
+                             "the new one or the previous one, both whole; this rank's part is kept.")
+            raise err from e
 
     def publish(self, name: str, value: dict) -> None:
         with self._reaching_store():
@@ -245,7 +249,10 @@ class Coordination:
             return
         culprits = [self.rank]
         if waiting:
-            self.publish(f"broken/{self.rank}", {"error": _first_line(error)})
+            try:
+                self.publish(f"broken/{self.rank}", {"error": _first_line(error)})
+            except CheckpointPeerError:
+                return
             end = time.monotonic() + min(_SURVIVOR_WAIT_S, self.op.remaining() if self.op else 0.0)
             missing = [r for r in range(self.world) if r != self.rank]
             while missing and time.monotonic() < end and self.decision() is None:
@@ -257,8 +264,12 @@ class Coordination:
             message = f"rank(s) {culprits} stopped answering (died or stalled); here: {message}"
         with self.gate.lock:
             if self.gate.outcome is None:
-                self.gate.settle(self.claim(self._abort_record(
-                    message, culprits, isinstance(error, TimeoutError) or culprits != [self.rank], stage)))
+                try:
+                    held = self.claim(self._abort_record(
+                        message, culprits, isinstance(error, TimeoutError) or culprits != [self.rank], stage))
+                except CheckpointPeerError:
+                    return  # the store is gone: the outcome stays unknown here, nothing is discarded
+                self.gate.settle(held)
 
     def _abort_record(self, error: str, culprits: list[int], timeout: bool, stage: str) -> dict:
         return {"decision": "abort", "rank": self.rank, "culprits": culprits, "timeout": timeout,
@@ -385,8 +396,8 @@ class AgreedGate(Gate):
         return self.outcome
 
     def may_discard(self) -> bool:
-        # Until the store confirms the abort, this rank's files might still be committed.
-        return self.confirmed
+        # Until the store confirms an abort, this rank's files might be named by a commit.
+        return self.outcome == CANCEL and self.confirmed
 
     def foreign_error(self) -> Exception | None:
         """The error for an abort another rank decided, if that is why this operation ended."""

@@ -104,8 +104,8 @@ class Gate:
         return self.outcome
 
     def may_discard(self) -> bool:
-        """Whether a cancelled operation's files may go (False while an abort is unconfirmed)."""
-        return True
+        """Whether files a commit could still name may go: only once the operation is surely off."""
+        return self.outcome == CANCEL
 
     def foreign_error(self) -> Exception | None:
         """Where another rank decided the operation's end: the error that names it."""
@@ -145,7 +145,8 @@ class Operation:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.result: Any = None
-        self._temps: list[Path] = []
+        self._temps: list[Path] = []  # scratch: never named by any commit
+        self._pending: list[Path] = []  # complete parts a commit (another rank's) may name
         self._temps_lock = threading.Lock()
 
     # -- state ------------------------------------------------------------------------------
@@ -180,10 +181,15 @@ class Operation:
         self.bytes_done += nbytes
         self.last_progress = time.monotonic()
 
-    def own(self, path: Path) -> Path:
-        """Register a temporary file or folder: removed unless it becomes the checkpoint."""
+    def own(self, path: Path, *, pending: bool = False) -> Path:
+        """Register a file or folder this operation made, to remove unless it is committed.
+
+        A scratch file (the default) goes whenever the operation fails. A `pending` one
+        (a shard, complete, that another rank's commit record may name) goes only once
+        the operation is surely off (`Gate.may_discard`), never while that is unknown.
+        """
         with self._temps_lock:
-            self._temps.append(path)
+            (self._pending if pending else self._temps).append(path)
         return path
 
     def disown(self, path: Path) -> None:
@@ -193,6 +199,8 @@ class Operation:
     def discard_temps(self) -> None:
         with self._temps_lock:
             temps, self._temps = self._temps, []
+            if self.gate.may_discard():
+                temps, self._pending = temps + self._pending, []
         for p in temps:
             remove_path(p)
 
@@ -228,7 +236,7 @@ class Operation:
             outcome = self.gate.claim_cancel(reason)
         finally:
             self.gate.lock.release()
-        if outcome == CANCEL and self.gate.may_discard():
+        if outcome == CANCEL:
             self.discard_temps()
         return outcome
 
@@ -257,7 +265,7 @@ class Operation:
             except BaseException as e:  # noqa: BLE001 - handed to the owner
                 self.error = e
             finally:
-                if self.gate.outcome != COMMIT and self.gate.may_discard():
+                if self.gate.outcome != COMMIT:
                     self.discard_temps()
                 with _live_lock:
                     _live.discard(self)

@@ -181,7 +181,7 @@ def _rename_shard(op: Operation, tmp: Path, final: Path) -> None:
     with op.guarded():
         os.replace(tmp, final)
         op.disown(tmp)
-    op.own(final)  # an uncommitted shard; removed if this save fails
+    op.own(final, pending=True)  # removed once this save is surely off; the next commit otherwise
 
 
 def save(obj: Any, path: Path, opts: SaveOptions) -> background.SaveHandle | None:

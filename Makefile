@@ -5,6 +5,7 @@
 #   PROFILE        VERSIONS.toml profile installed by `setup`          [cpu-dev]
 #   PYTEST_ARGS    extra arguments for `make test`                     []
 #   BENCH_ARGS     extra arguments for `make bench`                    []
+#   FAULT_ARGS     extra arguments for `make faults` (--rounds, --seed) []
 #   TORCH_XLA_GIT  torch_xla git URL or local mirror (build, patches-check,
 #                  preflight)                             [VERSIONS.toml URL]
 #   PYTORCH_GIT    pytorch git URL or local mirror (build, preflight)
@@ -17,6 +18,7 @@ VENV ?= .venv
 PROFILE ?= cpu-dev
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+FAULT_ARGS ?=
 TORCH_XLA_GIT ?=
 PYTORCH_GIT ?=
 BUILD_ARGS ?=
@@ -25,7 +27,7 @@ INSTALL_PYTHON ?= python3
 VPY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.xlakit-setup
 
-.PHONY: setup test demo bench clean build patches-check wheel install preflight
+.PHONY: setup test faults demo bench clean build patches-check wheel install preflight
 
 setup: $(SETUP_STAMP)
 
@@ -40,6 +42,11 @@ $(SETUP_STAMP): VERSIONS.toml pyproject.toml setup.py
 
 test: setup
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+# Saves under random faults by PID (kill, Ctrl-C, stop/continue, a mutating
+# thread), every checkpoint read back; one line, exit 1 unless all hold.
+faults: setup
+	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) tests/fault_injection.py $(FAULT_ARGS)
 
 demo: setup
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) examples/demo.py

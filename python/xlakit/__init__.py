@@ -35,7 +35,7 @@ from xlakit.memory import MemoryInfo, memory_info
 # inside its functions.
 _LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint", "dcp_save": "xlakit.checkpoint",
          "dcp_load": "xlakit.checkpoint", "wait_until_idle": "xlakit.checkpoint",
-         "SaveHandle": "xlakit.checkpoint.background"}
+         "SaveHandle": "xlakit.checkpoint.background", "CheckpointManager": "xlakit.checkpoint.manager"}
 
 
 def __getattr__(name: str):
@@ -57,6 +57,7 @@ __all__ = [
     "LoadOptions",
     "Progress",
     "SaveHandle",
+    "CheckpointManager",
     "CacheFolderTrustError",
     "CheckpointAsyncError",
     "CheckpointBusyError",

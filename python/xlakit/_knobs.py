@@ -18,6 +18,7 @@ STALL_WARNING_S = "XLAKIT_STALL_WARNING_S"
 PROGRESS_INTERVAL_S = "XLAKIT_PROGRESS_INTERVAL_S"
 TRANSFER_BACKEND = "XLAKIT_TRANSFER_BACKEND"
 PROFILE = "XLAKIT_PROFILE"  # VERSIONS.toml profile the manifest checks against
+PREEMPTION_GRACE_S = "XLAKIT_PREEMPTION_GRACE_S"  # CheckpointManager: SIGTERM to the last moment to save
 DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
 # Accept a persistent cache folder a group you belong to can write (see cache_trust).
 CACHE_TRUST_SHARED = "XLAKIT_CACHE_TRUST_SHARED"
@@ -50,6 +51,7 @@ DEFAULTS: dict[str, float | int | str] = {
     STALL_WARNING_S: 60.0,
     PROGRESS_INTERVAL_S: 10.0,
     TRANSFER_BACKEND: "auto",
+    PREEMPTION_GRACE_S: 30.0,
     DOCTOR_TIMEOUT_S: 120.0,
 }
 

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from xlakit.checkpoint.operation import CANCEL, COMMIT, Gate, Operation
+from xlakit.checkpoint.operation import CANCEL, COMMIT, Gate, Operation, Watch
 from xlakit.errors import CheckpointPeerError, CheckpointTimeoutError, XlakitError
 
 _POLL_S = 0.02
@@ -77,13 +77,19 @@ def _first_line(e: BaseException) -> str:
 class Coordination:
     """One coordinated operation on this rank: its store keys, its proposal and its decision."""
 
-    def __init__(self, kind: str, proposal: dict[str, Any], *, committer: int = 0):
+    def __init__(self, kind: str, proposal: dict[str, Any], *, committer: int = 0,
+                 agreed: tuple[str, ...] = (), prefix: str | None = None):
+        """`agreed`: proposal fields every rank must share, beyond `AGREED`. `prefix`: a fixed key
+        space (a notice board the ranks read at their own pace) instead of the next operation's."""
         global _sequence
         d = dist()
         self.rank, self.world = d.get_rank(), d.get_world_size()
-        with _sequence_lock:
-            _sequence += 1
-            self.prefix = f"xlakit/op/{_sequence}"
+        if prefix is None:
+            with _sequence_lock:
+                _sequence += 1
+                prefix = f"xlakit/op/{_sequence}"
+        self.prefix = prefix
+        self.agreed = AGREED + tuple(f for f in agreed if f not in AGREED)
         self.store = d.distributed_c10d._get_default_store()
         self.kind = kind
         self.proposal = {"kind": kind, "world": self.world, "layout": None, "writer_rank": None,
@@ -128,12 +134,25 @@ class Coordination:
     def decision(self) -> dict | None:
         return self.peek("decision")
 
+    def first(self, name: str, value: dict) -> dict:
+        """Set `name` to `value` unless a rank set it first; the value that holds (atomic)."""
+        mine = json.dumps(value, sort_keys=True)
+        with self._reaching_store():
+            held = self.store.compare_set(self._key(name), "", mine)
+        return json.loads(held)
+
+    def present(self, names: dict[int, str]) -> dict[int, dict]:
+        """The records `names[rank]` published so far (one look, no waiting)."""
+        found = {}
+        for rank, name in names.items():
+            value = self.peek(name)
+            if value is not None:
+                found[rank] = value
+        return found
+
     def claim(self, record: dict) -> dict:
         """Claim the decision with `record`; the decision that holds (ours or the earlier one)."""
-        mine = json.dumps(record, sort_keys=True)
-        with self._reaching_store():
-            held = self.store.compare_set(self._key("decision"), "", mine)
-        return json.loads(held)
+        return self.first("decision", record)
 
     # -- waiting --------------------------------------------------------------------------------
     def wait_for(self, op: Operation, names: dict[int, str], stage: str) -> dict[int, dict]:
@@ -145,11 +164,7 @@ class Coordination:
         found: dict[int, dict] = {}
         op.enter(stage)
         while True:
-            for rank, name in names.items():
-                if rank not in found:
-                    value = self.peek(name)
-                    if value is not None:
-                        found[rank] = value
+            found.update(self.present({r: n for r, n in names.items() if r not in found}))
             self.waiting_for = sorted(set(names) - set(found))
             if not self.waiting_for:
                 return found
@@ -212,7 +227,7 @@ class Coordination:
             raise CheckpointPeerError(f"coordinated {self.kind} of {self.proposal['path']} (rank "
                                       f"{self.rank} of {self.world}): other ranks could not start, "
                                       f"nothing was touched: {lines}", rank=min(failed))
-        for field in AGREED:
+        for field in self.agreed:
             values = {r: p.get(field) for r, p in self.proposals.items()}
             if len(set(map(json.dumps, values.values()))) > 1:
                 raise self._mismatch(field, values)
@@ -331,6 +346,60 @@ class Coordination:
             except Exception:  # noqa: BLE001 - a broken group is dropped all the same
                 pass
             self._group = None
+
+
+def decide(kind: str, path: str, proposal: dict[str, Any], watch: Watch, *,
+           prepare: Callable[[], None] | None = None, act: Callable[[], None] | None = None) -> None:
+    """One decision of the whole job, on the terms of a coordinated save.
+
+    Every rank proposes `proposal` (each field must match on every rank, or the
+    odd rank is named everywhere and nothing happens). Rank 0 first runs
+    `prepare()`: if it fails, every rank raises, naming it. With `act`, every rank
+    then votes ready and rank 0 runs `act()` at the commit point: once every rank
+    voted, never after any rank gave up. Outside a torch.distributed job,
+    `prepare` and `act` run here under the same deadline and commit point.
+    """
+    if world_size() == 1:
+        def alone(op: Operation) -> None:
+            if prepare is not None:
+                prepare()
+            if act is not None:
+                op.enter("commit")
+                with op.commit_point():
+                    act()
+
+        Operation(kind, path, watch).run(alone)
+        return
+    coord = Coordination(kind, {"path": path, **proposal}, agreed=tuple(proposal))
+    op = Operation(kind, path, watch, gate=coord.gate, rank=coord.rank)
+    coord.op = op
+
+    def work(op: Operation) -> None:
+        error = None
+        if coord.rank == coord.committer and prepare is not None:
+            try:
+                prepare()
+            except (XlakitError, OSError, ValueError, TypeError) as e:
+                error = e  # published with the proposal: every rank learns it at once
+        coord.agree(op, None, error)
+        if act is None:
+            return
+        with coord.giving_up(op):
+            coord.vote({})
+            if coord.rank != coord.committer:
+                final = coord.outcome(op)
+                if not final.get("ok"):
+                    raise CheckpointPeerError(f"rank {coord.committer} could not carry out the "
+                                              f"{kind} of {path}: {final.get('error')}",
+                                              rank=coord.committer)
+                return
+            coord.votes(op)
+            op.enter("commit")
+            with op.commit_point():
+                act()
+            coord.finish({"ok": True})
+
+    op.run(work)
 
 
 class AgreedGate(Gate):

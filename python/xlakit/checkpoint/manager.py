@@ -1,0 +1,417 @@
+"""`CheckpointManager`: when to save, which steps to keep, where to resume, what to do on SIGTERM.
+
+The manager adds policy, not a new way to write: each step is one
+`xlakit.save` (or `dcp_save`) into `<directory>/<step>/`, committed by that
+save's own commit point, and the steps are whatever `steps.scan` finds
+committed on disk (see `steps.py` for the layout and why a crash at any
+moment leaves a consistent view). In a torch.distributed job every decision
+goes through the job's agreement (`agreement.decide`): the configuration
+when the managers start, the step before each save (rank 0 writes its
+record, or every rank learns why it could not), and the set of steps to
+delete after each commit (rank 0 moves them to the trash only once every
+rank proposed the same set and voted). Ranks call the manager's methods in
+the same order, as they call collectives.
+
+Asynchronous saves run one at a time; the next `save`, `wait`, `restore` or
+`close` waits for the one in flight and raises its error, and runs retention
+once it committed. Preemption (`install_preemption_handler`) is agreed as
+described in `preemption.py`; the save at the agreed step is synchronous and
+bounded by what is left of the grace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import itertools
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from xlakit import _knobs
+from xlakit.checkpoint import agreement, paths, retention, steps
+from xlakit.checkpoint.operation import Watch
+from xlakit.checkpoint.options import SaveOptions, _bool, _count, _seconds, resolve
+from xlakit.checkpoint.preemption import Preemption
+from xlakit.errors import CheckpointIncompleteError, CheckpointWriteError, RuntimeFeatureError
+
+log = logging.getLogger("xlakit")
+_managers = itertools.count()  # managers made by this process: every rank counts the same
+
+
+class CheckpointManager:
+    """Saves a training state every few steps, keeps the steps a policy names, resumes from them.
+
+    Args:
+        directory: the manager folder (made if missing); each step is `<directory>/<step>/`.
+        max_to_keep: keep the N most recent steps (None: all). The latest step, the best
+            step and a step being written are never deleted.
+        keep_every_n_steps: also keep every step divisible by N.
+        save_interval_steps: `should_save(step)` is true every N steps.
+        best_metric: keep the step whose `metrics[best_metric]` is best (`best_mode`).
+        best_mode: "min" or "max".
+        layout: "single" (one process), "replicated", "sharded" (`xlakit.save` layouts) or
+            "dcp" (`xlakit.dcp_save`; restores need a template).
+        asynchronous: saves return once the state is on the host (not with "dcp").
+        options: `SaveOptions` for every save (timeout_s, ...); layout and asynchronous
+            are the manager's.
+
+    Example:
+        >>> import torch, xlakit
+        >>> with xlakit.CheckpointManager(getfixture("tmp_path"), max_to_keep=2) as mgr:
+        ...     for step in range(1, 5):
+        ...         _ = mgr.save(step, {"w": torch.full((2,), float(step))})
+        ...     mgr.all_steps(), mgr.restore()["w"]
+        ([3, 4], tensor([4., 4.]))
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
+                 keep_every_n_steps: int | None = None, save_interval_steps: int = 1,
+                 best_metric: str | None = None, best_mode: str = "min", layout: str = "single",
+                 asynchronous: bool = False, options: SaveOptions | None = None):
+        self.policy = retention.Retention(max_to_keep, keep_every_n_steps, best_metric, best_mode)
+        _count("save_interval_steps", save_interval_steps, minimum=1)
+        if layout not in steps.LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(map(repr, steps.LAYOUTS))}, got {layout!r}")
+        _bool("asynchronous", asynchronous)
+        self.directory, self.layout, self.asynchronous = Path(directory), layout, asynchronous
+        self.save_interval_steps = save_interval_steps
+        self._options = _save_options(options, layout, asynchronous)
+        self._world = agreement.world_size()
+        if layout in ("replicated", "sharded") or self._world > 1:
+            self._rank = agreement.dist().get_rank()  # refuses a coordinated layout outside a job
+        else:
+            self._rank = 0
+        if layout == "single" and self._world > 1:
+            raise ValueError(f"layout='single' writes from one process, and this job has {self._world} "
+                             f"ranks; use 'replicated' (one writer), 'sharded' or 'dcp'")
+        self._prefix = f"xlakit/manager/{next(_managers)}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointWriteError(e.errno, f"cannot use {self.directory} as a manager folder: "
+                                       f"{e.strerror}") from e
+        found = steps.scan(self.directory)
+        self._steps = set(found.committed)
+        self._last = found.latest  # the highest step saved or being saved
+        self._pending: tuple[int, Any] | None = None  # an asynchronous save in flight
+        self._preemption: Preemption | None = None
+        self._preempt_saved = False
+        self._closed = False
+        config = {"layout": layout, "asynchronous": asynchronous, "interval": save_interval_steps,
+                  **dataclasses.asdict(self.policy)}
+        agreement.decide("manager start", self._path(), {"config": config, "latest": self._last,
+                                                         "manager": self._prefix}, self._watch())
+        if self._rank == 0:
+            steps.empty_trash(self.directory)  # what a killed retention left
+
+    # -- queries ----------------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """The committed steps, oldest first (read from the folder)."""
+        return sorted(steps.scan(self.directory).committed)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        return steps.scan(self.directory).latest
+
+    def best_step(self) -> int | None:
+        """The committed step with the best `best_metric`; None without one (or without a metric)."""
+        return retention.best(steps.scan(self.directory).committed, self.policy)
+
+    def should_save(self, step: int) -> bool:
+        """True when `step` is to be saved: every `save_interval_steps`, and at an agreed preemption step.
+
+        Call it (or `save`) every step: it is also where a preemption is agreed.
+        """
+        self._check_open()
+        step = _step(step)
+        return self._preempting(step, deciding=True) or self._regular(step)
+
+    def reached_preemption(self, step: int) -> bool:
+        """True from the agreed preemption step on (on every rank alike): save there, then stop."""
+        self._check_open()
+        step = _step(step)
+        if self._preemption is None:
+            return False
+        self._preemption.poll(step, deciding=False)
+        return self._preemption.due(step)
+
+    # -- saving -----------------------------------------------------------------------------------
+    def save(self, step: int, state: Any, *, metrics: Mapping[str, float] | None = None,
+             force: bool = False) -> bool:
+        """Save `state` as `step` if `should_save(step)` (or `force`); True when it saved.
+
+        Raises what the previous asynchronous save raised, first. After the save
+        commits, steps outside the kept set are deleted.
+
+        Raises:
+            ValueError: `step` is already committed, or `metrics` lacks `best_metric`.
+            CheckpointWriteError: `<directory>/<step>` exists and is not the manager's.
+            CheckpointError: what the save raised (see `xlakit.save`).
+        """
+        self._check_open()
+        step = _step(step)
+        metrics = _metrics(metrics, self.policy.best_metric)
+        _bool("force", force)
+        preempt = self._preempting(step, deciding=True)
+        if not (force or preempt or self._regular(step)):
+            return False
+        self._finish_pending()
+        if step in self._steps:
+            raise ValueError(f"step {step} is already committed in {self.directory}; a manager "
+                             f"never overwrites a step (save the next one)")
+        opts = self._options
+        if preempt:
+            opts = dataclasses.replace(opts, timeout_s=max(min(opts.timeout_s, self._preemption.remaining_s()),
+                                                           0.001))
+        folder = self.directory / str(step)
+        record = {"format": steps.STEP_FORMAT, "version": steps.STEP_VERSION, "step": step,
+                  "layout": self.layout, "checkpoint": steps.checkpoint_name(self.layout),
+                  "metrics": metrics, "best_metric": self.policy.best_metric,
+                  "best_mode": self.policy.best_mode, "world": self._world, "time_unix": time.time()}
+        agreement.decide("manager save", str(folder.absolute()), {"step": step}, Watch.of(opts),
+                         prepare=lambda: _prepare_step(folder, record))
+        self._last = step if self._last is None else max(self._last, step)
+        target = folder / record["checkpoint"]
+        from xlakit import checkpoint
+
+        if self.layout == "dcp":
+            checkpoint.dcp_save(state, target, options=opts)
+        else:
+            background = self.asynchronous and not preempt
+            handle = checkpoint.save(state, target, options=dataclasses.replace(opts, asynchronous=background))
+            if background:
+                self._pending = (step, handle)
+                return True
+        self._preempt_saved = self._preempt_saved or preempt
+        self._committed(step)
+        return True
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight; raise its error; then apply retention."""
+        self._check_open()
+        self._finish_pending()
+
+    # -- restoring --------------------------------------------------------------------------------
+    def restore(self, step: int | None = None, *, template: Any = None) -> Any:
+        """The state saved at `step` (default: the latest), verified.
+
+        Without `template`: `xlakit.load`'s result (CPU tensors; a sharded step gives each
+        rank its shard). With `template`: its tensors are filled in place (any device,
+        sharding kept) and it is returned; a "dcp" step needs one.
+
+        Raises:
+            FileNotFoundError: no committed step (or not this one); the steps found are named.
+            ValueError: a "dcp" step without a template.
+        """
+        self._check_open()
+        self._finish_pending()
+        found = steps.scan(self.directory)
+        if step is None:
+            step = found.latest
+            if step is None:
+                raise FileNotFoundError(errno.ENOENT, f"no committed step in {self.directory} "
+                                        f"({_describe(found)})", str(self.directory))
+        step = _step(step)
+        if step not in found.committed:
+            if step in found.pending:
+                raise CheckpointIncompleteError(f"step {step} in {self.directory} was never committed: "
+                                                f"{found.pending[step].problem}; committed: "
+                                                f"{sorted(found.committed)}")
+            raise FileNotFoundError(errno.ENOENT, f"no committed step {step} in {self.directory}; "
+                                    f"committed: {sorted(found.committed)}", str(self.directory / str(step)))
+        chosen = found.committed[step]
+        from xlakit import checkpoint
+
+        if chosen.layout == "dcp":
+            if template is None:
+                raise ValueError(f"step {step} was saved with layout='dcp': a DCP checkpoint loads into "
+                                 f"a template, restore({step}, template=state) with tensors of the "
+                                 f"saved shapes (placed and sharded as wanted now)")
+            checkpoint.dcp_load(template, chosen.checkpoint)
+            return template
+        if template is not None:
+            restore = getattr(checkpoint, "restore", None)
+            if restore is None:
+                raise RuntimeFeatureError("restore(step, template=...) for xlakit.save layouts needs "
+                                          "xlakit.restore, which this xlakit does not have yet; call "
+                                          "restore(step) and model.load_state_dict() instead")
+            return restore(chosen.checkpoint, template)
+        if chosen.layout == "replicated" and self._world > 1:
+            return checkpoint.load(chosen.checkpoint, layout="replicated")
+        return checkpoint.load(chosen.checkpoint)
+
+    # -- preemption -------------------------------------------------------------------------------
+    def install_preemption_handler(self, *, grace_s: float | None = None) -> None:
+        """Turn SIGTERM (on any rank) into one agreed step that every rank saves.
+
+        After the signal, `should_save(step)` is true at the first step every rank can
+        reach (the same step everywhere); that save is synchronous and must end before
+        the grace runs out; then `reached_preemption(step)` is true on every rank. The
+        handler only records the signal; `close()` puts the previous handler back.
+
+        Args:
+            grace_s: seconds from the signal to the end of the save (default
+                `XLAKIT_PREEMPTION_GRACE_S`, 30: what a preempted TPU VM gets).
+        """
+        self._check_open()
+        grace_s = _knobs.get_float(_knobs.PREEMPTION_GRACE_S) if grace_s is None else grace_s
+        _seconds("grace_s", grace_s)
+        if self._preemption is not None:
+            raise RuntimeError("install_preemption_handler() was already called on this manager")
+        board = None
+        if self._world > 1:
+            board = agreement.Coordination("preemption", {"path": self._path()},
+                                           prefix=f"{self._prefix}/preemption")
+        preemption = Preemption(board, grace_s)
+        preemption.install((signal.SIGTERM,))
+        self._preemption = preemption
+
+    # -- closing ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error), then restore the signal handler."""
+        if self._closed:
+            return
+        try:
+            self._finish_pending()
+        finally:
+            self._closed = True
+            if self._preemption is not None:
+                self._preemption.uninstall()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except BaseException as e:  # noqa: BLE001 - the block's own exception goes first
+            exc.add_note(f"Closing the checkpoint manager also failed: {type(e).__name__}: {e}")
+
+    def __repr__(self) -> str:
+        return (f"<CheckpointManager {self.directory} layout={self.layout!r} "
+                f"{'closed' if self._closed else f'last={self._last}'}>")
+
+    # -- internals --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the checkpoint manager of {self.directory} is closed")
+
+    def _path(self) -> str:
+        return str(self.directory.absolute())
+
+    def _watch(self) -> Watch:
+        return Watch.of(self._options)
+
+    def _regular(self, step: int) -> bool:
+        return step % self.save_interval_steps == 0 and (self._last is None or step > self._last)
+
+    def _preempting(self, step: int, *, deciding: bool) -> bool:
+        if self._preemption is None or self._preempt_saved:
+            return False
+        self._preemption.poll(step, deciding=deciding)
+        return self._preemption.due(step)
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        step, handle = self._pending
+        self._pending = None
+        try:
+            handle.result()
+        except BaseException as e:
+            e.add_note(f"This was the asynchronous save of step {step} into {self.directory}; it was "
+                       f"not committed. Committed steps: {sorted(self._steps)}.")
+            raise
+        self._committed(step)
+
+    def _committed(self, step: int) -> None:
+        self._steps.add(step)
+        found = steps.scan(self.directory)
+        doomed = retention.doomed(found, self.policy)
+
+        def discard() -> None:
+            for s in doomed:
+                steps.to_trash(self.directory / str(s))
+            paths.fsync_dir(self.directory)
+
+        agreement.decide("retention", self._path(), {"after": step, "doomed": doomed}, self._watch(),
+                         act=discard if doomed else None)
+        self._steps.difference_update(doomed)
+        if self._rank == 0 and not self._preempt_saved:  # preempted: the grace is for the save
+            steps.empty_trash(self.directory)
+
+
+def _save_options(options: SaveOptions | None, layout: str, asynchronous: bool) -> SaveOptions:
+    opts: SaveOptions = resolve(SaveOptions, options, {})
+    for name, given in (("layout", opts.layout != "single"), ("asynchronous", opts.asynchronous)):
+        if given:
+            raise ValueError(f"options.{name} is the manager's to set: pass CheckpointManager({name}=...) "
+                             f"and leave it out of options")
+    if layout == "dcp" and (asynchronous or opts.compute_crc32):
+        raise ValueError("layout='dcp' saves with xlakit.dcp_save, which is synchronous and has no "
+                         "zip CRC32; drop asynchronous/compute_crc32 or use another layout")
+    return dataclasses.replace(opts, layout=layout) if layout in ("replicated", "sharded") else opts
+
+
+def _prepare_step(folder: Path, record: dict) -> None:
+    """(Rank 0, before every rank saves.) Refuse a folder that is not the manager's; write the record."""
+    foreign = steps.foreign_entries(folder)
+    if foreign:
+        err = CheckpointWriteError(errno.EEXIST, f"cannot save step {record['step']} into {folder}: it "
+                                   f"exists and is not a step of an xlakit manager (found "
+                                   f"{', '.join(foreign[:5])}); it is left untouched")
+        err.add_note("Move it away, or give the manager a folder of its own.")
+        raise err
+    existing = steps.read_record(folder) if folder.exists() else None
+    if existing is not None and steps.commit_problem(folder, existing) is None:
+        raise ValueError(f"step {record['step']} is already committed in {folder.parent}")
+    folder.mkdir(exist_ok=True)
+    steps.write_record(folder, record)
+
+
+def _step(step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be a whole number, got {step!r} ({type(step).__name__})")
+    if step < 0:
+        raise ValueError(f"step must be 0 or more, got {step}")
+    return step
+
+
+def _metrics(metrics: Mapping | None, best_metric: str | None) -> dict[str, float]:
+    if metrics is None:
+        metrics = {}
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a mapping of names to numbers, got {type(metrics).__name__}")
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise TypeError(f"metric names must be strings, got {name!r}")
+        if type(value).__module__.startswith("torch") and hasattr(value, "numel"):
+            if value.numel() != 1:
+                raise TypeError(f"metric {name!r} must be one number, got a tensor of shape "
+                                f"{tuple(value.shape)}")
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"metric {name!r} must be a number, got {value!r} ({type(value).__name__})")
+        out[name] = value
+    if best_metric is not None and best_metric not in out:
+        raise ValueError(f"metrics must hold best_metric {best_metric!r} (the manager keeps the best step "
+                         f"by it); got {sorted(out) or 'none'}")
+    return out
+
+
+def _describe(found: steps.Scan) -> str:
+    parts = []
+    if found.pending:
+        parts.append(f"interrupted saves of steps {sorted(found.pending)}")
+    if found.other:
+        parts.append(f"entries that are not the manager's: {', '.join(sorted(found.other)[:5])}")
+    return "; ".join(parts) or "it is empty"

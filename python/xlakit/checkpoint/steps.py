@@ -1,0 +1,213 @@
+"""A manager folder on disk: one folder per step, found from commit records alone.
+
+    <directory>/
+      100/                      a step: the manager's record, then the checkpoint
+        xlakit-step.json        step, layout, metrics (written first, atomically)
+        ckpt.pt                 layouts "single" and "replicated": committed by its rename
+        ckpt/                   layouts "sharded" and "dcp": committed by its xlakit-commit.json
+      .60.1f2e3d4c.xlakit-trash a step retention gave up, being deleted
+
+There is no index to keep in sync: a step exists when its folder holds a
+valid step record *and* its checkpoint's own commit (the rename of `ckpt.pt`,
+the commit record of `ckpt/`), which the save makes last and atomically. A
+crash at any moment therefore leaves every step either committed, whole, or
+not a step. A folder with a record but no committed checkpoint is an
+interrupted save (`pending`); anything without a record is not the
+manager's (`other`) and is never touched.
+
+Deleting is two steps: a step folder is first renamed to a trash name
+(atomic: the step is gone from every scan at once), then removed. A kill in
+between leaves a trash folder, which no scan lists as a step and the next
+manager removes; only names of exactly the trash shape are ever removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from xlakit.checkpoint import folders, paths
+from xlakit.checkpoint.operation import remove_path
+from xlakit.errors import CheckpointError
+
+STEP_RECORD = "xlakit-step.json"
+STEP_FORMAT = "xlakit-step"
+STEP_VERSION = 1
+CHECKPOINT_FILE = "ckpt.pt"  # layouts single and replicated
+CHECKPOINT_FOLDER = "ckpt"  # layouts sharded and dcp
+LAYOUTS = ("single", "replicated", "sharded", "dcp")
+TRASH_SUFFIX = ".xlakit-trash"
+_STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
+_TRASH_NAME = re.compile(r"\.(0|[1-9][0-9]{0,18})\.[0-9a-f]{8}" + re.escape(TRASH_SUFFIX))
+
+
+def checkpoint_name(layout: str) -> str:
+    return CHECKPOINT_FILE if layout in ("single", "replicated") else CHECKPOINT_FOLDER
+
+
+@dataclass(frozen=True)
+class StepFolder:
+    """One folder named like a step that holds a step record."""
+
+    step: int
+    path: Path
+    record: dict
+    problem: str | None  # why it is not committed; None when it is
+
+    @property
+    def committed(self) -> bool:
+        return self.problem is None
+
+    @property
+    def layout(self) -> str:
+        return self.record["layout"]
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.path / self.record["checkpoint"]
+
+    @property
+    def metrics(self) -> dict:
+        return self.record.get("metrics") or {}
+
+
+@dataclass
+class Scan:
+    """What a manager folder holds: committed steps, interrupted saves, trash, and the rest."""
+
+    committed: dict[int, StepFolder] = field(default_factory=dict)
+    pending: dict[int, StepFolder] = field(default_factory=dict)
+    trash: list[Path] = field(default_factory=list)
+    other: dict[str, str] = field(default_factory=dict)  # name -> why it is not the manager's
+
+    @property
+    def latest(self) -> int | None:
+        return max(self.committed) if self.committed else None
+
+
+def read_record(folder: Path) -> dict | None:
+    """The step record of `folder`: None when it has none; raises ValueError when it is not one."""
+    try:
+        text = (folder / STEP_RECORD).read_text()
+    except FileNotFoundError:
+        return None
+    record = json.loads(text)  # a ValueError names what is wrong
+    if not isinstance(record, dict) or record.get("format") != STEP_FORMAT:
+        raise ValueError(f"format {record.get('format') if isinstance(record, dict) else None!r}, "
+                         f"expected {STEP_FORMAT!r}")
+    version = record.get("version")
+    if not isinstance(version, int) or version > STEP_VERSION:
+        raise ValueError(f"version {version!r}; this xlakit reads version {STEP_VERSION} (a newer "
+                         f"xlakit wrote it?)")
+    if (record.get("layout") not in LAYOUTS or record.get("checkpoint") != checkpoint_name(record["layout"])
+            or not isinstance(record.get("metrics", {}), dict)):
+        raise ValueError(f"layout {record.get('layout')!r} with checkpoint {record.get('checkpoint')!r}")
+    if str(record.get("step")) != folder.name:
+        raise ValueError(f"it records step {record.get('step')!r} in folder {folder.name!r}")
+    return record
+
+
+def commit_problem(folder: Path, record: dict) -> str | None:
+    """Why the checkpoint of a step folder is not committed; None when it is."""
+    target = folder / record["checkpoint"]
+    if record["layout"] in ("single", "replicated"):
+        return None if target.is_file() else f"{target.name} was never committed (an interrupted save)"
+    try:
+        commit = folders.read_json_record(target) if target.is_dir() else None
+    except CheckpointError as e:
+        return f"its commit record is unreadable ({e})"
+    if commit is None:
+        return f"{target.name}/ has no {folders.COMMIT_RECORD} (an interrupted save)"
+    want = folders.SHARDED_FORMAT if record["layout"] == "sharded" else folders.DCP_FORMAT
+    if commit.get("format") != want:
+        return f"{target.name}/ is committed as {commit.get('format')!r}, its record says {want!r}"
+    return None
+
+
+def scan(directory: Path) -> Scan:
+    """Read every entry of a manager folder; nothing is changed."""
+    found = Scan()
+    for name in sorted(os.listdir(directory)):
+        path = directory / name
+        if _TRASH_NAME.fullmatch(name):
+            found.trash.append(path)
+            continue
+        if not _STEP_NAME.fullmatch(name) or not path.is_dir() or path.is_symlink():
+            if paths.parse_temp(name) is None:
+                found.other[name] = "not named like a step folder"
+            continue
+        try:
+            record = read_record(path)
+        except (OSError, ValueError) as e:
+            found.other[name] = f"its {STEP_RECORD} is not a step record ({e})"
+            continue
+        if record is None:
+            found.other[name] = f"no {STEP_RECORD}: not a step of an xlakit manager"
+            continue
+        step = StepFolder(int(name), path, record, commit_problem(path, record))
+        (found.committed if step.committed else found.pending)[step.step] = step
+    return found
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """Entries of a would-be step folder that xlakit did not make there (none: it may be used)."""
+    if not folder.exists():
+        return []
+    if not folder.is_dir() or folder.is_symlink():
+        return ["(it is not a folder)"]
+    if read_record(folder) is not None:
+        return []
+    return sorted(n for n in os.listdir(folder) if paths.parse_temp(n) is None)
+
+
+def write_record(folder: Path, record: dict) -> None:
+    """Put the step record in place atomically (temporary sibling, fsync, rename, fsync)."""
+    final = folder / STEP_RECORD
+    paths.remove_stale_temps(folder, stem=STEP_RECORD)
+    tmp = paths.temp_path(final)
+    try:
+        with open(tmp, "x") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        remove_path(tmp)
+        raise
+    paths.fsync_dir(folder)
+
+
+def to_trash(folder: Path) -> Path:
+    """Take a step folder out of every scan at once: rename it to a trash name."""
+    trash = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}{TRASH_SUFFIX}")
+    os.rename(folder, trash)
+    return trash
+
+
+def empty_trash(directory: Path) -> list[Path]:
+    """Remove the trash folders of `directory` (names of exactly the trash shape only)."""
+    removed = []
+    for path in scan(directory).trash:
+        remove_path(path)
+        removed.append(path)
+    if removed:
+        paths.fsync_dir(directory)
+    return removed
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (links not followed)."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total

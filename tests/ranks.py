@@ -64,13 +64,13 @@ class Job:
     def pid(self, rank: int) -> int:
         return self.procs[rank].pid
 
-    def wait_event(self, rank: int, event: str, timeout: float = 60.0) -> dict:
-        """The first line `{"event": event}` rank `rank` printed, waiting for it."""
+    def wait_event(self, rank: int, event: str, timeout: float = 60.0, **fields) -> dict:
+        """The first line `{"event": event, **fields}` rank `rank` printed, waiting for it."""
         end = time.monotonic() + timeout
         with self._changed:
             while True:
                 for line in self.lines[rank]:
-                    if line.get("event") == event:
+                    if line.get("event") == event and all(line.get(k) == v for k, v in fields.items()):
                         return line
                 left = end - time.monotonic()
                 if left <= 0 or self.procs[rank].poll() is not None and not self._pending(rank, event):

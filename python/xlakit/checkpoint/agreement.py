@@ -44,14 +44,34 @@ from xlakit.errors import CheckpointPeerError, CheckpointTimeoutError, XlakitErr
 
 _POLL_S = 0.02
 _CLAIM_WAIT_S = 2.0  # how long a cancel waits for the store to confirm its abort
-_SURVIVOR_WAIT_S = 3.0
+_SURVIVOR_WAIT_S = 3.0  # after a broken collective, how long survivors wait for each other's reports
 _VERDICT_GRACE_S = 2.0  # at its deadline, how long a rank waits for the committer's verdict
-STORE_HOST = 0  # the rank whose process serves the job's TCPStore when the job is not under torchrun  # after a broken collective, how long survivors wait for each other's reports
+STORE_HOST = 0  # the rank whose process serves the job's TCPStore when the job is not under torchrun
 _COMMIT_MARGIN_S = 1.0  # the committing rank stops this long before the earliest deadline
 _sequence = 0  # coordinated operations started by this process; every rank counts the same
 _sequence_lock = threading.Lock()
+_answers: list[Callable[[], None]] = []  # run in every wait loop (see `answering`)
 # Fields of a proposal every rank must share.
 AGREED = ("kind", "path", "layout", "world", "writer_rank", "asynchronous")
+
+
+@contextlib.contextmanager
+def answering(answer: Callable[[], None]):
+    """Run `answer()` in every wait of the coordinated operations inside the block.
+
+    For notices other ranks may be blocked on while this rank waits for them (a
+    preemption: they wait for this rank's post, this rank waits for them to join).
+    """
+    _answers.append(answer)
+    try:
+        yield
+    finally:
+        _answers.remove(answer)
+
+
+def _answer() -> None:
+    for answer in tuple(_answers):
+        answer()
 
 
 def dist():
@@ -169,6 +189,7 @@ class Coordination:
             if not self.waiting_for:
                 return found
             self.raise_if_aborted()
+            _answer()
             if self.rank == self.committer and stage == "vote" and self._past_commit_time():
                 # Decide before any rank's own deadline, so the verdict names who is missing.
                 missing = list(self.waiting_for)
@@ -328,6 +349,7 @@ class Coordination:
                 final = self.peek("final")
                 if final is not None:
                     return final
+            _answer()
             op.check()
             time.sleep(_POLL_S)
 

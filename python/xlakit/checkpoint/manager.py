@@ -21,6 +21,7 @@ bounded by what is left of the grace.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import itertools
@@ -160,6 +161,10 @@ class CheckpointManager:
         preempt = self._preempting(step, deciding=True)
         if not (force or preempt or self._regular(step)):
             return False
+        with self._answering(step):
+            return self._save(step, state, metrics, preempt)
+
+    def _save(self, step: int, state: Any, metrics: dict, preempt: bool) -> bool:
         self._finish_pending()
         if step in self._steps:
             raise ValueError(f"step {step} is already committed in {self.directory}; a manager "
@@ -318,6 +323,12 @@ class CheckpointManager:
             return False
         self._preemption.poll(step, deciding=deciding)
         return self._preemption.due(step)
+
+    def _answering(self, step: int):
+        """While this rank waits for the others at `step`, it answers a preemption notice."""
+        if self._preemption is None:
+            return contextlib.nullcontext()
+        return agreement.answering(self._preemption.answering(step))
 
     def _finish_pending(self) -> None:
         if self._pending is None:

@@ -14,11 +14,12 @@ through the job's store:
 3. The agreed step is the largest posted; the first step at or after it is
    saved on every rank, and `reached_preemption` is true from there on.
 
-No rank ever blocks while another may be waiting for it in a collective: a
-rank waits for the others' posts only when it reaches the step it posted,
-and a rank that has come that far in a loop of collectives has seen the
-request already. (Ranks must call `should_save` or `reached_preemption`
-every step, as the loop does anyway.) A rank that never posts within the
+No rank ever blocks while another may be waiting for it: a rank waits for
+the others' posts only when it reaches the step it posted; a rank that has
+come that far in a loop of collectives has seen the request already, and a
+rank waiting inside a coordinated save (for ranks that are blocked at their
+posted step) posts from its wait loop (`answering`). Ranks must call
+`should_save` or `reached_preemption` every step, as the loop does anyway. A rank that never posts within the
 grace is named (`CheckpointTimeoutError`). Wall clocks of the hosts are
 assumed in sync (NTP), as the coordinated save's deadlines are.
 """
@@ -29,6 +30,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from xlakit.checkpoint.agreement import Coordination
@@ -86,14 +88,32 @@ class Preemption:
                 self.deadline_unix = self.signalled_unix + self.grace_s
                 self.step = step if deciding else step + 1
             return
+        if self.signalled_unix is not None and not self._posted:
+            self._looked_at = None  # this rank's own signal: look now
+        if self._looked_at == step and (self.reach is None or step < self.reach):
+            return  # one look at the store per step, until this rank must know
+        self._looked_at = step
+        self._post(step)
+        if self.reach is not None:
+            self._agree(step)
+
+    def answering(self, step: int) -> Callable[[], None]:
+        """What to do while this rank waits inside a coordinated operation at `step`: post too.
+
+        Other ranks may be blocked at the step they posted, waiting for this rank's post,
+        while this rank waits for them to join its save: answering breaks that cycle.
+        """
+        def answer() -> None:
+            if self.board is not None and self.step is None and self.reach is None:
+                self._post(step)
+        return answer
+
+    def _post(self, step: int) -> None:
+        """Post this rank's own request if it got the signal, then its reach once a request is seen."""
         board = self.board
         if self.signalled_unix is not None and not self._posted:
             board.first("request", {"rank": board.rank, "deadline_unix": self.signalled_unix + self.grace_s})
             self._posted = True
-            self._looked_at = None  # look now
-        if self._looked_at == step and (self.reach is None or step < self.reach):
-            return  # one look at the store per step, until this rank must know
-        self._looked_at = step
         if self.reach is None:
             request = board.peek("request")
             if request is None:
@@ -101,6 +121,10 @@ class Preemption:
             self.deadline_unix = request["deadline_unix"]
             self.reach = step + 1
             board.publish(f"reach/{board.rank}", {"step": self.reach})
+
+    def _agree(self, step: int) -> None:
+        """The agreed step once every rank posted; waits for the posts at this rank's reach."""
+        board = self.board
         names = {r: f"reach/{r}" for r in range(board.world)}
         posts = board.present(names)
         while len(posts) < board.world and step >= self.reach:

@@ -1,0 +1,184 @@
+"""Any checkpoint as named tensors: read it (verified first), compare two, write safetensors.
+
+Every source is verified before it is used (`integrity`; a plain torch.save
+file has nothing to verify), then read weights-only: files through a memory
+map, so tensors are paged in as they are compared or written; a DCP folder
+is assembled into full tensors from its metadata (its non-tensor values go
+through the weights-only unpickler, never torch.load's default). A sharded
+folder becomes `{"shard0": ..., "shard1": ...}`, one entry per rank's shard.
+
+safetensors is written here (a JSON header, then each tensor's bytes in
+order), streamed from the source tensors into a temporary file renamed over
+the target: no copy of the whole checkpoint in memory, no partial output.
+Tensors that shared a storage are written once each, as safetensors wants.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xlakit.checkpoint import archive, describe, integrity, paths
+from xlakit.checkpoint.operation import remove_path
+from xlakit.errors import CheckpointFormatError, CheckpointIncompleteError, CheckpointSerializationError
+
+_CHUNK = 4 << 20
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
+                      torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def read_state(path: Path) -> tuple[Any, describe.Kind]:
+    """The state a checkpoint holds, verified first; refuses a manager folder or an uncommitted one."""
+    kind = describe.kind_of(path)
+    if kind.kind == describe.STEP:
+        kind = describe.step_checkpoint(kind)
+    if kind.kind == describe.MANAGER:
+        raise CheckpointFormatError(f"{path} is a manager folder holding several steps; name one "
+                                    f"({path}/<step>; `xlakit ckpt ls {path}` lists them)")
+    if kind.kind == describe.FOLDER:
+        raise CheckpointIncompleteError(f"{path} is not a committed checkpoint: {kind.note}")
+    if kind.kind != describe.TORCH_FILE:
+        integrity.check(integrity.plan(kind.path)[1])
+    if kind.kind in (describe.XLAKIT_FILE, describe.TORCH_FILE):
+        return describe.load_mapped(kind.path), kind
+    if kind.kind == describe.SHARDED:
+        return {f"shard{e['rank']}": describe.load_mapped(kind.path / e["file"])
+                for e in kind.record["shards"]}, kind
+    return _read_dcp(kind.path), kind
+
+
+def _read_dcp(path: Path) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    template: dict[str, Any] = {}
+    for fqn, item in reader.read_metadata().state_dict_metadata.items():
+        template[fqn] = (torch.empty(tuple(item.size), dtype=item.properties.dtype)
+                         if isinstance(item, TensorStorageMetadata) else None)
+
+    class WeightsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            fqn = read_item.dest_index.fqn
+            try:  # the template is flat already: its keys are the fqns
+                self.original_state_dict[fqn] = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise CheckpointFormatError(f"{path}: the value {fqn!r} holds pickled objects that a "
+                                            f"weights-only load refuses to run: {str(e).splitlines()[0]}") from e
+
+    with warnings.catch_warnings():
+        # One process reading a folder is the intent here; DCP warns about it.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, storage_reader=reader, planner=WeightsOnly(flatten_state_dict=False), no_dist=True)
+    return template
+
+
+# -- comparing ---------------------------------------------------------------------------------
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as rows of raw bytes (NaNs compare by their bits)."""
+    flat = t.detach().reshape(-1).contiguous()
+    return flat.view(torch.uint8).reshape(flat.numel(), t.element_size())
+
+
+def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict | None:
+    """None when `a` and `b` are bitwise equal; else how many elements differ and by how much at most."""
+    differing, worst = 0, 0.0
+    flat_a, flat_b = a.detach().reshape(-1), b.detach().reshape(-1)
+    step = max(_CHUNK // max(a.element_size(), 1), 1)
+    for start in range(0, flat_a.numel(), step):
+        x, y = flat_a[start:start + step], flat_b[start:start + step]
+        rows = (_bits(x) != _bits(y)).any(dim=1)
+        count = int(rows.sum())
+        if not count:
+            continue
+        differing += count
+        wide = torch.complex128 if x.is_complex() else torch.float64
+        delta = (x[rows].to(wide) - y[rows].to(wide)).abs()
+        both_nan = torch.isnan(x[rows].to(wide)) & torch.isnan(y[rows].to(wide))
+        worst = max(worst, float(delta.masked_fill(both_nan, 0).max()))
+    if not differing:
+        return None
+    return {"differing": differing, "elements": flat_a.numel(), "max_abs_diff": worst}
+
+
+def compare(a: Any, b: Any) -> dict:
+    """What differs between two states: names on one side only, dtypes/shapes, values."""
+    ta, va = describe.flatten(a)
+    tb, vb = describe.flatten(b)
+    out = {"only_in_a": sorted(set(ta) - set(tb)), "only_in_b": sorted(set(tb) - set(ta)),
+           "mismatched": [], "different": [], "same": 0, "values_different": []}
+    for name in sorted(set(ta) & set(tb)):
+        x, y = ta[name], tb[name]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            out["mismatched"].append({"name": name, "a": _sig(x), "b": _sig(y)})
+            continue
+        diff = tensor_difference(x, y)
+        if diff is None:
+            out["same"] += 1
+        else:
+            out["different"].append({"name": name, **diff})
+    for name in sorted(set(va) | set(vb)):
+        if va.get(name, "<absent>") != vb.get(name, "<absent>"):
+            out["values_different"].append({"name": name, "a": describe.jsonable(va.get(name, "<absent>")),
+                                             "b": describe.jsonable(vb.get(name, "<absent>"))})
+    out["identical"] = not any(out[k] for k in ("only_in_a", "only_in_b", "mismatched", "different",
+                                                  "values_different"))
+    return out
+
+
+def _sig(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+# -- safetensors ---------------------------------------------------------------------------------
+
+def write_safetensors(state: Any, out: Path) -> dict:
+    """Write the tensors of `state` (named by path) as a safetensors file; non-tensor values go in
+    its metadata as JSON under "xlakit.values". Atomic: a temporary sibling renamed over `out`."""
+    tensors, values = describe.flatten(state)
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        code = SAFETENSORS_DTYPES.get(t.dtype)
+        if code is None:
+            raise CheckpointSerializationError(f"cannot write tensor {name!r} to safetensors: its dtype "
+                                               f"{t.dtype} has no safetensors type")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    meta = {"format": "pt"}
+    if values:
+        meta["xlakit.values"] = json.dumps({k: describe.jsonable(v) for k, v in values.items()})
+    header["__metadata__"] = meta
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    paths.check_target(out)
+    tmp = paths.temp_path(out)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for t in tensors.values():
+                dense = t.detach().contiguous()  # held while its bytes are written: the view does not
+                view = archive.tensor_bytes(dense)
+                for start in range(0, len(view), _CHUNK):
+                    f.write(view[start:start + _CHUNK])
+                del view, dense
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        remove_path(tmp)
+        raise
+    paths.fsync_dir(out.parent)
+    return {"tensors": len(tensors), "bytes": out.stat().st_size, "values": sorted(values)}

@@ -1,0 +1,278 @@
+"""`xlakit ckpt ls|inspect|verify|diff|convert`: look into and check checkpoints from the shell.
+
+The work is done by the checkpoint package (`steps`, `describe`, `integrity`,
+`tensors`); this module parses arguments, prints (a table, or `--json` on
+stdout) and maps outcomes to exit codes:
+
+  0  success (verify: every checksum matched; diff: no difference)
+  1  verify: the checkpoint is damaged or incomplete (the first bad tensor or file is named);
+     diff: the checkpoints differ
+  2  an error: a bad argument, a missing path, something that is not a checkpoint,
+     a source that cannot be read
+  3  verify: nothing to verify (a plain torch.save file has no checksums)
+
+Errors are one line on stderr, never a traceback. The progress bar of
+`verify` appears on a terminal only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from xlakit.errors import CheckpointCorruptError, XlakitError
+
+OK, DIFFERENT, ERROR, NOTHING = 0, 1, 2, 3
+_EPILOG = ("exit codes: 0 success; 1 verify found damage, or diff found differences; 2 error (bad argument, "
+           "missing path, not a checkpoint, unreadable source); 3 verify found no checksums to check")
+
+
+def _size(n: float) -> str:
+    from xlakit.checkpoint.operation import human_bytes
+
+    return human_bytes(n)
+
+
+def _emit(args: argparse.Namespace, data: dict, text: list[str]) -> None:
+    if args.json:
+        print(json.dumps(data, indent=1, default=str))
+    else:
+        print("\n".join(text))
+
+
+# -- ls -------------------------------------------------------------------------------------------
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from xlakit.checkpoint import retention, steps
+
+    folder = Path(args.dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(2, f"no such folder: {folder}", str(folder))
+    found = steps.scan(folder)
+    records = [s.record for s in sorted(found.committed.values(), key=lambda s: s.step)]
+    policy = retention.Retention(best_metric=records[-1].get("best_metric"),
+                                 best_mode=records[-1].get("best_mode", "min")) if records else retention.Retention()
+    best = retention.best(found.committed, policy)
+    rows = []
+    for step in sorted({**found.committed, **found.pending}.values(), key=lambda s: s.step):
+        rows.append({"step": step.step, "state": "committed" if step.committed else "interrupted",
+                     "layout": step.layout, "bytes": steps.folder_bytes(step.path), "metrics": step.metrics,
+                     "best": step.step == best, "problem": step.problem})
+    data = {"directory": str(folder), "latest": found.latest, "best": best, "best_metric": policy.best_metric,
+            "best_mode": policy.best_mode, "steps": rows, "trash": [p.name for p in found.trash],
+            "other": found.other}
+    text = [f"{folder}: {len(found.committed)} committed step(s), latest {found.latest}"
+            + (f", best {best} by {policy.best_metric} ({policy.best_mode})" if best is not None else "")]
+    if rows:
+        text.append(f"  {'step':>10}  {'state':<11}  {'layout':<10}  {'size':>10}  metrics")
+    for r in rows:
+        metrics = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items())
+        text.append(f"  {r['step']:>10}  {r['state']:<11}  {r['layout']:<10}  {_size(r['bytes']):>10}  "
+                    f"{metrics}{'  (best)' if r['best'] else ''}{'  ' + r['problem'] if r['problem'] else ''}")
+    if found.trash:
+        text.append(f"  trash: {len(found.trash)} folder(s) a retention was deleting; the next manager "
+                    f"removes them")
+    for name, why in sorted(found.other.items()):
+        text.append(f"  not the manager's: {name} ({why})")
+    _emit(args, data, text)
+    return OK
+
+
+# -- inspect --------------------------------------------------------------------------------------
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from xlakit.checkpoint import describe
+
+    path = Path(args.path)
+    kind = describe.kind_of(path)
+    step_record = None
+    if kind.kind == describe.STEP:
+        step_record = kind.record
+        kind = describe.step_checkpoint(kind)
+    if kind.kind == describe.MANAGER:
+        args.dir = str(path)
+        return cmd_ls(args)
+    if kind.kind == describe.FOLDER:
+        raise CheckpointCorruptError(f"{path} is not a committed checkpoint: {kind.note}")
+    if kind.kind in (describe.XLAKIT_FILE, describe.TORCH_FILE):
+        data = describe.describe_file(kind.path, kind)
+        text = [_file_heading(data)] + _tensor_table(data["tensors"]) + _values(data["values"])
+    elif kind.kind == describe.SHARDED:
+        shards = [describe.describe_file(kind.path / e["file"], describe.kind_of(kind.path / e["file"]))
+                  for e in kind.record["shards"]]
+        data = {"path": str(kind.path), "kind": kind.kind, "commit": kind.record, "shards": shards}
+        text = [f"{kind.path}: sharded checkpoint, {kind.record['world']} shard(s), committed "
+                f"(id {kind.record['id']})"]
+        for e, shard in zip(kind.record["shards"], shards):
+            text += [f" shard {e['rank']}: {_file_heading(shard)}"] + _tensor_table(shard["tensors"])
+    else:
+        data = describe.describe_dcp(kind.path, kind.record)
+        text = [f"{kind.path}: torch.distributed.checkpoint folder, committed, {len(kind.record['files'])} "
+                f"file(s) with checksums, {_size(data['bytes'])}"]
+        text += _tensor_table(data["tensors"]) + ([f"  values: {', '.join(data['values'])}"] if data["values"] else [])
+    if step_record is not None:
+        data["step"] = step_record
+        text.insert(0, f"step {step_record['step']} ({step_record['layout']}), metrics {step_record['metrics']}")
+    _emit(args, data, text)
+    return OK
+
+
+def _file_heading(d: dict) -> str:
+    if d["checksums"]:
+        what = f"xlakit checkpoint, format version {d['format_version']}, {d['checksum_count']} checksums"
+    else:
+        what = f"{d['note']}"
+    return f"{d['path']}: {what}, {_size(d['bytes'])}"
+
+
+def _tensor_table(tensors: list[dict]) -> list[str]:
+    if not tensors:
+        return ["  (no tensors)"]
+    width = min(max(4, *(len(t["name"]) for t in tensors)), 60)
+    out = [f"  {'name':<{width}}  {'dtype':<9}  {'shape':<16}  {'bytes':>10}"]
+    for t in tensors:
+        shared = f"  shares its storage with {', '.join(t['shared_with'])}" if t.get("shared_with") else ""
+        chunks = f"  {t['chunks']} chunk(s)" if "chunks" in t else ""
+        out.append(f"  {t['name']:<{width}}  {t['dtype']:<9}  {str(t['shape']):<16}  {_size(t['bytes']):>10}"
+                   f"{shared}{chunks}")
+    return out
+
+
+def _values(values: dict) -> list[str]:
+    return [f"  values: " + ", ".join(f"{k}={v!r}" for k, v in values.items())] if values else []
+
+
+# -- verify ---------------------------------------------------------------------------------------
+
+class _Bar:
+    """A one-line progress bar on stderr, redrawn at most ten times a second."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        now = time.monotonic()
+        if now - self.last < 0.1 and done < total:
+            return
+        self.last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\r  [{bar:<30}] {frac:4.0%} {_size(done)} / {_size(total)}  {label[:40]:<40}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\r" + " " * 110 + "\r")
+        sys.stderr.flush()
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from xlakit.checkpoint import integrity
+
+    path = Path(args.path)
+    try:
+        kind, ranges = integrity.plan(path)
+        bar = _Bar() if sys.stderr.isatty() else None
+        try:
+            checked = integrity.check(ranges, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+    except integrity.NothingToVerify as e:
+        _emit(args, {"path": str(path), "status": "no-checksums", "message": str(e)}, [str(e)])
+        return NOTHING
+    except CheckpointCorruptError as e:
+        _emit(args, {"path": str(path), "status": "damaged", "tensor": getattr(e, "tensor", None),
+                     "message": str(e)}, [f"DAMAGED: {e}"])
+        return DIFFERENT
+    _emit(args, {"path": str(path), "kind": kind.kind, "status": "ok", "checksums": len(ranges), "bytes": checked},
+          [f"OK: {path} ({kind.kind}): {len(ranges)} checksum(s) over {_size(checked)} match"])
+    return OK
+
+
+# -- diff -----------------------------------------------------------------------------------------
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from xlakit.checkpoint import tensors
+
+    a, _ = tensors.read_state(Path(args.a))
+    b, _ = tensors.read_state(Path(args.b))
+    result = tensors.compare(a, b)
+    text = [f"only in A: {n}" for n in result["only_in_a"]] + [f"only in B: {n}" for n in result["only_in_b"]]
+    text += [f"dtype/shape: {m['name']}: {m['a']} vs {m['b']}" for m in result["mismatched"]]
+    text += [f"differs: {d['name']}: {d['differing']} of {d['elements']} element(s), max abs difference "
+             f"{d['max_abs_diff']:g}" for d in result["different"]]
+    text += [f"value differs: {v['name']}: {v['a']!r} vs {v['b']!r}" for v in result["values_different"]]
+    text.append("identical" if result["identical"] else
+                f"{len(result['different']) + len(result['mismatched'])} tensor(s) differ, {result['same']} equal")
+    _emit(args, {"a": args.a, "b": args.b, **result}, text)
+    return OK if result["identical"] else DIFFERENT
+
+
+# -- convert --------------------------------------------------------------------------------------
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from xlakit.checkpoint import describe, tensors
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise FileExistsError(17, f"{out} exists; pass --force to replace it", str(out))
+    state, kind = tensors.read_state(Path(args.path))
+    if args.to == "safetensors":
+        result = tensors.write_safetensors(state, out)
+    else:
+        from xlakit import checkpoint
+
+        checkpoint.save(state, out)
+        result = {"tensors": len(describe.flatten(state)[0]), "bytes": out.stat().st_size}
+    _emit(args, {"source": args.path, "source_kind": kind.kind, "to": args.to, "out": str(out), **result},
+          [f"wrote {out} ({args.to}): {result['tensors']} tensor(s), {_size(result['bytes'])}"])
+    return OK
+
+
+# -- the parser -----------------------------------------------------------------------------------
+
+def _guarded(func):
+    """Run a subcommand; any failure is one line on stderr and exit status 2 (never a traceback)."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except (XlakitError, OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+            if isinstance(e, OSError) and e.strerror:
+                message = e.strerror  # xlakit's own messages name the path already
+            else:
+                message = str(e) if isinstance(e, XlakitError) else f"{type(e).__name__}: {e}"
+            print(f"xlakit ckpt {args.ckpt_command}: {message}", file=sys.stderr)
+            return ERROR
+    return run
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("ckpt", help="inspect, verify, compare and convert checkpoints",
+                              epilog=_EPILOG)
+    sub = p.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    commands: list[tuple[str, Any, str, list[tuple[str, str]]]] = [
+        ("ls", cmd_ls, "list a CheckpointManager folder: steps, commit state, sizes, metrics, best",
+         [("dir", "the manager folder")]),
+        ("inspect", cmd_inspect, "tensors (dtype, shape, bytes, shared storages), format, checksums, commit record",
+         [("path", "a checkpoint file, a sharded or DCP folder, or a manager step folder")]),
+        ("verify", cmd_verify, "check every checksum, streamed; exit 1 naming the first bad tensor",
+         [("path", "a checkpoint file, a sharded or DCP folder, a step folder or a manager folder")]),
+        ("diff", cmd_diff, "which tensors differ between two checkpoints, and by how much",
+         [("a", "the first checkpoint"), ("b", "the second checkpoint")]),
+        ("convert", cmd_convert, "write a checkpoint (file, sharded or DCP folder) as one safetensors or "
+                                 "xlakit file", [("path", "the checkpoint to convert")]),
+    ]
+    for name, func, help_text, positional in commands:
+        q = sub.add_parser(name, help=help_text, epilog=_EPILOG)
+        for arg, arg_help in positional:
+            q.add_argument(arg, help=arg_help)
+        if name == "convert":
+            q.add_argument("--to", required=True, choices=("safetensors", "xlakit"), help="the output format")
+            q.add_argument("out", help="the file to write")
+            q.add_argument("--force", action="store_true", help="replace OUT if it exists")
+        q.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+        q.set_defaults(func=_guarded(func))

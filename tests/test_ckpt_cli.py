@@ -1,0 +1,306 @@
+"""`xlakit ckpt`: ls, inspect, verify, diff and convert on xlakit files, plain torch.save files,
+sharded and DCP folders, manager folders and damaged checkpoints; exit codes as documented."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import xlakit
+from tests import ranks
+from xlakit import cli
+from xlakit.checkpoint import archive, folders, steps
+
+ROOT = Path(__file__).resolve().parent.parent
+DIST_WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+
+
+def ckpt(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(["ckpt", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def ckpt_json(capsys, *args: str) -> tuple[int, dict]:
+    code, out, err = ckpt(capsys, *args, "--json")
+    return code, json.loads(out)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def xlakit_state() -> dict:
+    w = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    return {"model": {"w": w, "w_t": w.t(), "b": torch.arange(5, dtype=torch.bfloat16)},
+            "ids": [torch.tensor([1, -2**40])], "step": 7, "name": "run"}
+
+
+@pytest.fixture
+def files(tmp_path) -> dict[str, Path]:
+    state = xlakit_state()
+    xlakit.save(state, tmp_path / "a.pt")
+    torch.save({"model": {"w": state["model"]["w"] + 1, "b": state["model"]["b"]}, "step": 8}, tmp_path / "plain.pt")
+    xlakit.dcp_save({"model": {"w": state["model"]["w"], "b": torch.ones(3)}, "step": 3}, tmp_path / "dcp")
+    return {"xlakit": tmp_path / "a.pt", "plain": tmp_path / "plain.pt", "dcp": tmp_path / "dcp"}
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("sharded")
+    results = ranks.run(DIST_WORKER, "sharded-roundtrip", folder, 2)
+    assert all(code == 0 for code, _, _ in results), results
+    return folder / "ckpt"
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def storage_offset(path: Path, tensor: str) -> int:
+    meta, _ = archive.read_index(str(path))
+    return next(s["offset"] for s in meta["storages"].values() if tensor in s["paths"])
+
+
+# -- ls ----------------------------------------------------------------------------------------
+
+def test_ls_lists_steps_commit_state_sizes_and_the_best(tmp_path, capsys):
+    with xlakit.CheckpointManager(tmp_path, best_metric="loss", max_to_keep=3) as mgr:
+        for step, loss in ((10, 0.5), (20, 0.2), (30, 0.4)):
+            mgr.save(step, {"w": torch.ones(256) * step}, metrics={"loss": loss})
+    os.remove(tmp_path / "30" / steps.CHECKPOINT_FILE)  # an interrupted save
+    (tmp_path / "notes.txt").write_text("mine")
+    code, data = ckpt_json(capsys, "ls", tmp_path)
+    assert code == 0 and data["latest"] == 20 and data["best"] == 20 and data["best_metric"] == "loss"
+    assert [(s["step"], s["state"], s["best"]) for s in data["steps"]] == [
+        (10, "committed", False), (20, "committed", True), (30, "interrupted", False)]
+    assert data["steps"][0]["bytes"] > 1024 and data["steps"][0]["metrics"] == {"loss": 0.5}
+    assert "notes.txt" in data["other"]
+    code, out, _ = ckpt(capsys, "ls", tmp_path)
+    assert code == 0 and "best 20 by loss (min)" in out and "interrupted" in out and "(best)" in out
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+def test_inspect_an_xlakit_file_lists_tensors_storages_and_checksums(files, capsys):
+    code, data = ckpt_json(capsys, "inspect", files["xlakit"])
+    assert code == 0 and data["kind"] == "xlakit-file" and data["format_version"] == 2 and data["checksums"]
+    assert data["checksum_count"] == 4  # the pickle and three storages
+    by = {t["name"]: t for t in data["tensors"]}
+    assert by["model/w"]["dtype"] == "float32" and by["model/w"]["shape"] == [4, 3] and by["model/w"]["bytes"] == 48
+    assert by["model/w"]["shared_with"] == ["model/w_t"] and by["model/b"]["dtype"] == "bfloat16"
+    assert by["ids/0"]["dtype"] == "int64" and by["model/b"]["shared_with"] == []
+    assert data["values"] == {"step": 7, "name": "run"}
+
+
+def test_inspect_a_plain_torch_file_says_it_has_no_checksums(files, capsys):
+    code, data = ckpt_json(capsys, "inspect", files["plain"])
+    assert code == 0 and data["kind"] == "torch-file" and data["checksums"] is False
+    assert {t["name"] for t in data["tensors"]} == {"model/w", "model/b"}
+
+
+def test_inspect_folders_shows_their_commit_record(files, sharded, capsys):
+    code, data = ckpt_json(capsys, "inspect", files["dcp"])
+    assert code == 0 and data["kind"] == "dcp" and data["commit"]["format"] == folders.DCP_FORMAT
+    assert {t["name"]: t["shape"] for t in data["tensors"]} == {"model.w": [4, 3], "model.b": [3]}
+    code, data = ckpt_json(capsys, "inspect", sharded)
+    assert code == 0 and data["kind"] == "sharded" and data["commit"]["world"] == 2
+    assert [s["tensors"][0]["name"] for s in data["shards"]] == ["w", "w"]
+
+
+def test_inspect_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "junk.bin").write_bytes(b"garbage!")
+    code, out, err = ckpt(capsys, "inspect", tmp_path / "junk.bin")
+    assert code == 2 and "is not a checkpoint" in err and "Traceback" not in err and out == ""
+    code, _, err = ckpt(capsys, "inspect", tmp_path / "missing.pt")
+    assert code == 2 and "no such file or folder" in err
+    (tmp_path / "empty").mkdir()
+    code, _, err = ckpt(capsys, "inspect", tmp_path / "empty")
+    assert code == 2 and "not a committed checkpoint: it is empty" in err
+
+
+# -- verify ------------------------------------------------------------------------------------
+
+def test_verify_passes_intact_checkpoints_of_every_kind(files, sharded, tmp_path, capsys):
+    with xlakit.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(8)})
+    for path, kind in ((files["xlakit"], "xlakit-file"), (files["dcp"], "dcp"), (sharded, "sharded"),
+                       (tmp_path / "run", "manager"), (tmp_path / "run" / "1", "xlakit-file")):
+        code, data = ckpt_json(capsys, "verify", path)
+        assert code == 0 and data["status"] == "ok" and data["checksums"] >= 2, (path, data)
+        assert data["kind"] == ("step" if path.name == "1" else kind)
+
+
+def test_verify_names_the_first_bad_tensor_and_exits_1(files, capsys):
+    flip_byte(files["xlakit"], storage_offset(files["xlakit"], "model/b") + 3)
+    code, data = ckpt_json(capsys, "verify", files["xlakit"])
+    assert code == 1 and data["status"] == "damaged" and data["tensor"] == "model/b"
+    code, out, _ = ckpt(capsys, "verify", files["xlakit"])
+    assert code == 1 and "DAMAGED" in out and "tensor 'model/b' is corrupt" in out
+
+
+def test_verify_finds_truncation_damaged_folders_and_missing_commits(files, sharded, tmp_path, capsys):
+    data = files["xlakit"].read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[:storage_offset(files["xlakit"], "model/b") + 4])
+    code, out, _ = ckpt(capsys, "verify", tmp_path / "cut.pt")
+    assert code == 1 and "DAMAGED" in out
+    dcp_file = next(n for n in os.listdir(files["dcp"]) if n.endswith(".distcp"))
+    flip_byte(files["dcp"] / dcp_file, 10)
+    code, data = ckpt_json(capsys, "verify", files["dcp"])
+    assert code == 1 and f"file {dcp_file} is corrupt" in data["message"]
+    os.remove(files["dcp"] / folders.COMMIT_RECORD)
+    code, data = ckpt_json(capsys, "verify", files["dcp"])
+    assert code == 1 and "not a committed checkpoint" in data["message"]
+    copy = tmp_path / "sharded"
+    copy.mkdir()
+    for name in os.listdir(sharded):
+        (copy / name).write_bytes((sharded / name).read_bytes())
+    shard1 = json.loads((copy / folders.COMMIT_RECORD).read_text())["shards"][1]["file"]
+    flip_byte(copy / shard1, storage_offset(copy / shard1, "w") + 100)
+    code, data = ckpt_json(capsys, "verify", copy)
+    assert code == 1 and data["tensor"] == "w" and "shard 1: tensor 'w'" in data["message"]
+
+
+def test_verify_of_a_plain_torch_file_exits_3_saying_there_is_nothing_to_verify(files, capsys):
+    code, out, _ = ckpt(capsys, "verify", files["plain"])
+    assert code == 3 and "no xlakit checksums" in out and "nothing to verify" in out
+
+
+def _verify_in_a_subprocess(path: Path, stderr) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
+    return subprocess.run([sys.executable, "-m", "xlakit", "ckpt", "verify", str(path)], env=env,
+                          stdout=subprocess.PIPE, stderr=stderr, timeout=300)
+
+
+def test_the_progress_bar_is_drawn_on_a_terminal_only(files):
+    plain = _verify_in_a_subprocess(files["xlakit"], subprocess.PIPE)
+    assert plain.returncode == 0 and plain.stderr == b""
+    leader, follower = pty.openpty()
+    try:
+        tty = _verify_in_a_subprocess(files["xlakit"], follower)
+        os.close(follower)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(leader)
+    assert tty.returncode == 0 and b"\r  [" in drawn and b"100%" in drawn
+
+
+@pytest.mark.slow
+def test_verify_streams_in_bounded_memory(tmp_path):
+    big = tmp_path / "big.pt"
+    xlakit.save({"w": torch.ones(48 << 20)}, big)  # 192 MiB
+    probe = ("import resource, sys; from pathlib import Path; from xlakit.checkpoint import integrity;"
+             "_, r = integrity.plan(Path(sys.argv[1]));"
+             "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+             "done = integrity.check(r);"
+             "print(done, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)")
+    out = subprocess.run([sys.executable, "-c", probe, str(big)], env={**os.environ, "PYTHONPATH": str(ROOT / "python")},
+                         capture_output=True, text=True, timeout=300, check=True).stdout.split()
+    assert int(out[0]) >= 192 << 20  # the tensor and the pickle
+    assert int(out[1]) < 24 << 10, out  # KiB: one 4 MiB buffer, not the file
+
+
+# -- diff --------------------------------------------------------------------------------------
+
+def test_diff_names_what_differs_and_by_how_much(files, tmp_path, capsys):
+    code, data = ckpt_json(capsys, "diff", files["xlakit"], files["xlakit"])
+    assert code == 0 and data["identical"] and data["same"] == 4
+    state = xlakit_state()
+    state["model"]["w"] = state["model"]["w"].clone()
+    state["model"]["w"][1, 2] += 0.5
+    state["model"]["b"] = state["model"]["b"].float()
+    del state["ids"]
+    xlakit.save(state, tmp_path / "b.pt")
+    code, data = ckpt_json(capsys, "diff", files["xlakit"], tmp_path / "b.pt")
+    assert code == 1 and not data["identical"]
+    assert data["only_in_a"] == ["ids/0"] and data["only_in_b"] == []
+    assert data["mismatched"] == [{"name": "model/b", "a": "bfloat16[5]", "b": "float32[5]"}]
+    assert [(d["name"], d["differing"]) for d in data["different"]] == [("model/w", 1)]
+    assert data["different"][0]["max_abs_diff"] == pytest.approx(0.5, abs=1e-6)
+    code, data = ckpt_json(capsys, "diff", files["xlakit"], files["plain"])  # a plain torch file reads too
+    assert code == 1 and data["different"][0]["max_abs_diff"] == pytest.approx(1.0, abs=1e-6)
+    assert {"name": "step", "a": 7, "b": 8} in data["values_different"]
+
+
+def test_diff_refuses_a_damaged_source(files, capsys):
+    flip_byte(files["xlakit"], storage_offset(files["xlakit"], "model/w") + 1)
+    code, _, err = ckpt(capsys, "diff", files["xlakit"], files["plain"])
+    assert code == 2 and "tensor 'model/w' is corrupt" in err
+
+
+# -- convert -----------------------------------------------------------------------------------
+
+def test_convert_to_safetensors_loads_bit_exactly(files, tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    out = tmp_path / "a.safetensors"
+    code, data = ckpt_json(capsys, "convert", files["xlakit"], "--to", "safetensors", out)
+    assert code == 0 and data["tensors"] == 4
+    loaded, want = load_file(out), xlakit.load(files["xlakit"])
+    assert set(loaded) == {"model/w", "model/w_t", "model/b", "ids/0"}
+    for name, t in (("model/w", want["model"]["w"]), ("model/w_t", want["model"]["w_t"]),
+                    ("model/b", want["model"]["b"]), ("ids/0", want["ids"][0])):
+        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape
+        assert torch.equal(bits(loaded[name]), bits(t)), name
+    with safe_open(out, "pt") as f:
+        assert json.loads(f.metadata()["xlakit.values"]) == {"step": 7, "name": "run"}
+
+
+def test_convert_a_plain_torch_file_and_a_dcp_folder(files, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    code, _ = ckpt_json(capsys, "convert", files["plain"], "--to", "safetensors", tmp_path / "p.st")
+    assert code == 0 and torch.equal(load_file(tmp_path / "p.st")["model/w"], torch.load(files["plain"])["model"]["w"])
+    code, _ = ckpt_json(capsys, "convert", files["dcp"], "--to", "safetensors", tmp_path / "d.st")
+    loaded = load_file(tmp_path / "d.st")
+    assert code == 0 and torch.equal(bits(loaded["model.w"]), bits(xlakit_state()["model"]["w"]))
+    assert torch.equal(loaded["model.b"], torch.ones(3))
+    code, _ = ckpt_json(capsys, "convert", files["dcp"], "--to", "xlakit", tmp_path / "d.pt")
+    one = xlakit.load(tmp_path / "d.pt")
+    assert code == 0 and one["step"] == 3 and torch.equal(one["model.w"], xlakit_state()["model"]["w"])
+
+
+def test_convert_a_sharded_folder_into_one_file(sharded, tmp_path, capsys):
+    code, data = ckpt_json(capsys, "convert", sharded, "--to", "xlakit", tmp_path / "one.pt")
+    assert code == 0 and data["source_kind"] == "sharded"
+    one = xlakit.load(tmp_path / "one.pt")
+    for rank in (0, 1):
+        shard = one[f"shard{rank}"]
+        assert shard["rank"] == rank and torch.equal(shard["w"], torch.full((1000,), 10.0 + rank))
+
+
+def test_convert_never_replaces_silently_nor_writes_from_a_damaged_source(files, tmp_path, capsys):
+    out = tmp_path / "out.st"
+    out.write_text("keep me")
+    code, _, err = ckpt(capsys, "convert", files["xlakit"], "--to", "safetensors", out)
+    assert code == 2 and "--force" in err and out.read_text() == "keep me"
+    flip_byte(files["xlakit"], storage_offset(files["xlakit"], "model/w") + 1)
+    code, _, err = ckpt(capsys, "convert", files["xlakit"], "--to", "safetensors", out, "--force")
+    assert code == 2 and "corrupt" in err and out.read_text() == "keep me"
+    assert [n for n in os.listdir(tmp_path) if n.endswith(".xlakit-tmp")] == []
+
+
+def test_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["ckpt", "verify", "--help"])
+    assert "exit codes: 0 success; 1 verify found damage" in capsys.readouterr().out

@@ -14,7 +14,8 @@ Scenarios:
   async-loop      `loop` with asynchronous saves (a commit is announced once `wait` returned)
   preempt         (ranks) a loop of all-reduces; SIGTERM from the test on one rank
   preempt-drift   (ranks) no collectives, each rank at its own speed; SIGTERM on one rank
-  retention       (ranks) sharded saves under max_to_keep=2; every rank restores its shard
+  retention-sharded, retention-dcp
+                  (ranks) saves under max_to_keep=2; every rank restores (its shard, or into a template)
   async-failure   (ranks) rank 2's background write meets a fake full disk
 """
 
@@ -110,13 +111,17 @@ def preempt(folder: Path, lockstep: bool) -> dict:
     return {"saved": saved, "reached": reached, "agreed": agreed, "exit_unix": time.time()}
 
 
-def ranks_retention(folder: Path) -> dict:
-    mgr = xlakit.CheckpointManager(folder, layout="sharded", max_to_keep=2)
+def ranks_retention(folder: Path, layout: str) -> dict:
+    mgr = xlakit.CheckpointManager(folder, layout=layout, max_to_keep=2)
     seen = []
     for step in range(1, 6):
-        mgr.save(step, state(step, mib=1))
+        mgr.save(step, state(step, mib=1) if layout == "sharded" else {"w": torch.full((1024,), float(step)),
+                                                                       "step": step})
         seen.append(mgr.all_steps())
-    mine = mgr.restore()
+    if layout == "sharded":
+        mine = mgr.restore()  # each rank its own shard
+    else:
+        mine = {**mgr.restore(template={"w": torch.zeros(1024), "step": 0}), "rank": RANK}
     mgr.close()
     return {"seen": seen, "restored": [mine["step"], mine["rank"], float(mine["w"][0])]}
 
@@ -155,8 +160,8 @@ def main(scenario: str, folder: Path) -> dict:
         return loop(folder, asynchronous=scenario == "async-loop")
     if scenario in ("preempt", "preempt-drift"):
         return preempt(folder, lockstep=scenario == "preempt")
-    if scenario == "retention":
-        return ranks_retention(folder)
+    if scenario.startswith("retention-"):
+        return ranks_retention(folder, scenario.removeprefix("retention-"))
     if scenario == "async-failure":
         return async_failure(folder)
     raise SystemExit(f"unknown scenario {scenario!r}")

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -229,6 +230,27 @@ def test_sigterm_makes_the_next_step_a_save_then_reached_preemption(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+def test_an_asynchronous_manager_saves_the_preemption_step_synchronously(tmp_path):
+    mgr = CheckpointManager(tmp_path, asynchronous=True, save_interval_steps=2)
+    mgr.install_preemption_handler(grace_s=30)
+    mgr.save(2, state(2))  # in the background
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert mgr.should_save(3) and mgr.save(3, state(3))
+    assert mgr.all_steps() == [2, 3] and mgr.reached_preemption(3)  # committed before save returned
+    mgr.close()
+
+
+def test_a_preemption_save_that_cannot_finish_within_the_grace_is_not_committed(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.install_preemption_handler(grace_s=0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)  # the grace is gone before the loop gets to the save
+    with pytest.raises(xlakit.CheckpointTimeoutError):
+        mgr.save(1, state(1))
+    assert mgr.reached_preemption(1) and mgr.all_steps() == []
+    mgr.close()
+
+
 # -- what a new user gets wrong -----------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -247,6 +269,12 @@ def test_wrong_configuration_is_refused_before_anything_is_written(tmp_path, kwa
     with pytest.raises(error, match=match):
         CheckpointManager(tmp_path / "m", **kwargs)
     assert not (tmp_path / "m").exists() or names(tmp_path / "m") == []
+
+
+def test_a_file_is_not_a_manager_folder(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(xlakit.CheckpointWriteError, match="cannot use .* as a manager folder: it is a file"):
+        CheckpointManager(tmp_path / "f")
 
 
 def test_wrong_arguments_name_what_was_expected(tmp_path):

@@ -112,8 +112,9 @@ def test_sigterm_on_one_rank_saves_one_agreed_step_everywhere_and_the_job_exits(
     assert mgr.latest_step() == agreed and mgr.restore()["step"] == agreed, why
 
 
-def test_ranks_agree_on_retention_and_each_restores_its_shard(tmp_path):
-    results = Job(WORKER, "retention", tmp_path, WORLD).results()
+@pytest.mark.parametrize("layout", ["sharded", "dcp"])
+def test_ranks_agree_on_retention_and_each_restores(tmp_path, layout):
+    results = Job(WORKER, f"retention-{layout}", tmp_path, WORLD).results()
     for r in range(WORLD):
         assert results[r]["exit"] == 0, results[r]["stderr"]
         assert results[r]["seen"] == [[1], [1, 2], [2, 3], [3, 4], [4, 5]], results[r]

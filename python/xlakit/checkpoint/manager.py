@@ -38,7 +38,8 @@ from xlakit.checkpoint import agreement, paths, retention, steps
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
-from xlakit.errors import CheckpointIncompleteError, CheckpointWriteError, RuntimeFeatureError
+from xlakit.errors import (CheckpointIncompleteError, CheckpointTimeoutError, CheckpointWriteError,
+                           RuntimeFeatureError)
 
 log = logging.getLogger("xlakit")
 _managers = itertools.count()  # managers made by this process: every rank counts the same
@@ -94,8 +95,9 @@ class CheckpointManager:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
+            what = "it is a file" if self.directory.is_file() else e.strerror
             raise CheckpointWriteError(e.errno, f"cannot use {self.directory} as a manager folder: "
-                                       f"{e.strerror}") from e
+                                       f"{what}") from e
         found = steps.scan(self.directory)
         self._steps = set(found.committed)
         self._last = found.latest  # the highest step saved or being saved
@@ -171,8 +173,13 @@ class CheckpointManager:
                              f"never overwrites a step (save the next one)")
         opts = self._options
         if preempt:
-            opts = dataclasses.replace(opts, timeout_s=max(min(opts.timeout_s, self._preemption.remaining_s()),
-                                                           0.001))
+            left = self._preemption.remaining_s()
+            if left <= 0:
+                raise CheckpointTimeoutError(
+                    f"the preemption save of step {step} into {self.directory} did not start: the grace of "
+                    f"{self._preemption.grace_s:g} s after SIGTERM ran out first; nothing was written",
+                    stage="preemption")
+            opts = dataclasses.replace(opts, timeout_s=min(opts.timeout_s, left))
         folder = self.directory / str(step)
         record = {"format": steps.STEP_FORMAT, "version": steps.STEP_VERSION, "step": step,
                   "layout": self.layout, "checkpoint": steps.checkpoint_name(self.layout),

@@ -15,6 +15,12 @@ Reading order, top-down:
   `transfer.py` / `spmd.py` (device to host), `paths.py` / `folders.py`
   (temporary names, atomic replacement, commit records), `options.py`.
 
+On top of the entry points: `manager.py` (`CheckpointManager`: when to save,
+what to keep, where to resume, preemption) with `steps.py` (its folder),
+`retention.py` and `preemption.py`; and, for `xlakit ckpt`, `describe.py`
+(what a path holds), `integrity.py` (streamed verification) and `tensors.py`
+(compare, convert).
+
 Nothing heavy is imported until a function is called, so `import xlakit`
 works where torch is missing or broken.
 """

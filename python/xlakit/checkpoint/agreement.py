@@ -26,6 +26,12 @@ owner enforces the deadline; a cancel's claim waits a bounded time. Where DCP
 needs a process group for its collectives, `group()` makes a fresh gloo group
 for the one operation, after the agreement proved every rank present, with the
 remaining deadline as its timeout.
+
+`decide` runs any other job-wide decision on the same terms (a manager's
+step, the steps its retention deletes): agree, rank 0 prepares, every rank
+votes, rank 0 acts at the commit point. A `Coordination` with a fixed
+`prefix` is a notice board ranks read at their own pace (preemption);
+`answering` lets a rank that waits inside an operation answer such a notice.
 """
 
 from __future__ import annotations

@@ -161,10 +161,11 @@ def test_dcp_layout_restores_into_a_template_and_refuses_without_one(tmp_path):
 @pytest.mark.skipif(not hasattr(xlakit.checkpoint, "restore"), reason="xlakit.restore lands with issue 11")
 def test_restore_into_a_template_fills_it_in_place(tmp_path):
     mgr = CheckpointManager(tmp_path)
-    mgr.save(1, {"w": torch.arange(6.0).reshape(2, 3)})
-    template = {"w": torch.zeros(2, 3)}
+    mgr.save(1, {"w": torch.arange(6.0).reshape(2, 3), "step": 1})
+    template = {"w": torch.zeros(2, 3), "step": 0}
     out = mgr.restore(1, template=template)
-    assert out is template and torch.equal(template["w"], torch.arange(6.0).reshape(2, 3))
+    assert out["w"] is template["w"] and out["step"] == 1
+    assert torch.equal(template["w"], torch.arange(6.0).reshape(2, 3))
 
 
 # -- asynchronous -------------------------------------------------------------------------------

@@ -213,8 +213,8 @@ class CheckpointManager:
         """The state saved at `step` (default: the latest), verified.
 
         Without `template`: `xlakit.load`'s result (CPU tensors; a sharded step gives each
-        rank its shard). With `template`: its tensors are filled in place (any device,
-        sharding kept) and it is returned; a "dcp" step needs one.
+        rank its shard). With `template`: `xlakit.restore`'s (the template's own tensors
+        filled in place, any device, sharding kept); a "dcp" step needs one and returns it.
 
         Raises:
             FileNotFoundError: no committed step (or not this one); the steps found are named.

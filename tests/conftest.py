@@ -44,3 +44,15 @@ def pytest_collection_modifyitems(config, items):
         for marker, reason in reasons.items():
             if marker in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def no_pending_save():
+    """Let an asynchronous save a test left running finish, so the next test starts idle."""
+    yield
+    from xlakit.checkpoint import background
+
+    pending = background._pending
+    if pending is not None:
+        pending._finished.wait(30)
+        background._pending = None

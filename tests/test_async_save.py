@@ -10,14 +10,7 @@ import torch
 import xlakit
 from xlakit.checkpoint import background, pipeline
 
-
-@pytest.fixture(autouse=True)
-def no_pending_save():
-    yield
-    pending = background._pending
-    if pending is not None:
-        pending._finished.wait(30)
-        background._pending = None
+pytestmark = pytest.mark.usefixtures("no_pending_save")
 
 
 def test_state_changed_after_return_is_saved_as_it_was(tmp_path):

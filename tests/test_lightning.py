@@ -17,14 +17,7 @@ from xlakit.checkpoint import archive, background  # noqa: E402
 
 EPOCHS = 4
 
-
-@pytest.fixture(autouse=True)
-def no_pending_save():
-    yield
-    pending = background._pending
-    if pending is not None:
-        pending._finished.wait(30)
-        background._pending = None
+pytestmark = pytest.mark.usefixtures("no_pending_save")
 
 
 class Regressor(pl.LightningModule):

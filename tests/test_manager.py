@@ -13,17 +13,10 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint import archive, background, steps
+from xlakit.checkpoint import archive, steps
 from xlakit.checkpoint.manager import CheckpointManager
 
-
-@pytest.fixture(autouse=True)
-def no_pending_save():
-    yield
-    pending = background._pending
-    if pending is not None:
-        pending._finished.wait(30)
-        background._pending = None
+pytestmark = pytest.mark.usefixtures("no_pending_save")
 
 
 def state(step: int) -> dict:

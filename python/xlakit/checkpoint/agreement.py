@@ -377,12 +377,13 @@ class Coordination:
 
 
 def decide(kind: str, path: str, proposal: dict[str, Any], watch: Watch, *,
-           prepare: Callable[[], None] | None = None, act: Callable[[], None] | None = None) -> None:
+           prepare: Callable[[Operation], None] | None = None, act: Callable[[], None] | None = None) -> None:
     """One decision of the whole job, on the terms of a coordinated save.
 
     Every rank proposes `proposal` (each field must match on every rank, or the
     odd rank is named everywhere and nothing happens). Rank 0 first runs
-    `prepare()`: if it fails, every rank raises, naming it. With `act`, every rank
+    `prepare(op)` (a rename there goes through `op.guarded()`): if it fails,
+    every rank raises, naming it. With `act`, every rank
     then votes ready and rank 0 runs `act()` at the commit point: once every rank
     voted, never after any rank gave up. Outside a torch.distributed job,
     `prepare` and `act` run here under the same deadline and commit point.
@@ -390,7 +391,7 @@ def decide(kind: str, path: str, proposal: dict[str, Any], watch: Watch, *,
     if world_size() == 1:
         def alone(op: Operation) -> None:
             if prepare is not None:
-                prepare()
+                prepare(op)
             if act is not None:
                 op.enter("commit")
                 with op.commit_point():
@@ -406,7 +407,7 @@ def decide(kind: str, path: str, proposal: dict[str, Any], watch: Watch, *,
         error = None
         if coord.rank == coord.committer and prepare is not None:
             try:
-                prepare()
+                prepare(op)
             except (XlakitError, OSError, ValueError, TypeError) as e:
                 error = e  # published with the proposal: every rank learns it at once
         coord.agree(op, None, error)

@@ -11,7 +11,6 @@ data; for a DCP folder from DCP's metadata file.
 from __future__ import annotations
 
 import errno
-import pickle
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -94,21 +93,11 @@ def step_checkpoint(kind: Kind) -> Kind:
 
 def load_mapped(path: Path) -> Any:
     """A file's state with tensors mapped from the file (their data is not read); weights-only."""
-    import torch
+    from xlakit import checkpoint
 
     with open(path, "rb") as f:
-        zipped = f.read(4) == _ZIP_MAGIC
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
-    except pickle.UnpicklingError as e:
-        err = CheckpointFormatError(f"{path} holds pickled objects that a weights-only load refuses to run: "
-                                    f"{str(e).splitlines()[0]}")
-        err.add_note("xlakit never executes pickled code; only torch.load(weights_only=False) reads it, "
-                     "and only if you trust the file.")
-        raise err from e
-    except (RuntimeError, ValueError, KeyError, EOFError, OSError) as e:
-        raise CheckpointCorruptError(f"{path} cannot be read ({type(e).__name__}: "
-                                     f"{str(e).splitlines()[0] if str(e) else ''}); it is damaged") from e
+        zipped = f.read(4) == _ZIP_MAGIC  # torch maps only its zip format
+    return checkpoint.load(path, verify=False, mmap=zipped)
 
 
 def flatten(value: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:

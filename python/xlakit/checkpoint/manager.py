@@ -186,7 +186,7 @@ class CheckpointManager:
                   "metrics": metrics, "best_metric": self.policy.best_metric,
                   "best_mode": self.policy.best_mode, "world": self._world, "time_unix": time.time()}
         agreement.decide("manager save", str(folder.absolute()), {"step": step}, Watch.of(opts),
-                         prepare=lambda: _prepare_step(folder, record))
+                         prepare=lambda op: _prepare_step(op, folder, record))
         self._last = step if self._last is None else max(self._last, step)
         target = folder / record["checkpoint"]
         from xlakit import checkpoint
@@ -379,7 +379,7 @@ def _save_options(options: SaveOptions | None, layout: str, asynchronous: bool) 
     return dataclasses.replace(opts, layout=layout) if layout in ("replicated", "sharded") else opts
 
 
-def _prepare_step(folder: Path, record: dict) -> None:
+def _prepare_step(op, folder: Path, record: dict) -> None:
     """(Rank 0, before every rank saves.) Refuse a folder that is not the manager's; write the record."""
     foreign = steps.foreign_entries(folder)
     if foreign:
@@ -392,7 +392,7 @@ def _prepare_step(folder: Path, record: dict) -> None:
     if existing is not None and steps.commit_problem(folder, existing) is None:
         raise ValueError(f"step {record['step']} is already committed in {folder.parent}")
     folder.mkdir(exist_ok=True)
-    steps.write_record(folder, record)
+    steps.write_record(folder, record, op)
 
 
 def _step(step: object) -> int:

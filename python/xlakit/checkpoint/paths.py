@@ -15,18 +15,24 @@ and never a file xlakit did not name.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import xxhash
 
 from xlakit.checkpoint.operation import remove_path
 from xlakit.errors import CheckpointWriteError
+
+if TYPE_CHECKING:
+    from xlakit.checkpoint.operation import Operation
 
 log = logging.getLogger("xlakit")
 
@@ -117,6 +123,24 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_file(final: Path, fill: Callable[[BinaryIO], None], *, op: "Operation | None" = None) -> None:
+    """Write `final` whole or not at all: `fill(f)` into a temporary sibling, fsync, rename, fsync
+    the folder. With `op`, the rename happens only while its owner still wants it (`op.guarded`);
+    the temporary goes on any failure."""
+    tmp = temp_path(final)
+    try:
+        with open(tmp, "xb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+        with op.guarded() if op is not None else contextlib.nullcontext():
+            os.replace(tmp, final)
+    except BaseException:
+        remove_path(tmp)
+        raise
+    fsync_dir(final.parent)
 
 
 def exchange(a: Path, b: Path) -> bool:

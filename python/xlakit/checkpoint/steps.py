@@ -164,21 +164,11 @@ def foreign_entries(folder: Path) -> list[str]:
     return sorted(n for n in os.listdir(folder) if paths.parse_temp(n) is None)
 
 
-def write_record(folder: Path, record: dict) -> None:
-    """Put the step record in place atomically (temporary sibling, fsync, rename, fsync)."""
-    final = folder / STEP_RECORD
+def write_record(folder: Path, record: dict, op=None) -> None:
+    """Put the step record in place atomically (no rename once `op`'s owner gave up)."""
     paths.remove_stale_temps(folder, stem=STEP_RECORD)
-    tmp = paths.temp_path(final)
-    try:
-        with open(tmp, "x") as f:
-            json.dump(record, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        remove_path(tmp)
-        raise
-    paths.fsync_dir(folder)
+    text = json.dumps(record, indent=1, sort_keys=True).encode()
+    paths.write_file(folder / STEP_RECORD, lambda f: f.write(text), op=op)
 
 
 def to_trash(folder: Path) -> Path:

@@ -16,7 +16,6 @@ Tensors that shared a storage are written once each, as safetensors wants.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import struct
 import warnings
@@ -26,7 +25,6 @@ from typing import Any
 import torch
 
 from xlakit.checkpoint import archive, describe, integrity, paths
-from xlakit.checkpoint.operation import remove_path
 from xlakit.errors import CheckpointFormatError, CheckpointIncompleteError, CheckpointSerializationError
 
 _CHUNK = 4 << 20
@@ -164,21 +162,15 @@ def write_safetensors(state: Any, out: Path) -> dict:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     paths.check_target(out)
-    tmp = paths.temp_path(out)
-    try:
-        with open(tmp, "xb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for t in tensors.values():
-                dense = t.detach().contiguous()  # held while its bytes are written: the view does not
-                view = archive.tensor_bytes(dense)
-                for start in range(0, len(view), _CHUNK):
-                    f.write(view[start:start + _CHUNK])
-                del view, dense
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        remove_path(tmp)
-        raise
-    paths.fsync_dir(out.parent)
+
+    def fill(f) -> None:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for t in tensors.values():
+            dense = t.detach().contiguous()  # held while its bytes are written: the view does not
+            view = archive.tensor_bytes(dense)
+            for start in range(0, len(view), _CHUNK):
+                f.write(view[start:start + _CHUNK])
+            del view, dense
+
+    paths.write_file(out, fill)
     return {"tensors": len(tensors), "bytes": out.stat().st_size, "values": sorted(values)}

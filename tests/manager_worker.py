@@ -10,7 +10,7 @@ to this PID), `{"result": {...}}` is the outcome.
 Scenarios:
   loop            save every step until killed (policy below), announcing each commit
   slow-retention  the same, on a fake slow disk where retention's renames and deletions
-                  take 0.2 s each, announcing each retention
+                  take 0.2 s each and a step record 0.1 s, announcing each retention
   async-loop      `loop` with asynchronous saves (a commit is announced once `wait` returned)
   preempt         (ranks) a loop of all-reduces; SIGTERM from the test on one rank
   preempt-drift   (ranks) no collectives, each rank at its own speed; SIGTERM on one rank
@@ -55,8 +55,14 @@ def state(step: int, mib: int = 8) -> dict:
 
 
 def fake_slow_disk() -> None:
-    """Retention's renames and deletions each take 0.2 s (a slow network file system)."""
+    """Retention's renames and deletions each take 0.2 s, a step record 0.1 s (a slow network file
+    system), so that kills land inside them."""
     real_trash, real_remove, real_doomed = steps.to_trash, steps.remove_path, retention.doomed
+    real_record = steps.write_record
+
+    def slow_record(folder, record, op=None):
+        time.sleep(0.1)
+        real_record(folder, record, op)
 
     def slow_trash(folder):
         time.sleep(0.2)
@@ -73,6 +79,7 @@ def fake_slow_disk() -> None:
         return out
 
     steps.to_trash, steps.remove_path, retention.doomed = slow_trash, slow_remove, announced
+    steps.write_record = slow_record
 
 
 def loop(folder: Path, asynchronous: bool) -> dict:

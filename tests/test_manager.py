@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint import archive, steps
+from xlakit.checkpoint import archive, paths, steps
 from xlakit.checkpoint.manager import CheckpointManager
 
 pytestmark = pytest.mark.usefixtures("no_pending_save")
@@ -126,6 +128,19 @@ def test_trash_left_by_a_killed_retention_is_not_a_step_and_is_removed_later(tmp
     assert steps.scan(tmp_path).committed.keys() == {2}
     CheckpointManager(tmp_path)
     assert names(tmp_path) == ["2"]
+
+
+def test_a_step_folder_half_made_by_a_dead_process_is_removed_by_the_next_manager(tmp_path):
+    # Regression: a kill between the step folder's mkdir and its record left an empty "13/" that
+    # no manager could tell from a user's folder; the folder now appears only with its record.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    half = tmp_path / f".13.{paths.host()}.{dead.pid}.deadbeef{paths.TMP_SUFFIX}"
+    half.mkdir()
+    (half / f".{steps.STEP_RECORD}.{paths.host()}.{dead.pid}.0badf00d{paths.TMP_SUFFIX}").write_text("{")
+    assert steps.scan(tmp_path).other == {}  # a temporary, not someone else's folder
+    CheckpointManager(tmp_path)
+    assert names(tmp_path) == []
 
 
 # -- restore ------------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ class CheckpointManager:
         agreement.decide("manager start", self._path(), {"config": config, "latest": self._last,
                                                          "manager": self._prefix}, self._watch())
         if self._rank == 0:
-            steps.empty_trash(self.directory)  # what a killed retention left
+            steps.clean(self.directory)  # what a killed retention or save left
 
     # -- queries ----------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -131,13 +131,13 @@ class CheckpointManager:
         Call it (or `save`) every step: it is also where a preemption is agreed.
         """
         self._check_open()
-        step = _step(step)
+        step = steps.check_step(step)
         return self._preempting(step, deciding=True) or self._regular(step)
 
     def reached_preemption(self, step: int) -> bool:
         """True from the agreed preemption step on (on every rank alike): save there, then stop."""
         self._check_open()
-        step = _step(step)
+        step = steps.check_step(step)
         if self._preemption is None:
             return False
         self._preemption.poll(step, deciding=False)
@@ -157,8 +157,8 @@ class CheckpointManager:
             CheckpointError: what the save raised (see `xlakit.save`).
         """
         self._check_open()
-        step = _step(step)
-        metrics = _metrics(metrics, self.policy.best_metric)
+        step = steps.check_step(step)
+        metrics = retention.check_metrics(metrics, self.policy.best_metric)
         _bool("force", force)
         preempt = self._preempting(step, deciding=True)
         if not (force or preempt or self._regular(step)):
@@ -186,7 +186,7 @@ class CheckpointManager:
                   "metrics": metrics, "best_metric": self.policy.best_metric,
                   "best_mode": self.policy.best_mode, "world": self._world, "time_unix": time.time()}
         agreement.decide("manager save", str(folder.absolute()), {"step": step}, Watch.of(opts),
-                         prepare=lambda op: _prepare_step(op, folder, record))
+                         prepare=lambda op: steps.prepare(op, folder, record))
         self._last = step if self._last is None else max(self._last, step)
         target = folder / record["checkpoint"]
         from xlakit import checkpoint
@@ -227,8 +227,8 @@ class CheckpointManager:
             step = found.latest
             if step is None:
                 raise FileNotFoundError(errno.ENOENT, f"no committed step in {self.directory} "
-                                        f"({_describe(found)})", str(self.directory))
-        step = _step(step)
+                                        f"({found.describe()})", str(self.directory))
+        step = steps.check_step(step)
         if step not in found.committed:
             if step in found.pending:
                 raise CheckpointIncompleteError(f"step {step} in {self.directory} was never committed: "
@@ -364,7 +364,7 @@ class CheckpointManager:
                          act=discard if doomed else None)
         self._steps.difference_update(doomed)
         if self._rank == 0 and not self._preempt_saved:  # preempted: the grace is for the save
-            steps.empty_trash(self.directory)
+            steps.clean(self.directory)
 
 
 def _save_options(options: SaveOptions | None, layout: str, asynchronous: bool) -> SaveOptions:
@@ -377,59 +377,3 @@ def _save_options(options: SaveOptions | None, layout: str, asynchronous: bool) 
         raise ValueError("layout='dcp' saves with xlakit.dcp_save, which is synchronous and has no "
                          "zip CRC32; drop asynchronous/compute_crc32 or use another layout")
     return dataclasses.replace(opts, layout=layout) if layout in ("replicated", "sharded") else opts
-
-
-def _prepare_step(op, folder: Path, record: dict) -> None:
-    """(Rank 0, before every rank saves.) Refuse a folder that is not the manager's; write the record."""
-    foreign = steps.foreign_entries(folder)
-    if foreign:
-        err = CheckpointWriteError(errno.EEXIST, f"cannot save step {record['step']} into {folder}: it "
-                                   f"exists and is not a step of an xlakit manager (found "
-                                   f"{', '.join(foreign[:5])}); it is left untouched")
-        err.add_note("Move it away, or give the manager a folder of its own.")
-        raise err
-    existing = steps.read_record(folder) if folder.exists() else None
-    if existing is not None and steps.commit_problem(folder, existing) is None:
-        raise ValueError(f"step {record['step']} is already committed in {folder.parent}")
-    folder.mkdir(exist_ok=True)
-    steps.write_record(folder, record, op)
-
-
-def _step(step: object) -> int:
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise TypeError(f"step must be a whole number, got {step!r} ({type(step).__name__})")
-    if step < 0:
-        raise ValueError(f"step must be 0 or more, got {step}")
-    return step
-
-
-def _metrics(metrics: Mapping | None, best_metric: str | None) -> dict[str, float]:
-    if metrics is None:
-        metrics = {}
-    if not isinstance(metrics, Mapping):
-        raise TypeError(f"metrics must be a mapping of names to numbers, got {type(metrics).__name__}")
-    out: dict[str, float] = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str):
-            raise TypeError(f"metric names must be strings, got {name!r}")
-        if type(value).__module__.startswith("torch") and hasattr(value, "numel"):
-            if value.numel() != 1:
-                raise TypeError(f"metric {name!r} must be one number, got a tensor of shape "
-                                f"{tuple(value.shape)}")
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"metric {name!r} must be a number, got {value!r} ({type(value).__name__})")
-        out[name] = value
-    if best_metric is not None and best_metric not in out:
-        raise ValueError(f"metrics must hold best_metric {best_metric!r} (the manager keeps the best step "
-                         f"by it); got {sorted(out) or 'none'}")
-    return out
-
-
-def _describe(found: steps.Scan) -> str:
-    parts = []
-    if found.pending:
-        parts.append(f"interrupted saves of steps {sorted(found.pending)}")
-    if found.other:
-        parts.append(f"entries that are not the manager's: {', '.join(sorted(found.other)[:5])}")
-    return "; ".join(parts) or "it is empty"

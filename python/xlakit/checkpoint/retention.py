@@ -10,6 +10,7 @@ one committed.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from xlakit.checkpoint.steps import Scan, StepFolder
@@ -95,3 +96,27 @@ def doomed(found: Scan, policy: Retention) -> list[int]:
     drop = [s for s in found.committed if s not in keep]
     drop += [s for s in found.pending if s < latest]
     return sorted(drop)
+
+
+def check_metrics(metrics: Mapping | None, best_metric: str | None) -> dict[str, float]:
+    """A step's metrics as numbers (one-element tensors read out); must hold `best_metric` if set."""
+    if metrics is None:
+        metrics = {}
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a mapping of names to numbers, got {type(metrics).__name__}")
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise TypeError(f"metric names must be strings, got {name!r}")
+        if type(value).__module__.startswith("torch") and hasattr(value, "numel"):
+            if value.numel() != 1:
+                raise TypeError(f"metric {name!r} must be one number, got a tensor of shape "
+                                f"{tuple(value.shape)}")
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"metric {name!r} must be a number, got {value!r} ({type(value).__name__})")
+        out[name] = value
+    if best_metric is not None and best_metric not in out:
+        raise ValueError(f"metrics must hold best_metric {best_metric!r} (the manager keeps the best step "
+                         f"by it); got {sorted(out) or 'none'}")
+    return out

@@ -13,7 +13,9 @@ the commit record of `ckpt/`), which the save makes last and atomically. A
 crash at any moment therefore leaves every step either committed, whole, or
 not a step. A folder with a record but no committed checkpoint is an
 interrupted save (`pending`); anything without a record is not the
-manager's (`other`) and is never touched.
+manager's (`other`) and is never touched. A new step folder is made under a
+temporary name with its record inside, then renamed, so the manager never
+leaves an empty step folder it could not tell from someone else's.
 
 Deleting is two steps: a step folder is first renamed to a trash name
 (atomic: the step is gone from every scan at once), then removed. A kill in
@@ -23,6 +25,7 @@ manager removes; only names of exactly the trash shape are ever removed.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -32,7 +35,7 @@ from pathlib import Path
 
 from xlakit.checkpoint import folders, paths
 from xlakit.checkpoint.operation import remove_path
-from xlakit.errors import CheckpointError
+from xlakit.errors import CheckpointError, CheckpointWriteError
 
 STEP_RECORD = "xlakit-step.json"
 STEP_FORMAT = "xlakit-step"
@@ -43,6 +46,14 @@ LAYOUTS = ("single", "replicated", "sharded", "dcp")
 TRASH_SUFFIX = ".xlakit-trash"
 _STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
 _TRASH_NAME = re.compile(r"\.(0|[1-9][0-9]{0,18})\.[0-9a-f]{8}" + re.escape(TRASH_SUFFIX))
+
+
+def check_step(step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be a whole number, got {step!r} ({type(step).__name__})")
+    if step < 0:
+        raise ValueError(f"step must be 0 or more, got {step}")
+    return step
 
 
 def checkpoint_name(layout: str) -> str:
@@ -87,6 +98,15 @@ class Scan:
     @property
     def latest(self) -> int | None:
         return max(self.committed) if self.committed else None
+
+    def describe(self) -> str:
+        """What the folder holds besides committed steps, for messages."""
+        parts = []
+        if self.pending:
+            parts.append(f"interrupted saves of steps {sorted(self.pending)}")
+        if self.other:
+            parts.append(f"entries that are not the manager's: {', '.join(sorted(self.other)[:5])}")
+        return "; ".join(parts) or "it is empty"
 
 
 def read_record(folder: Path) -> dict | None:
@@ -171,11 +191,42 @@ def write_record(folder: Path, record: dict, op=None) -> None:
     paths.write_file(folder / STEP_RECORD, lambda f: f.write(text), op=op)
 
 
+def prepare(op, folder: Path, record: dict) -> None:
+    """(Rank 0, before every rank saves.) Refuse a folder that is not the manager's; write the record."""
+    foreign = foreign_entries(folder)
+    if foreign:
+        err = CheckpointWriteError(errno.EEXIST, f"cannot save step {record['step']} into {folder}: it "
+                                   f"exists and is not a step of an xlakit manager (found "
+                                   f"{', '.join(foreign[:5])}); it is left untouched")
+        err.add_note("Move it away, or give the manager a folder of its own.")
+        raise err
+    existing = read_record(folder) if folder.exists() else None
+    if existing is not None and commit_problem(folder, existing) is None:
+        raise ValueError(f"step {record['step']} is already committed in {folder.parent}")
+    if folder.exists():  # an interrupted save of this step: its record is replaced
+        write_record(folder, record, op)
+        return
+    # A new step folder appears with its record in it, never empty: made under a temporary
+    # name (removed by `clean` if this process dies first), then renamed.
+    tmp = op.own(paths.temp_path(folder))
+    tmp.mkdir()
+    write_record(tmp, record)
+    with op.guarded():
+        os.rename(tmp, folder)
+        op.disown(tmp)
+    paths.fsync_dir(folder.parent)
+
+
 def to_trash(folder: Path) -> Path:
     """Take a step folder out of every scan at once: rename it to a trash name."""
     trash = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}{TRASH_SUFFIX}")
     os.rename(folder, trash)
     return trash
+
+
+def clean(directory: Path) -> list[Path]:
+    """Remove what killed managers left: trash, and step folders half made by dead processes."""
+    return empty_trash(directory) + paths.remove_stale_temps(directory)
 
 
 def empty_trash(directory: Path) -> list[Path]:

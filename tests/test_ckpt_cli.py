@@ -110,6 +110,7 @@ def test_inspect_a_plain_torch_file_says_it_has_no_checksums(files, capsys):
     assert {t["name"] for t in data["tensors"]} == {"model/w", "model/b"}
 
 
+@pytest.mark.multiproc  # the sharded folder comes from a 2-rank job
 def test_inspect_folders_shows_their_commit_record(files, sharded, capsys):
     code, data = ckpt_json(capsys, "inspect", files["dcp"])
     assert code == 0 and data["kind"] == "dcp" and data["commit"]["format"] == folders.DCP_FORMAT
@@ -132,6 +133,7 @@ def test_inspect_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
 
 # -- verify ------------------------------------------------------------------------------------
 
+@pytest.mark.multiproc  # the sharded folder comes from a 2-rank job
 def test_verify_passes_intact_checkpoints_of_every_kind(files, sharded, tmp_path, capsys):
     with xlakit.CheckpointManager(tmp_path / "run") as mgr:
         mgr.save(1, {"w": torch.ones(8)})
@@ -150,6 +152,7 @@ def test_verify_names_the_first_bad_tensor_and_exits_1(files, capsys):
     assert code == 1 and "DAMAGED" in out and "tensor 'model/b' is corrupt" in out
 
 
+@pytest.mark.multiproc  # the sharded folder comes from a 2-rank job
 def test_verify_finds_truncation_damaged_folders_and_missing_commits(files, sharded, tmp_path, capsys):
     data = files["xlakit"].read_bytes()
     (tmp_path / "cut.pt").write_bytes(data[:storage_offset(files["xlakit"], "model/b") + 4])
@@ -280,6 +283,7 @@ def test_convert_a_plain_torch_file_and_a_dcp_folder(files, tmp_path, capsys):
     assert code == 0 and one["step"] == 3 and torch.equal(one["model.w"], xlakit_state()["model"]["w"])
 
 
+@pytest.mark.multiproc  # the sharded folder comes from a 2-rank job
 def test_convert_a_sharded_folder_into_one_file(sharded, tmp_path, capsys):
     code, data = ckpt_json(capsys, "convert", sharded, "--to", "xlakit", tmp_path / "one.pt")
     assert code == 0 and data["source_kind"] == "sharded"

@@ -51,7 +51,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     folder = Path(args.dir)
     if not folder.is_dir():
-        raise FileNotFoundError(2, f"no such folder: {folder}", str(folder))
+        what = "is a file; `xlakit ckpt inspect` reads one checkpoint" if folder.exists() else "does not exist"
+        raise FileNotFoundError(2, f"{folder} {what}; ls lists a CheckpointManager folder", str(folder))
     found = steps.scan(folder)
     records = [s.record for s in sorted(found.committed.values(), key=lambda s: s.step)]
     policy = retention.Retention(best_metric=records[-1].get("best_metric"),

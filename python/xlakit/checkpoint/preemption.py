@@ -65,7 +65,8 @@ class Preemption:
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            # None: a handler installed outside Python, which cannot be put back; the default then.
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
         self._previous.clear()
 
     def _on_signal(self, signum, frame) -> None:

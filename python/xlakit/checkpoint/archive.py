@@ -46,6 +46,7 @@ FORMAT_VERSION = 2  # 1: storages keyed by tensor, no offsets; 2: shared storage
 HASH = "xxh3_64"
 ALIGNMENT = 64
 CHUNK_BYTES = 1 << 20
+_SMALL_RECORD = 64 << 10  # storages up to this size are copied whole and written in one call
 _TORCH_FILE_VERSION = b"3\n"
 _U32 = 0xFFFFFFFF
 _U16 = 0xFFFF
@@ -114,10 +115,18 @@ class ArchiveWriter:
             self._put(struct.pack("<IIII", 0x08074B50, crc, size, size))
 
     def _small(self, name: str, data: bytes) -> tuple[int, str]:
-        offset = self._begin(name)
-        self._put(data)
-        self._end(len(data), zlib.crc32(data) if self._crc else 0)
-        return offset, digest(data)
+        """A record from bytes already private to the writer, in one write."""
+        raw = f"{ARCHIVE}/{name}".encode()
+        header_at = self._pos
+        pad = -(header_at + 30 + len(raw) + 4) % ALIGNMENT
+        crc = zlib.crc32(data) if self._crc else 0
+        n = len(data)
+        self._records.append(_Record(raw, header_at, n, crc))
+        descriptor = (struct.pack("<IIQQ", 0x08074B50, crc, n, n) if n >= _U32
+                      else struct.pack("<IIII", 0x08074B50, crc, n, n))
+        self._put(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw), 4 + pad)
+                  + raw + b"FB" + struct.pack("<H", pad) + b"Z" * pad + data + descriptor)
+        return header_at + 30 + len(raw) + 4 + pad, digest(data)
 
     def write_header(self, pickled: bytes, structure: bytes) -> None:
         """The pickle (for torch.load), torch's format records, the structure (for xlakit)."""
@@ -135,9 +144,16 @@ class ArchiveWriter:
 
         `on_chunk(nbytes)` runs after each chunk (progress; it may raise to stop).
         """
+        n = len(view)
+        if n <= _SMALL_RECORD:  # header, bytes and descriptor in one write; the bytes copied once
+            data = bytes(view)
+            offset, storage_digest = self._small(f"data/{entry.key}", data)
+            self._storages[entry.key] = {"nbytes": n, "offset": offset, HASH: storage_digest,
+                                         "paths": entry.paths}
+            on_chunk(n)
+            return
         offset = self._begin(f"data/{entry.key}")
         hasher, crc, buf = xxhash.xxh3_64(), 0, memoryview(self._buffer)
-        n = len(view)
         for start in range(0, n, CHUNK_BYTES):
             m = min(CHUNK_BYTES, n - start)
             buf[:m] = view[start:start + m]

@@ -73,7 +73,7 @@ class _MetadataPickler(pickle.Pickler):
             return self._rebuild(obj.ref, False)
         if isinstance(obj, torch.Tensor):
             ref = self._plan.tensors[id(obj)]
-            if isinstance(obj, torch.nn.Parameter):
+            if type(obj) is torch.nn.Parameter:  # the plan refused other subclasses
                 return (torch._utils._rebuild_parameter,
                         (_PlainTensor(ref), obj.requires_grad, None))
             return self._rebuild(ref, obj.requires_grad)

@@ -77,7 +77,7 @@ def encode(state: object, plan: Plan) -> bytes:
             memo[id(v)] = len(memo)
             ref = plan.tensors[id(v)]
             on_host = v.device.type != "xla"
-            flags = (REQUIRES_GRAD * v.requires_grad | PARAMETER * isinstance(v, torch.nn.Parameter)
+            flags = (REQUIRES_GRAD * v.requires_grad | PARAMETER * (type(v) is torch.nn.Parameter)
                      | CONJ * (on_host and v.is_conj()) | NEG * (on_host and v.is_neg()))
             return ["t", ref.storage.index, ref.offset, dtypes.setdefault(ref.dtype, len(dtypes)), flags,
                     *ref.size, *ref.stride]

@@ -45,7 +45,8 @@ py::dict ResultToDict(const DecodeResult& r) {
                 r.status == EntryStatus::kTrailingBytes ||
                 r.status == EntryStatus::kPlatformMismatch ||
                 r.status == EntryStatus::kPlatformVersionMismatch ||
-                r.status == EntryStatus::kPatchSeriesMismatch;
+                r.status == EntryStatus::kPatchSeriesMismatch ||
+                r.status == EntryStatus::kTorchXlaRevisionMismatch;
   const EntryHeader& h = r.header;
   d["format_version"] = parsed ? py::cast(h.format_version) : py::none();
   d["kind"] = parsed ? py::cast(EntryKindName(h.kind)) : py::none();
@@ -103,28 +104,34 @@ void BindCache(py::module_& m) {
       "verify_entry",
       [](py::bytes data, std::optional<std::string> platform_name,
          std::optional<std::string> platform_version,
-         std::optional<std::string> patch_series_id) {
+         std::optional<std::string> patch_series_id,
+         std::optional<std::string> torch_xla_revision) {
         int given = !!platform_name + !!platform_version + !!patch_series_id;
-        if (given != 0 && given != 3) {
+        if ((given != 0 && given != 3) || (given == 0 && torch_xla_revision)) {
           throw py::value_error(
               "pass all of platform_name, platform_version and "
-              "patch_series_id to check an entry against a runtime, or none");
+              "patch_series_id to check an entry against a runtime, or none "
+              "(torch_xla_revision only together with them)");
         }
         std::string_view view = View(data);
         DecodeResult r;
         {
           // The checksum walks the whole payload; let other threads run.
           py::gil_scoped_release nogil;
-          r = given == 3 ? VerifyEntry(view, RuntimeIdentity{*platform_name,
-                                                             *platform_version,
-                                                             *patch_series_id})
+          r = given == 3 ? VerifyEntry(view, RuntimeIdentity{
+                                                    *platform_name,
+                                                    *platform_version,
+                                                    *patch_series_id,
+                                                    torch_xla_revision.value_or(
+                                                        "")})
                          : DecodeEntry(view);
         }
         return ResultToDict(r);
       },
       py::arg("data"), py::kw_only(), py::arg("platform_name") = py::none(),
       py::arg("platform_version") = py::none(),
-      py::arg("patch_series_id") = py::none());
+      py::arg("patch_series_id") = py::none(),
+      py::arg("torch_xla_revision") = py::none());
 
   m.def(
       "cache_key_material",

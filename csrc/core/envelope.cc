@@ -65,6 +65,8 @@ const char* EntryStatusName(EntryStatus status) {
       return "platform_version_mismatch";
     case EntryStatus::kPatchSeriesMismatch:
       return "patch_series_mismatch";
+    case EntryStatus::kTorchXlaRevisionMismatch:
+      return "torch_xla_revision_mismatch";
   }
   return "unknown";
 }
@@ -216,6 +218,12 @@ DecodeResult VerifyEntry(std::string_view data, const RuntimeIdentity& self) {
     r.message = "entry was written by patch series " +
                 Quote(h.patch_series_id) + ", this runtime has " +
                 Quote(self.patch_series_id);
+  } else if (!self.torch_xla_revision.empty() &&
+             h.torch_xla_revision != self.torch_xla_revision) {
+    r.status = EntryStatus::kTorchXlaRevisionMismatch;
+    r.message = "entry was written by torch_xla " +
+                Quote(h.torch_xla_revision) + ", this runtime is " +
+                Quote(self.torch_xla_revision);
   }
   return r;
 }

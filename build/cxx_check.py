@@ -21,11 +21,15 @@ Then tests/cxx is built with the placed XLA-only sources and linked against the
 cache across two processes on the real CPU client (cold compile vs warm load).
 Finally each deliberate break in BREAKS (a wrong PJRT signature, the friend
 declaration removed) is compiled and must fail, so a check that cannot fail
-fails loudly. Exit status 1 on any error.
+fails loudly. Exit status 1 on any error. Results are kept by preprocessed
+source (ResultCache, like ccache): a unit nothing reached is not compiled
+again; --fresh compiles everything.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shutil
 import time
@@ -86,6 +90,7 @@ class Result:
     rc: int
     seconds: float
     errors: list[str] = field(default_factory=list)
+    cached: bool = False
 
     @property
     def ok(self) -> bool:
@@ -201,6 +206,52 @@ def compile_one(runner: Runner, cmd: list[str]) -> Result:
     return Result(r.returncode, time.monotonic() - start, errors_of(output) or [output.strip()[-300:]])
 
 
+class ResultCache:
+    """Compile results keyed by the compiler, the flags and the preprocessed source, as ccache
+    keys objects: diagnostics and objects depend on nothing else, so a translation unit whose
+    preprocessed text is unchanged (an unpatched control, a file no edit reached) is not compiled
+    again. Preprocessing costs a few seconds where compiling costs a minute or two."""
+
+    def __init__(self, runner: Runner, folder: Path | None, cxx: str):
+        self.runner = runner
+        self.folder = folder
+        self.compiler = ""
+        if folder is not None and not runner.dry_run:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.compiler = runner.capture([cxx, "--version"], check=False).stdout.splitlines()[0:1]
+
+    def _key(self, cmd: list[str]) -> str | None:
+        out = cmd[cmd.index("-o") + 1] if "-o" in cmd else None
+        pre = [c for i, c in enumerate(cmd) if c not in ("-fsyntax-only", "-c") and c != out and
+               not (c == "-o" and cmd[i + 1] == out)] + ["-E"]
+        r = self.runner.capture(pre, check=False, timeout_s=COMPILE_TIMEOUT_S)
+        if r.returncode != 0:
+            return None  # the compile itself will say why
+        h = hashlib.sha256(json.dumps([self.compiler, [c for c in cmd if c != out]]).encode())
+        h.update(r.stdout.encode())
+        return h.hexdigest()
+
+    def compile(self, cmd: list[str]) -> Result:
+        if self.folder is None or self.runner.dry_run:
+            return compile_one(self.runner, cmd)
+        start = time.monotonic()
+        key = self._key(cmd)
+        record = self.folder / f"{key}.json"
+        out = Path(cmd[cmd.index("-o") + 1]) if "-o" in cmd else None
+        stored_obj = self.folder / f"{key}.o"
+        if key and record.exists() and (out is None or stored_obj.exists()):
+            found = json.loads(record.read_text())
+            if out is not None:
+                shutil.copyfile(stored_obj, out)
+            return Result(found["rc"], time.monotonic() - start, found["errors"], cached=True)
+        result = compile_one(self.runner, cmd)
+        if key:
+            if out is not None and result.ok:
+                shutil.copyfile(out, stored_obj)
+            record.write_text(json.dumps({"rc": result.rc, "errors": result.errors}))
+        return result
+
+
 def minimal_tree(runner: Runner, cfg: pipeline.Config, dest: Path) -> Path:
     """Only the placed files and the stamp: enough for the XLA-only units, no upstream source."""
     runner.run(["rm", "-rf", str(dest)])
@@ -291,11 +342,14 @@ def line(bracket: str, what: str, path: str, verdict: str, detail: str = "") -> 
 
 
 def _seconds(*results: Result | None) -> str:
-    return f"{sum(r.seconds for r in results if r):.0f} s"
+    done = [r for r in results if r]
+    cached = sum(r.cached for r in done)
+    note = "" if not cached else " (cached)" if cached == len(done) else f" ({cached} of {len(done)} cached)"
+    return f"{sum(r.seconds for r in done):.0f} s{note}"
 
 
 def run(runner: Runner, cfg: pipeline.Config, *, cache: Path, python: str, torch_xla_git: str | None,
-        jobs: int, bracket_names: list[str] | None, cxx: str, out) -> int:
+        jobs: int, bracket_names: list[str] | None, cxx: str, out, fresh: bool = False) -> int:
     start = time.monotonic()
     log = runner  # commands go to the runner's log; verdicts to `out`
 
@@ -310,6 +364,7 @@ def run(runner: Runner, cfg: pipeline.Config, *, cache: Path, python: str, torch
     pristine = cxx_deps.torch_xla_tree(log, cache, torch_xla_git, commit) if torch_xla_git else None
     gen = cxx_deps.codegen(log, cache, pristine, commit, torch) if pristine else None
     tc = Toolchain(cxx=cxx, torch=torch, llvm=llvm, gen=gen)
+    results = ResultCache(log, None if fresh else cache / "results", cxx)
     minimal = minimal_tree(log, cfg, work / "placed")
     patched = patched_tree(log, cfg, pristine, work / "patched") if pristine else None
 
@@ -322,11 +377,11 @@ def run(runner: Runner, cfg: pipeline.Config, *, cache: Path, python: str, torch
         if unit.needs_tree and patched is None:
             return "skip", no_tree
         if unit.kind == "xlakit":
-            r = compile_one(log, tc.syntax_cmd(patched or minimal, bracket, unit.path))
+            r = results.compile(tc.syntax_cmd(patched or minimal, bracket, unit.path))
             verdict = classify(None, r)
             return verdict, _seconds(r) if r.ok else f"{len(r.errors)} errors, first: {r.errors[0]}"
-        control = compile_one(log, tc.syntax_cmd(pristine, bracket, unit.path))
-        mine = compile_one(log, tc.syntax_cmd(patched, bracket, unit.path))
+        control = results.compile(tc.syntax_cmd(pristine, bracket, unit.path))
+        mine = results.compile(tc.syntax_cmd(patched, bracket, unit.path))
         verdict = classify(control, mine)
         if verdict == "ok":
             return verdict, f"control ok, {_seconds(control, mine)}"
@@ -342,7 +397,7 @@ def run(runner: Runner, cfg: pipeline.Config, *, cache: Path, python: str, torch
             return "skip", no_tree
         copy = broken_copy(log, patched if brk.needs_tree else minimal, brk,
                            work / f"break-{BREAKS.index(brk)}")
-        r = compile_one(log, tc.syntax_cmd(copy, bracket, brk.victim))
+        r = results.compile(tc.syntax_cmd(copy, bracket, brk.victim))
         if runner.dry_run:
             return "ok", "dry run"
         hit = [e for e in r.errors if brk.expect in e]
@@ -359,7 +414,7 @@ def run(runner: Runner, cfg: pipeline.Config, *, cache: Path, python: str, torch
         # Heavy upstream units first, so the pool stays full to the end.
         order = sorted(units, key=lambda u: u.kind != "upstream")
         futures = [(b, u, pool.submit(check, b, u)) for u in order[:1] for b in brackets]
-        built = [(obj, pool.submit(compile_one, log, cmd)) for obj, cmd in objects]
+        built = [(obj, pool.submit(results.compile, cmd)) for obj, cmd in objects]
         futures += [(b, u, pool.submit(check, b, u)) for u in order[1:] for b in brackets]
         breaks = [(brk, pool.submit(selftest, brk)) for brk in BREAKS]
         for b, u, f in futures:

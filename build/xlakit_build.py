@@ -99,7 +99,8 @@ def cmd_cxx_check(args: argparse.Namespace) -> int:
         runner = Runner(dry_run=args.dry_run, out=out)
         return cxx_check.run(runner, cfg, cache=cxx_deps.cache_root(args.cache), python=args.python,
                              torch_xla_git=git, jobs=args.jobs, cxx=cxx_check.which_cxx(args.cxx),
-                             bracket_names=args.brackets.split(",") if args.brackets else None, out=sys.stdout)
+                             bracket_names=args.brackets.split(",") if args.brackets else None, out=sys.stdout,
+                             fresh=args.fresh)
 
 
 def _build_steps(runner: Runner, cfg: pipeline.Config) -> None:
@@ -238,6 +239,7 @@ def parser() -> argparse.ArgumentParser:
             q.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
             q.add_argument("--brackets", default=None, help="comma-separated bracket names (default: all)")
             q.add_argument("--cxx", default=None, help="C++ compiler [g++]")
+            q.add_argument("--fresh", action="store_true", help="compile every unit, ignoring kept results")
     return p
 
 

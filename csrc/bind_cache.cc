@@ -118,13 +118,12 @@ void BindCache(py::module_& m) {
         {
           // The checksum walks the whole payload; let other threads run.
           py::gil_scoped_release nogil;
-          r = given == 3 ? VerifyEntry(view, RuntimeIdentity{
-                                                    *platform_name,
-                                                    *platform_version,
-                                                    *patch_series_id,
-                                                    torch_xla_revision.value_or(
-                                                        "")})
-                         : DecodeEntry(view);
+          r = given == 3
+                  ? VerifyEntry(
+                        view, RuntimeIdentity{*platform_name, *platform_version,
+                                              *patch_series_id,
+                                              torch_xla_revision.value_or("")})
+                  : DecodeEntry(view);
         }
         return ResultToDict(r);
       },

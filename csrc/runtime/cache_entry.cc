@@ -72,8 +72,7 @@ absl::StatusOr<std::string> EncodeExecutableEntry(
   }
 }
 
-LoadedEntry LoadExecutableEntry(xla::PjRtClient& client,
-                                std::string_view entry,
+LoadedEntry LoadExecutableEntry(xla::PjRtClient& client, std::string_view entry,
                                 const ::xlakit::RuntimeIdentity& self) {
   ::xlakit::DecodeResult decoded = ::xlakit::VerifyEntry(entry, self);
   if (decoded.status != ::xlakit::EntryStatus::kOk) {

@@ -53,8 +53,7 @@ struct LoadedEntry {
 
 // Never throws or aborts: every refusal comes back as a LoadedEntry without
 // an executable.
-LoadedEntry LoadExecutableEntry(xla::PjRtClient& client,
-                                std::string_view entry,
+LoadedEntry LoadExecutableEntry(xla::PjRtClient& client, std::string_view entry,
                                 const ::xlakit::RuntimeIdentity& self);
 
 // kKeep for failures that say "not now" (RESOURCE_EXHAUSTED, e.g. device

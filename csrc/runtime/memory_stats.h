@@ -26,7 +26,8 @@ struct RuntimeMemoryInfo {
 };
 
 // The sum over `stats` (one entry per device); empty input gives zeros.
-RuntimeMemoryInfo SumAllocatorStats(absl::Span<const tsl::AllocatorStats> stats);
+RuntimeMemoryInfo SumAllocatorStats(
+    absl::Span<const tsl::AllocatorStats> stats);
 
 }  // namespace xlakit
 }  // namespace runtime

@@ -51,15 +51,15 @@ absl::StatusOr<std::vector<ShardRegion>> PlanReplicated(
     if (absl::Span<const int64_t>(shards[s].dims) == tensor_dims) {
       std::vector<int64_t> start(tensor_dims.size(), 0);
       return std::vector<ShardRegion>{
-          {s, start, std::vector<int64_t>(tensor_dims.begin(),
-                                          tensor_dims.end())}};
+          {s, start,
+           std::vector<int64_t>(tensor_dims.begin(), tensor_dims.end())}};
     }
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "replicated data of shape ", Dims(tensor_dims), " has ", shards.size(),
       " local shard(s) and none of that shape",
-      shards.empty() ? "" : absl::StrCat(" (first: ", Dims(shards[0].dims),
-                                         ")")));
+      shards.empty() ? ""
+                     : absl::StrCat(" (first: ", Dims(shards[0].dims), ")")));
 }
 
 // How many tile dimensions after the tensor's own are replica dimensions, or
@@ -167,9 +167,9 @@ absl::StatusOr<std::vector<ShardRegion>> PlanShardAssembly(
   const std::vector<int64_t>& shard_dims = shards[0].dims;
   for (const LocalShard& shard : shards) {
     if (shard.dims != shard_dims) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "local shards differ in shape: ", Dims(shard_dims), " and ",
-          Dims(shard.dims)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("local shards differ in shape: ", Dims(shard_dims),
+                       " and ", Dims(shard.dims)));
     }
   }
   if (shard_dims.size() != rank) {
@@ -190,8 +190,8 @@ absl::StatusOr<std::vector<ShardRegion>> PlanShardAssembly(
     local.emplace(shards[s].device_ordinal, s);
   }
   const int64_t tile_count = Product(data_tiles);
-  const int64_t replicas = Product(
-      absl::Span<const int64_t>(tiles.data() + rank, *replica_dims));
+  const int64_t replicas =
+      Product(absl::Span<const int64_t>(tiles.data() + rank, *replica_dims));
   // best[tile] = (replica, shard) of the lowest local replica.
   std::vector<std::pair<int64_t, size_t>> best(tile_count, {replicas, 0});
   std::vector<std::vector<int64_t>> holders(tile_count);
@@ -212,10 +212,10 @@ absl::StatusOr<std::vector<ShardRegion>> PlanShardAssembly(
     for (const LocalShard& shard : shards) {
       if (!std::binary_search(assigned.begin(), assigned.end(),
                               shard.device_ordinal)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "local shard on device ", shard.device_ordinal,
-            " is not in the sharding's tile assignment [",
-            absl::StrJoin(*devices, ", "), "]"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("local shard on device ", shard.device_ordinal,
+                         " is not in the sharding's tile assignment [",
+                         absl::StrJoin(*devices, ", "), "]"));
       }
     }
     return absl::InvalidArgumentError(
@@ -237,10 +237,9 @@ absl::StatusOr<std::vector<ShardRegion>> PlanShardAssembly(
     }
     if (empty) continue;  // all padding: nothing of the tensor lives there
     if (best[tile].first == replicas) {
-      missing.push_back(absl::StrCat("elements ",
-                                     Range(region.start, region.extent),
-                                     " (devices ",
-                                     absl::StrJoin(holders[tile], ", "), ")"));
+      missing.push_back(
+          absl::StrCat("elements ", Range(region.start, region.extent),
+                       " (devices ", absl::StrJoin(holders[tile], ", "), ")"));
       continue;
     }
     region.shard = best[tile].second;
@@ -249,8 +248,7 @@ absl::StatusOr<std::vector<ShardRegion>> PlanShardAssembly(
   if (!missing.empty()) {
     size_t shown = std::min<size_t>(missing.size(), 4);
     return absl::FailedPreconditionError(absl::StrCat(
-        missing.size(), " of ", tile_count,
-        " tiles are on no local device: ",
+        missing.size(), " of ", tile_count, " tiles are on no local device: ",
         absl::StrJoin(missing.begin(), missing.begin() + shown, "; "),
         missing.size() > shown ? "; ..." : "",
         ". This host holds only its own shards (a multi-host job); save "

@@ -143,19 +143,18 @@ absl::StatusOr<std::vector<at::Tensor>> TransferToHost(
       std::string error = ::xlakit::ParseRuntimeDevice(p.device, &parsed);
       if (!error.empty()) return absl::InternalError(error);
       const xla::Shape& s = p.buffer->on_device_shape();
-      shards.push_back({parsed.ordinal, std::vector<int64_t>(
-                                            s.dimensions().begin(),
-                                            s.dimensions().end())});
+      shards.push_back(
+          {parsed.ordinal,
+           std::vector<int64_t>(s.dimensions().begin(), s.dimensions().end())});
     }
     absl::StatusOr<std::vector<ShardRegion>> regions =
         runtime::xlakit::PlanShardAssembly(dp.sharding, t.sizes().vec(),
                                            shards);
     if (!regions.ok()) {
-      return absl::Status(
-          regions.status().code(),
-          absl::StrCat("_xla_transfer_to_host: ",
-                       Describe(t, i, tensors.size()), ": ",
-                       regions.status().message()));
+      return absl::Status(regions.status().code(),
+                          absl::StrCat("_xla_transfer_to_host: ",
+                                       Describe(t, i, tensors.size()), ": ",
+                                       regions.status().message()));
     }
     for (ShardRegion& r : *regions) {
       const auto& buffer = dp.pieces[r.shard].buffer;

@@ -65,8 +65,8 @@ void AddXlakitBindings(py::module& m) {
         absl::StatusOr<runtime::xlakit::RuntimeMemoryInfo> info;
         {
           py::gil_scoped_release nogil;
-          info = runtime::xlakit::PjRtAccess::GetRuntimeMemoryInfo(client,
-                                                                   device);
+          info =
+              runtime::xlakit::PjRtAccess::GetRuntimeMemoryInfo(client, device);
         }
         if (!info.ok()) Raise(info.status());
         py::dict d;

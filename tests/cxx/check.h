@@ -15,22 +15,22 @@ inline int& Failures() {
 
 }  // namespace xlakit_test
 
-#define XLAKIT_CHECK(cond)                                              \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
-      ++::xlakit_test::Failures();                                      \
-      std::cerr << __FILE__ << ":" << __LINE__ << ": check failed: "    \
-                << #cond << "\n";                                       \
-    }                                                                   \
+#define XLAKIT_CHECK(cond)                                                    \
+  do {                                                                        \
+    if (!(cond)) {                                                            \
+      ++::xlakit_test::Failures();                                            \
+      std::cerr << __FILE__ << ":" << __LINE__ << ": check failed: " << #cond \
+                << "\n";                                                      \
+    }                                                                         \
   } while (0)
 
-#define XLAKIT_CHECK_MSG(cond, msg)                                     \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
-      ++::xlakit_test::Failures();                                      \
-      std::cerr << __FILE__ << ":" << __LINE__ << ": check failed: "    \
-                << #cond << " (" << msg << ")\n";                       \
-    }                                                                   \
+#define XLAKIT_CHECK_MSG(cond, msg)                                           \
+  do {                                                                        \
+    if (!(cond)) {                                                            \
+      ++::xlakit_test::Failures();                                            \
+      std::cerr << __FILE__ << ":" << __LINE__ << ": check failed: " << #cond \
+                << " (" << msg << ")\n";                                      \
+    }                                                                         \
   } while (0)
 
 #endif  // XLAKIT_TESTS_CXX_CHECK_H_

@@ -26,6 +26,7 @@
 #include "xla/pjrt/pjrt_executable.h"
 #include "xla/pjrt/plugin/xla_cpu/xla_cpu_pjrt_client.h"
 #include "xla/shape_util.h"
+
 #include "torch_xla/csrc/runtime/xlakit/cache_entry.h"
 #include "torch_xla/csrc/runtime/xlakit/core/atomic_file.h"
 
@@ -34,8 +35,8 @@ namespace {
 
 using torch_xla::runtime::xlakit::EncodeExecutableEntry;
 using torch_xla::runtime::xlakit::IdentityOf;
-using torch_xla::runtime::xlakit::LoadExecutableEntry;
 using torch_xla::runtime::xlakit::LoadedEntry;
+using torch_xla::runtime::xlakit::LoadExecutableEntry;
 
 constexpr int64_t kN = 32;
 constexpr int kLayers = 12;
@@ -43,8 +44,7 @@ constexpr char kSeries[] = "xlakit-test:series-a";
 constexpr char kRevision[] = "0123456789abcdef0123456789abcdef01234567";
 
 double Seconds(std::chrono::steady_clock::time_point since) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                       since)
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since)
       .count();
 }
 
@@ -85,7 +85,8 @@ std::vector<int32_t> Expected() {
     for (int64_t i = 0; i < kN; ++i) {
       for (int64_t j = 0; j < kN; ++j) {
         int64_t dot = 0;
-        for (int64_t k = 0; k < kN; ++k) dot += y[i * kN + k] * MatrixValue(k, j);
+        for (int64_t k = 0; k < kN; ++k)
+          dot += y[i * kN + k] * MatrixValue(k, j);
         next[i * kN + j] = (dot + y[i * kN + j]) % 1009;  // C++ rem, as XLA
       }
     }

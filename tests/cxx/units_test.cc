@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "check.h"
+
 #include "torch_xla/csrc/runtime/xlakit/cache_entry.h"
 #include "torch_xla/csrc/runtime/xlakit/core/atomic_file.h"
 #include "torch_xla/csrc/runtime/xlakit/core/entry_fate.h"
@@ -110,14 +111,13 @@ void PartialReplicaTakesLowestLocalReplica() {
 void TileOnNoLocalDeviceIsAnError() {
   // Regression: assembly used to start from at::empty and copy only local
   // shards, returning uninitialised memory for tiles owned by another host.
-  auto plan = PlanShardAssembly(Tiled({4}, {0, 1, 2, 3}), std::vector<int64_t>{8},
-                                Shards({0, 1}, {2}));
+  auto plan = PlanShardAssembly(Tiled({4}, {0, 1, 2, 3}),
+                                std::vector<int64_t>{8}, Shards({0, 1}, {2}));
   XLAKIT_CHECK(absl::IsFailedPrecondition(plan.status()));
   std::string message(plan.status().message());
   XLAKIT_CHECK_MSG(message.find("2 of 4 tiles") != std::string::npos, message);
-  XLAKIT_CHECK_MSG(message.find("elements [4:6] (devices 2)") !=
-                       std::string::npos,
-                   message);
+  XLAKIT_CHECK_MSG(
+      message.find("elements [4:6] (devices 2)") != std::string::npos, message);
   XLAKIT_CHECK_MSG(message.find("dcp_save") != std::string::npos, message);
 }
 
@@ -159,8 +159,8 @@ void LastTileDimsAreValidatedBeforeUse() {
   // reading past the tensor's shape when last_tile_dims added some.
   xla::OpSharding s = Tiled({2, 2, 2}, {0, 1, 2, 3, 4, 5, 6, 7});
   s.add_last_tile_dims(xla::OpSharding::REPLICATED);
-  auto bad_rank = PlanShardAssembly(s, std::vector<int64_t>{4},
-                                    Shards({0}, {2}));
+  auto bad_rank =
+      PlanShardAssembly(s, std::vector<int64_t>{4}, Shards({0}, {2}));
   XLAKIT_CHECK(absl::IsInvalidArgument(bad_rank.status()));
   std::vector<int64_t> dims = {4, 4};
   auto shards = Shards({0, 2, 4, 6}, {2, 2});
@@ -189,8 +189,7 @@ void ShardDimensionsComeFromTheBuffers() {
   auto plan = PlanShardAssembly(Tiled({2}, {0, 1}), std::vector<int64_t>{8},
                                 Shards({0, 1}, {3}));
   XLAKIT_CHECK(absl::IsInvalidArgument(plan.status()));
-  auto stranger = PlanShardAssembly(Tiled({2}, {0, 1}),
-                                    std::vector<int64_t>{4},
+  auto stranger = PlanShardAssembly(Tiled({2}, {0, 1}), std::vector<int64_t>{4},
                                     Shards({0, 7}, {2}));
   XLAKIT_CHECK(absl::IsInvalidArgument(stranger.status()));
   xla::OpSharding maximal;
@@ -259,8 +258,8 @@ void TempNamesCarryHostAndRandomBits() {
   std::string a = ::xlakit::TempPathFor("/cache/dir/key1");
   std::string b = ::xlakit::TempPathFor("/cache/dir/key1");
   XLAKIT_CHECK(a != b);
-  std::string prefix = std::string("/cache/dir/") + ::xlakit::kTempPrefix +
-                       "key1.";
+  std::string prefix =
+      std::string("/cache/dir/") + ::xlakit::kTempPrefix + "key1.";
   XLAKIT_CHECK_MSG(a.rfind(prefix, 0) == 0, a);
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
@@ -268,10 +267,10 @@ void TempNamesCarryHostAndRandomBits() {
   XLAKIT_CHECK_MSG(a.find(std::string(".") + host + pid) != std::string::npos,
                    a);
   std::string tail = a.substr(a.rfind('.') + 1);
-  XLAKIT_CHECK_MSG(tail.size() == 16 &&
-                       tail.find_first_not_of("0123456789abcdef") ==
-                           std::string::npos,
-                   a);
+  XLAKIT_CHECK_MSG(
+      tail.size() == 16 &&
+          tail.find_first_not_of("0123456789abcdef") == std::string::npos,
+      a);
   // Same pid and counter in two containers: the random part still differs.
   std::set<std::string> tails;
   for (int i = 0; i < 64; ++i) {
@@ -288,7 +287,7 @@ void AtomicWriteHonoursTheUmask(const std::string& dir) {
     std::string error = ::xlakit::WriteFileAtomic(path, "x");
     ::umask(old);
     XLAKIT_CHECK_MSG(error.empty(), error);
-    struct stat st {};
+    struct stat st{};
     XLAKIT_CHECK(::stat(path.c_str(), &st) == 0);
     XLAKIT_CHECK_MSG((st.st_mode & 0777) == (0666 & ~mask),
                      std::oct << (st.st_mode & 0777));
@@ -311,8 +310,8 @@ int RunUnits(const std::string& dir) {
   EnvelopeChecksTheTorchXlaRevision();
   TempNamesCarryHostAndRandomBits();
   AtomicWriteHonoursTheUmask(dir);
-  std::cout << "units: " << (Failures() ? "FAILED" : "ok") << " ("
-            << Failures() << " failed checks)\n";
+  std::cout << "units: " << (Failures() ? "FAILED" : "ok") << " (" << Failures()
+            << " failed checks)\n";
   return Failures() ? 1 : 0;
 }
 

@@ -14,7 +14,6 @@ so a half-unpacked folder or a re-pinned archive is unpacked again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pins
+import pipeline
 from runner import CommandError, Runner
 
 _MARKER = ".xlakit-unpacked"
@@ -80,16 +80,8 @@ def cache_root(explicit: str | None = None) -> Path:
     return Path(base) / "xlakit" / "cxx"
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def verify(path: Path, pin: pins.Download) -> None:
-    found = sha256_of(path)
+    found = pipeline.sha256_file(path)
     if found != pin.sha256:
         raise DepsError(f"{path}: expected sha256 {pin.sha256} (VERSIONS.toml [cxx_check] {pin.package} "
                         f"{pin.version}), found {found}; delete the file to download it again, or re-pin")

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cxx_check  # noqa: E402
+import cxx_compile  # noqa: E402
 import cxx_deps  # noqa: E402
 import pins  # noqa: E402
 import pipeline  # noqa: E402
@@ -98,7 +99,7 @@ def cmd_cxx_check(args: argparse.Namespace) -> int:
             print(f"cxx-check: every command is logged to {log_path}", flush=True)
         runner = Runner(dry_run=args.dry_run, out=out)
         return cxx_check.run(runner, cfg, cache=cxx_deps.cache_root(args.cache), python=args.python,
-                             torch_xla_git=git, jobs=args.jobs, cxx=cxx_check.which_cxx(args.cxx),
+                             torch_xla_git=git, jobs=args.jobs, cxx=cxx_compile.which_cxx(args.cxx),
                              bracket_names=args.brackets.split(",") if args.brackets else None, out=sys.stdout,
                              fresh=args.fresh)
 

@@ -1,4 +1,4 @@
-"""build/cxx_check.py and cxx_deps.py: what is compiled, how verdicts are reached, what must fail."""
+"""build/cxx_check.py, cxx_compile.py, cxx_deps.py: what is compiled, how verdicts are reached, what must fail."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "build"))
 
 import cxx_check  # noqa: E402
+import cxx_compile  # noqa: E402
 import cxx_deps  # noqa: E402
 import pins  # noqa: E402
 import pipeline  # noqa: E402
@@ -62,8 +63,8 @@ def test_the_cxx_test_links_only_xla_only_sources(tmp_path):
     assert not srcs & {"pjrt_access.cc", "host_transfer.cc", "xlakit_bindings.cc"}
 
 
-def _r(rc: int, *errors: str) -> cxx_check.Result:
-    return cxx_check.Result(rc, 1.0, list(errors))
+def _r(rc: int, *errors: str) -> cxx_compile.Result:
+    return cxx_compile.Result(rc, 1.0, list(errors))
 
 
 @pytest.mark.parametrize(
@@ -87,7 +88,7 @@ def test_errors_are_read_from_gcc_output():
     out = ("a.cc:3:1: error: 'x' was not declared in this scope\n"
            "b.h:1:10: fatal error: y.h: No such file or directory\n"
            "a.cc:9:2: warning: unused\n")
-    assert cxx_check.errors_of(out) == ["'x' was not declared in this scope", "y.h: No such file or directory"]
+    assert cxx_compile.errors_of(out) == ["'x' was not declared in this scope", "y.h: No such file or directory"]
 
 
 def test_every_deliberate_break_still_finds_its_text():
@@ -101,9 +102,10 @@ def test_every_deliberate_break_still_finds_its_text():
 
 
 def test_dry_run_prints_downloads_compiles_and_skips(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_XLA_GIT", "XLAKIT_TORCH_XLA_GIT")}
     r = subprocess.run([sys.executable, str(ROOT / "build" / "xlakit_build.py"), "cxx-check", "--dry-run",
                         "--cache", str(tmp_path / "cache"), "--work", str(tmp_path / "work"), "--python",
-                        sys.executable], capture_output=True, text=True, env={**os.environ, "TORCH_XLA_GIT": ""})
+                        sys.executable], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     for pin in pins.cxx_brackets():
@@ -135,7 +137,7 @@ def test_bracket_pins_are_validated(brackets, match):
         pins.cxx_brackets({"schema": 1, "cxx_check": {"brackets": brackets}})
 
 
-def _cached_toolchain() -> tuple[cxx_check.Toolchain, cxx_deps.Bracket]:
+def _cached_toolchain() -> tuple[cxx_compile.Toolchain, cxx_deps.Bracket]:
     """The headers `make cxx-check` already unpacked, or a skip: tests never download 300 MB."""
     cache = cxx_deps.cache_root()
     pin = next(p for p in pins.cxx_brackets() if p.link)
@@ -145,7 +147,7 @@ def _cached_toolchain() -> tuple[cxx_check.Toolchain, cxx_deps.Bracket]:
         pytest.skip(f"XLA/LLVM headers are not unpacked in {cache}: run `make cxx-check` once")
     runner = _quiet()
     bracket = cxx_deps.unpack_wheel(runner, cache / "downloads" / pin.file, pin, cache)
-    tc = cxx_check.Toolchain(cxx=cxx_check.which_cxx(None), torch=cxx_deps.torch(runner, sys.executable),
+    tc = cxx_compile.Toolchain(cxx=cxx_compile.which_cxx(None), torch=cxx_deps.torch(runner, sys.executable),
                              llvm=cxx_deps.llvm(runner, cache), gen=None)
     return tc, bracket
 
@@ -157,10 +159,10 @@ def test_a_wrong_pjrt_signature_fails_and_the_real_file_compiles(tmp_path):
     cfg = pipeline.Config(work=tmp_path, wheels=tmp_path / "wheels")
     tree = cxx_check.minimal_tree(runner, cfg, tmp_path / "placed")
     brk = next(b for b in cxx_check.BREAKS if not b.needs_tree)
-    good = cxx_check.compile_one(runner, tc.syntax_cmd(tree, bracket, brk.victim))
+    good = cxx_compile.compile_one(runner, tc.syntax_cmd(tree, bracket, brk.victim))
     assert good.ok, good.errors
     broken = cxx_check.broken_copy(runner, tree, brk, tmp_path / "broken")
-    bad = cxx_check.compile_one(runner, tc.syntax_cmd(broken, bracket, brk.victim))
+    bad = cxx_compile.compile_one(runner, tc.syntax_cmd(broken, bracket, brk.victim))
     assert not bad.ok and any(brk.expect in e for e in bad.errors), bad.errors
 
 
@@ -173,9 +175,9 @@ def test_removing_the_friend_declaration_fails_pjrt_access(tmp_path):
     commit = cfg.sources()["torch_xla"].commit
     pristine = cxx_deps.torch_xla_tree(runner, tmp_path / "cache", os.environ["XLAKIT_TORCH_XLA_GIT"], commit)
     gen = cxx_deps.codegen(runner, tmp_path / "cache", pristine, commit, tc.torch)
-    tc = cxx_check.Toolchain(cxx=tc.cxx, torch=tc.torch, llvm=tc.llvm, gen=gen)
+    tc = cxx_compile.Toolchain(cxx=tc.cxx, torch=tc.torch, llvm=tc.llvm, gen=gen)
     patched = cxx_check.patched_tree(runner, cfg, pristine, tmp_path / "patched")
     brk = next(b for b in cxx_check.BREAKS if b.needs_tree)
     broken = cxx_check.broken_copy(runner, patched, brk, tmp_path / "broken")
-    bad = cxx_check.compile_one(runner, tc.syntax_cmd(broken, bracket, brk.victim))
+    bad = cxx_compile.compile_one(runner, tc.syntax_cmd(broken, bracket, brk.victim))
     assert not bad.ok and any(brk.expect in e for e in bad.errors), bad.errors[:3]

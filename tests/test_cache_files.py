@@ -40,7 +40,7 @@ def cache(tmp_path):
     (tmp_path / "444").write_bytes(bytes(corrupt))
     (tmp_path / "555").write_bytes(_entry(version="v0"))  # older libtpu
     (tmp_path / "666").write_bytes(STOCK_ENTRY)
-    temp = tmp_path / f"{_C.TEMP_PREFIX}777.123.0"
+    temp = tmp_path / f"{_C.TEMP_PREFIX}777.host.123.0.0123456789abcdef"
     temp.write_bytes(b"XLKC")
     os.utime(temp, (OLD, OLD))  # left by a writer killed long ago
     return tmp_path
@@ -62,7 +62,7 @@ def test_ls_reads_headers_only(cache, capsys):
     # The flipped payload byte is invisible without reading the payload.
     assert st["111"] == st["222"] == st["444"] == st["555"] == "ok"
     assert st["333"] == "truncated" and st["666"] == "foreign"
-    assert st[f"{_C.TEMP_PREFIX}777.123.0"] == "temporary"
+    assert st[f"{_C.TEMP_PREFIX}777.host.123.0.0123456789abcdef"] == "temporary"
 
 
 def test_verify_checksums_and_checks_identity(cache, capsys):

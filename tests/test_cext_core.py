@@ -93,6 +93,18 @@ def test_atomic_write_replaces_and_leaves_no_temporary(tmp_path):
     assert os.listdir(tmp_path) == ["entry"]
 
 
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_atomic_write_gives_the_umask_mode(tmp_path, umask, mode):
+    # Regression: entries were created 0644 whatever the umask, so a
+    # group-shared cache folder (umask 002) got entries its group cannot replace.
+    old = os.umask(umask)
+    try:
+        _C.write_file_atomic(str(tmp_path / "entry"), b"x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "entry").stat().st_mode & 0o777 == mode
+
+
 def test_atomic_write_failure_names_the_path_and_keeps_the_target(tmp_path):
     missing = tmp_path / "no-such-dir" / "entry"
     with pytest.raises(OSError, match="cannot create .*no-such-dir"):

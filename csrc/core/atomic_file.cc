@@ -6,8 +6,10 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <random>
 
 namespace xlakit {
 namespace {
@@ -23,18 +25,48 @@ std::string DirName(const std::string& path) {
   return path.substr(0, slash);
 }
 
+// The host name as a file-name part: at most 64 characters, '/' and
+// control characters replaced.
+std::string HostPart() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') {
+    return "unknown-host";
+  }
+  std::string out(name, strnlen(name, 64));
+  for (char& c : out) {
+    if (c == '/' || static_cast<unsigned char>(c) < 0x20) c = '_';
+  }
+  return out;
+}
+
+std::string RandomHex() {
+  // From the OS on every call (getrandom): cache writes are rare, and a
+  // per-process stream would need a lock.
+  std::random_device rd;
+  uint64_t bits = (static_cast<uint64_t>(rd()) << 32) | rd();
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx",
+                static_cast<unsigned long long>(bits));
+  return buf;
+}
+
 }  // namespace
 
-std::string WriteFileAtomic(const std::string& path, std::string_view data) {
+std::string TempPathFor(const std::string& path) {
   static std::atomic<unsigned long> counter{0};
-  std::string dir = DirName(path);
+  static const std::string host = HostPart();
   std::string base = path.substr(
       path.rfind('/') == std::string::npos ? 0 : path.rfind('/') + 1);
-  // pid + counter: unique across concurrent writers in and across processes.
-  std::string tmp = dir + "/" + kTempPrefix + base + "." +
-                    std::to_string(::getpid()) + "." +
-                    std::to_string(counter.fetch_add(1));
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  return DirName(path) + "/" + kTempPrefix + base + "." + host + "." +
+         std::to_string(::getpid()) + "." +
+         std::to_string(counter.fetch_add(1)) + "." + RandomHex();
+}
+
+std::string WriteFileAtomic(const std::string& path, std::string_view data) {
+  std::string dir = DirName(path);
+  std::string tmp = TempPathFor(path);
+  // 0666: the kernel applies the umask, as for any file the process creates.
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0) return Errno("cannot create", tmp);
   const char* p = data.data();
   size_t left = data.size();

@@ -14,8 +14,16 @@ namespace xlakit {
 // Temporary files start with this prefix so tools can tell them apart.
 inline constexpr char kTempPrefix[] = ".xlakit-tmp.";
 
+// The temporary file a write to `path` goes through, beside it:
+// <dir>/<kTempPrefix><base>.<host>.<pid>.<counter>.<16 random hex digits>.
+// Host and random bits keep writers apart where pid + counter does not:
+// hosts sharing an NFS cache, containers that all run as PID 1.
+std::string TempPathFor(const std::string& path);
+
 // Returns "" on success, else a message with the path and errno text. On
-// failure the temporary file is removed and the target is untouched.
+// failure the temporary file is removed and the target is untouched. The
+// entry gets mode 0666 less the process umask, like any file the process
+// creates, so a group-shared cache folder (umask 002) stays writable.
 std::string WriteFileAtomic(const std::string& path, std::string_view data);
 
 }  // namespace xlakit

@@ -23,6 +23,7 @@ def verify_entry(
     platform_name: str | None = None,
     platform_version: str | None = None,
     patch_series_id: str | None = None,
+    torch_xla_revision: str | None = None,
     key: bytes | None = None,
 ) -> dict[str, object]: ...
 MAX_HEADER_BYTES: int
@@ -33,6 +34,7 @@ def verify_entry_file(
     platform_name: str | None = None,
     platform_version: str | None = None,
     patch_series_id: str | None = None,
+    torch_xla_revision: str | None = None,
     key: bytes | None = None,
     chunk_bytes: int = 1 << 20,
 ) -> dict[str, object]: ...

@@ -41,8 +41,9 @@ from xlakit.errors import XlakitError
 # torch_xla's PersistentCache names a file `ss << key` (torch_xla/csrc/runtime/cache.h), the key being a
 # torch::lazy::hash_t, a 128-bit integer that an ostream writes in decimal.
 _ENTRY_NAME = re.compile(r"[0-9]{1,39}")
-# The atomic writer's temporary name (csrc/core/atomic_file.cc): prefix, entry name, pid, counter.
-_TEMP_NAME = re.compile(re.escape(_C.TEMP_PREFIX) + r"([0-9]{1,39})\.[0-9]+\.[0-9]+")
+# The atomic writer's temporary name (csrc/core/atomic_file.h, TempPathFor): prefix, entry name, host
+# (up to 64 characters, dots allowed), pid, counter, 16 random hex digits.
+_TEMP_NAME = re.compile(re.escape(_C.TEMP_PREFIX) + r"([0-9]{1,39})\.[^/]{1,64}\.[0-9]+\.[0-9]+\.[0-9a-f]{16}")
 # A temporary file younger than this may still be written to; a killed writer's is older.
 TEMP_MIN_AGE_S = 15 * 60
 _MAGICS = (_C.ENVELOPE_MAGIC, _C.AUTH_MAGIC)

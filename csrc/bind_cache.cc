@@ -226,11 +226,22 @@ void BindCache(py::module_& m) {
       "cache_key_material",
       [](const std::string& platform_name, const std::string& platform_version,
          const std::string& patch_series_id) {
-        return py::bytes(CacheKeyMaterial(
-            RuntimeIdentity{platform_name, platform_version, patch_series_id}));
+        // The revision is not part of the key material (the series id covers
+        // it).
+        return py::bytes(CacheKeyMaterial(RuntimeIdentity{
+            platform_name, platform_version, patch_series_id, ""}));
       },
       py::kw_only(), py::arg("platform_name"), py::arg("platform_version"),
       py::arg("patch_series_id"));
+
+  m.def(
+      "temp_file_target",
+      [](const std::string& name) -> std::optional<std::string> {
+        std::string target = TempFileTarget(name);
+        if (target.empty()) return std::nullopt;
+        return target;
+      },
+      py::arg("name"));
 
   m.def(
       "write_file_atomic",

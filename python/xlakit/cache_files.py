@@ -41,9 +41,6 @@ from xlakit.errors import XlakitError
 # torch_xla's PersistentCache names a file `ss << key` (torch_xla/csrc/runtime/cache.h), the key being a
 # torch::lazy::hash_t, a 128-bit integer that an ostream writes in decimal.
 _ENTRY_NAME = re.compile(r"[0-9]{1,39}")
-# The atomic writer's temporary name (csrc/core/atomic_file.h, TempPathFor): prefix, entry name, host
-# (up to 64 characters, dots allowed), pid, counter, 16 random hex digits.
-_TEMP_NAME = re.compile(re.escape(_C.TEMP_PREFIX) + r"([0-9]{1,39})\.[^/]{1,64}\.[0-9]+\.[0-9]+\.[0-9a-f]{16}")
 # A temporary file younger than this may still be written to; a killed writer's is older.
 TEMP_MIN_AGE_S = 15 * 60
 _MAGICS = (_C.ENVELOPE_MAGIC, _C.AUTH_MAGIC)
@@ -78,6 +75,11 @@ def _is_entry_name(name: str) -> bool:
     return _ENTRY_NAME.fullmatch(name) is not None and int(name) < 1 << 128
 
 
+def _is_temporary(name: str) -> bool:
+    """A temporary of the atomic writer for an entry (its name format is the C++ writer's, csrc/core/atomic_file.h)."""
+    return _is_entry_name(_C.temp_file_target(name) or "")
+
+
 def _plain(name: str, st: os.stat_result, status: str, message: str) -> EntryReport:
     return EntryReport(name=name, size_bytes=st.st_size, status=status, kind=None, platform_name=None,
                        platform_version=None, patch_series_id=None, message=message)
@@ -94,7 +96,7 @@ def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str,
     name = path.name
     if name == KEY_FILE:
         return _plain(name, st, KEY, "")
-    if _TEMP_NAME.fullmatch(name):
+    if _is_temporary(name):
         age = now - st.st_mtime
         if age < TEMP_MIN_AGE_S:
             return _plain(name, st, IN_PROGRESS, f"a writer's temporary file, modified {age:.0f} s ago: "

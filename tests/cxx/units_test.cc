@@ -1,7 +1,7 @@
 // Pure-function tests of xlakit's runtime C++ against real XLA types: the
 // sharded-assembly plan over real OpSharding protos, allocator-stat sums,
 // the fate of refused cache entries, envelope identity checks and the atomic
-// writer's temporary names and file mode.
+// writer's temporary names and file modes.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -280,17 +280,38 @@ void TempNamesCarryHostAndRandomBits() {
   XLAKIT_CHECK(tails.size() == 64);
 }
 
-void AtomicWriteHonoursTheUmask(const std::string& dir) {
-  for (mode_t mask : {mode_t{022}, mode_t{002}}) {
-    mode_t old = ::umask(mask);
-    std::string path = dir + "/umask-" + std::to_string(mask);
-    std::string error = ::xlakit::WriteFileAtomic(path, "x");
+void TempNamesAreReadBackByTheirTarget() {
+  std::string path = ::xlakit::TempPathFor("/cache/dir/12345");
+  XLAKIT_CHECK_MSG(
+      ::xlakit::TempFileTarget(path.substr(path.rfind('/') + 1)) == "12345",
+      path);
+  XLAKIT_CHECK(::xlakit::TempFileTarget("12345").empty());
+  XLAKIT_CHECK(::xlakit::TempFileTarget(std::string(::xlakit::kTempPrefix) +
+                                        "12345.4242.0")
+                   .empty());
+}
+
+// 0600, or 0640 in a folder its group may read and search, whatever the
+// umask: an entry is code the jobs run.
+void AtomicWriteModesIgnoreTheUmask(const std::string& dir) {
+  struct Case {
+    mode_t folder, mask, want;
+  };
+  for (Case c : {Case{0700, 000, 0600}, Case{0750, 077, 0640},
+                 Case{0755, 000, 0640}, Case{0740, 022, 0600}}) {
+    std::string folder = dir + "/modes-" + std::to_string(c.folder) + "-" +
+                         std::to_string(c.mask);
+    XLAKIT_CHECK(::mkdir(folder.c_str(), 0700) == 0);
+    XLAKIT_CHECK(::chmod(folder.c_str(), c.folder) == 0);
+    mode_t old = ::umask(c.mask);
+    std::string error = ::xlakit::WriteFileAtomic(folder + "/entry", "x");
     ::umask(old);
     XLAKIT_CHECK_MSG(error.empty(), error);
     struct stat st{};
-    XLAKIT_CHECK(::stat(path.c_str(), &st) == 0);
-    XLAKIT_CHECK_MSG((st.st_mode & 0777) == (0666 & ~mask),
-                     std::oct << (st.st_mode & 0777));
+    XLAKIT_CHECK(::stat((folder + "/entry").c_str(), &st) == 0);
+    XLAKIT_CHECK_MSG((st.st_mode & 0777) == c.want,
+                     std::oct << c.folder << " umask " << c.mask << ": "
+                              << (st.st_mode & 0777));
   }
 }
 
@@ -309,7 +330,8 @@ int RunUnits(const std::string& dir) {
   TransientLoadFailuresKeepTheEntry();
   EnvelopeChecksTheTorchXlaRevision();
   TempNamesCarryHostAndRandomBits();
-  AtomicWriteHonoursTheUmask(dir);
+  TempNamesAreReadBackByTheirTarget();
+  AtomicWriteModesIgnoreTheUmask(dir);
   std::cout << "units: " << (Failures() ? "FAILED" : "ok") << " (" << Failures()
             << " failed checks)\n";
   return Failures() ? 1 : 0;

@@ -215,9 +215,13 @@ def link_test(runner: Runner, tc: Toolchain, bracket: cxx_deps.Bracket, objects:
     return r.ok, str(exe) if r.ok else f"link: {r.errors[0]}"
 
 
+# The job's key for the keyed half of the cache test; a test value, not a secret.
+TEST_CACHE_KEY = "xlakit-cxx-check-test-key-0123456789abcdef"
+
+
 def run_test(runner: Runner, exe: str, scratch: Path) -> tuple[bool, list[str]]:
-    """units, then the cache written by one process and loaded by another."""
-    env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+    """units, then the cache written by one process and loaded by another (as jobs with and without a key)."""
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "XLAKIT_CACHE_KEY": TEST_CACHE_KEY}
     lines, ok = [], True
     runner.run(["rm", "-rf", str(scratch)])
     runner.run(["mkdir", "-p", str(scratch / "units"), str(scratch / "cache")])

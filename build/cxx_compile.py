@@ -55,9 +55,11 @@ class Toolchain:
     def flags(self, tree: Path, bracket: cxx_deps.Bracket) -> list[str]:
         # Order matters: the TF include dir before torch's (torch ships older
         # protobuf headers); the shims last, so a wheel that ships the real
-        # header wins over the stand-in.
+        # header wins over the stand-in. BoringSSL's headers (the runtime's
+        # crypto, @boringssl//:crypto) come before the system's OpenSSL.
         inc = bracket.include
-        systems = [inc, *self.torch.includes, inc / "external/llvm-project/mlir/include", *self.llvm,
+        systems = [inc, *self.torch.includes, inc / "external/boringssl/src/include",
+                   inc / "external/llvm-project/mlir/include", *self.llvm,
                    inc / "external/stablehlo", inc / "external/highwayhash", inc / "external/farmhash_archive/src",
                    inc / "external/com_github_grpc_grpc/include", inc / "ml_dtypes/include", self.torch.python_include]
         flags = [*STD_FLAGS, f"-I{tree}"] + ([f"-I{self.gen}"] if self.gen else [])

@@ -113,6 +113,7 @@ def test_dry_run_prints_downloads_compiles_and_skips(tmp_path):
     assert "--require-hashes" in out and "apt-get download" in out
     assert "-fsyntax-only" in out
     assert "pjrt_computation_client.cpp" in out and "skip  no torch_xla source" in out
+    assert out.count(f"XLAKIT_CACHE_KEY={cxx_check.TEST_CACHE_KEY}") == 3  # units, write, load: keyed jobs
     assert not (tmp_path / "cache" / "downloads").exists()  # a dry run fetches nothing
 
 
@@ -150,6 +151,16 @@ def _cached_toolchain() -> tuple[cxx_compile.Toolchain, cxx_deps.Bracket]:
     tc = cxx_compile.Toolchain(cxx=cxx_compile.which_cxx(None), torch=cxx_deps.torch(runner, sys.executable),
                              llvm=cxx_deps.llvm(runner, cache), gen=None)
     return tc, bracket
+
+
+def test_the_entry_mac_is_compiled_against_boringssl_not_the_system_openssl(tmp_path):
+    # The runtime links @boringssl//:crypto; the system's OpenSSL headers (libssl-dev) must not stand in.
+    tc, bracket = _cached_toolchain()
+    probe = tmp_path / "probe.cc"
+    probe.write_text("#include <openssl/hmac.h>\n")
+    r = _quiet().capture([tc.cxx, *tc.flags(tmp_path, bracket), "-E", "-dM", str(probe)], check=False)
+    assert r.returncode == 0, r.stderr[-600:]
+    assert "#define OPENSSL_IS_BORINGSSL" in r.stdout
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ LoadedEntry RefuseLoad(const char* reason, const absl::Status& status) {
 
 absl::StatusOr<std::string> EncodeExecutableEntry(
     const xla::PjRtLoadedExecutable& executable,
-    const ::xlakit::RuntimeIdentity& self) {
+    const ::xlakit::RuntimeIdentity& self, ::xlakit::EntryMac* mac) {
   absl::StatusOr<std::string> blob = executable.SerializeExecutable();
   if (!blob.ok()) return blob.status();
   ::xlakit::EntryHeader header;
@@ -56,7 +56,13 @@ absl::StatusOr<std::string> EncodeExecutableEntry(
   header.platform_version = self.platform_version;
   header.patch_series_id = self.patch_series_id;
   header.torch_xla_revision = self.torch_xla_revision;
-  return ::xlakit::EncodeEntry(header, *blob);
+  if (mac == nullptr) return ::xlakit::EncodeEntry(header, *blob);
+  std::string entry = ::xlakit::EncodeAuthenticatedEntry(header, *blob, *mac);
+  if (entry.empty()) {
+    return absl::InternalError(
+        "the crypto library failed to compute the entry's HMAC-SHA256 tag");
+  }
+  return entry;
 }
 
 ::xlakit::EntryFate FateOfLoadFailure(const absl::Status& status) {
@@ -73,10 +79,15 @@ absl::StatusOr<std::string> EncodeExecutableEntry(
 }
 
 LoadedEntry LoadExecutableEntry(xla::PjRtClient& client, std::string_view entry,
-                                const ::xlakit::RuntimeIdentity& self) {
-  ::xlakit::DecodeResult decoded = ::xlakit::VerifyEntry(entry, self);
+                                const ::xlakit::RuntimeIdentity& self,
+                                ::xlakit::EntryMac* mac) {
+  // The tag first, when the job has a key; then the envelope and identity.
+  // `payload_offset` is relative to `entry`, tag prefix included.
+  ::xlakit::DecodeResult decoded =
+      ::xlakit::VerifyCacheEntry(entry, &self, mac);
   if (decoded.status != ::xlakit::EntryStatus::kOk) {
-    // Corrupt, truncated, foreign or another runtime's: never loadable here.
+    // Untagged or badly tagged under the job's key, corrupt, truncated,
+    // foreign or another runtime's: never loadable here.
     return Refuse(::xlakit::EntryStatusName(decoded.status), decoded.message,
                   ::xlakit::EntryFate::kErase);
   }

@@ -34,11 +34,13 @@ namespace xlakit {
                                      std::string patch_series_id,
                                      std::string torch_xla_revision);
 
-// The executable in an envelope. UNIMPLEMENTED where the client cannot
-// serialize executables; other errors as SerializeExecutable returns them.
+// The executable in an envelope, tagged under `mac` when the job has a key
+// (XLAKIT_CACHE_KEY; nullptr: a plain entry). UNIMPLEMENTED where the client
+// cannot serialize executables, INTERNAL when the MAC fails; other errors as
+// SerializeExecutable returns them.
 absl::StatusOr<std::string> EncodeExecutableEntry(
     const xla::PjRtLoadedExecutable& executable,
-    const ::xlakit::RuntimeIdentity& self);
+    const ::xlakit::RuntimeIdentity& self, ::xlakit::EntryMac* mac);
 
 struct LoadedEntry {
   // Set when the entry was used; then `module` is its one HLO module.
@@ -52,9 +54,12 @@ struct LoadedEntry {
 };
 
 // Never throws or aborts: every refusal comes back as a LoadedEntry without
-// an executable.
+// an executable. With `mac` (the job has a key) an entry without a tag that
+// verifies under it is refused (unauthenticated, bad_tag) before the client
+// sees a byte of it: a cache entry is code the job runs.
 LoadedEntry LoadExecutableEntry(xla::PjRtClient& client, std::string_view entry,
-                                const ::xlakit::RuntimeIdentity& self);
+                                const ::xlakit::RuntimeIdentity& self,
+                                ::xlakit::EntryMac* mac);
 
 // kKeep for failures that say "not now" (RESOURCE_EXHAUSTED, e.g. device
 // memory while loading; UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED, CANCELLED),

@@ -6,6 +6,7 @@
 // types, counters and logs.
 #include "torch_xla/csrc/runtime/xlakit/pjrt_access.h"
 
+#include <memory>
 #include <string_view>
 #include <utility>
 
@@ -24,6 +25,7 @@
 #include "torch_xla/csrc/runtime/xlakit/cache_entry.h"
 #include "torch_xla/csrc/runtime/xlakit/core/device_string.h"
 #include "torch_xla/csrc/runtime/xlakit/core/entry_fate.h"
+#include "torch_xla/csrc/runtime/xlakit/core/entry_mac_openssl.h"
 #include "torch_xla/csrc/runtime/xlakit/core/envelope.h"
 #include "torch_xla/csrc/status.h"
 
@@ -43,8 +45,10 @@ std::string PjRtAccess::SerializeComputation(
     const ComputationClient::ComputationPtr& computation) {
   const auto& pjrt =
       dynamic_cast<const PjRtComputationClient::PjRtComputation&>(*computation);
-  absl::StatusOr<std::string> entry =
-      EncodeExecutableEntry(*pjrt.executable, Identity(*client.client_));
+  // One MAC per entry; none (a plain entry) when the job has no key.
+  std::unique_ptr<::xlakit::EntryMac> mac = ::xlakit::NewEntryMacFromEnv();
+  absl::StatusOr<std::string> entry = EncodeExecutableEntry(
+      *pjrt.executable, Identity(*client.client_), mac.get());
   if (!entry.ok()) {
     // Empty means "do not write" to the cache hook; the process goes on and
     // the next run compiles again.
@@ -56,8 +60,9 @@ std::string PjRtAccess::SerializeComputation(
 
 ComputationClient::ComputationPtr PjRtAccess::DeserializeComputation(
     PjRtComputationClient& client, const std::string& serialized) {
-  LoadedEntry loaded = LoadExecutableEntry(*client.client_, serialized,
-                                           Identity(*client.client_));
+  std::unique_ptr<::xlakit::EntryMac> mac = ::xlakit::NewEntryMacFromEnv();
+  LoadedEntry loaded = LoadExecutableEntry(
+      *client.client_, serialized, Identity(*client.client_), mac.get());
   if (loaded.executable == nullptr) {
     // Counted (torch_xla.debug.metrics) and logged with the reason, so a
     // restart that recompiled says why; the cache erases or keeps the file.

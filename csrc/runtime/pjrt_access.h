@@ -41,16 +41,18 @@ struct DataPieces {
 
 class PjRtAccess {
  public:
-  // The serialized executable in xlakit's envelope; "" (nothing is cached)
-  // where the client cannot serialize it.
+  // The serialized executable in xlakit's envelope, tagged when the job has
+  // a key (XLAKIT_CACHE_KEY); "" (nothing is cached) where the client cannot
+  // serialize it or the tag cannot be computed.
   static std::string SerializeComputation(
       PjRtComputationClient& client,
       const ComputationClient::ComputationPtr& computation);
 
   // nullptr (a counted miss, then a recompile) for any entry that is foreign,
-  // corrupt, truncated, for another runtime, or that the client refuses;
-  // notes the entry's fate (core/entry_fate.h) for the cache that called.
-  // Never compiles: it runs under the persistent cache's lock.
+  // corrupt, truncated, for another runtime, without a tag that verifies
+  // under the job's key (checked before the client sees it), or that the
+  // client refuses; notes the entry's fate (core/entry_fate.h) for the cache
+  // that called. Never compiles: it runs under the persistent cache's lock.
   static ComputationClient::ComputationPtr DeserializeComputation(
       PjRtComputationClient& client, const std::string& serialized);
 

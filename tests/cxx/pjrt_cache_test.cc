@@ -7,6 +7,15 @@
 // a fresh process, loads the good entry through LoadExecutableEntry (timed:
 // the warm load), executes it with the values checked, and counts every bad
 // entry as a miss with the expected reason and fate.
+//
+// Both processes also run as a job with a key (XLAKIT_CACHE_KEY must be set;
+// the MAC is the runtime's, core/entry_mac_openssl.h, over the BoringSSL that
+// TensorFlow's framework library carries): process 1 writes a tagged entry,
+// one tagged under another key, and a tampered one (its tag, around another
+// real executable with the FNV checksum recomputed); process 2, keyed, loads
+// the tagged entry and executes it, and refuses the tampered entry (bad_tag),
+// which it would load and run without a key, the other key's (bad_tag) and
+// the plain entry (unauthenticated).
 #include <chrono>
 #include <cstdint>
 #include <fstream>
@@ -29,6 +38,8 @@
 
 #include "torch_xla/csrc/runtime/xlakit/cache_entry.h"
 #include "torch_xla/csrc/runtime/xlakit/core/atomic_file.h"
+#include "torch_xla/csrc/runtime/xlakit/core/entry_mac_openssl.h"
+#include "torch_xla/csrc/runtime/xlakit/core/envelope.h"
 
 namespace xlakit_test {
 namespace {
@@ -40,6 +51,8 @@ using torch_xla::runtime::xlakit::LoadExecutableEntry;
 
 constexpr int64_t kN = 32;
 constexpr int kLayers = 12;
+// The executable a tampered entry carries instead: real, and different.
+constexpr int kOtherLayers = 1;
 constexpr char kSeries[] = "xlakit-test:series-a";
 constexpr char kRevision[] = "0123456789abcdef0123456789abcdef01234567";
 
@@ -52,9 +65,9 @@ int32_t MatrixValue(int64_t i, int64_t j) {
   return static_cast<int32_t>((i * 7 + j * 3) % 5) - 2;
 }
 
-// y = x; kLayers times: y = (y . M + y) rem 1009, in s32. Exact, so the
+// y = x; `layers` times: y = (y . M + y) rem 1009, in s32. Exact, so the
 // host computes the same numbers.
-absl::StatusOr<xla::XlaComputation> BuildComputation() {
+absl::StatusOr<xla::XlaComputation> BuildComputation(int layers) {
   xla::XlaBuilder b("xlakit_cache_test");
   xla::XlaOp x =
       xla::Parameter(&b, 0, xla::ShapeUtil::MakeShape(xla::S32, {kN, kN}), "x");
@@ -64,7 +77,7 @@ absl::StatusOr<xla::XlaComputation> BuildComputation() {
   }
   xla::XlaOp mat = xla::ConstantR2FromArray2D<int32_t>(&b, m);
   xla::XlaOp y = x;
-  for (int l = 0; l < kLayers; ++l) {
+  for (int l = 0; l < layers; ++l) {
     y = xla::Rem(xla::Add(xla::Dot(y, mat), y),
                  xla::ConstantR0<int32_t>(&b, 1009));
   }
@@ -77,10 +90,10 @@ std::vector<int32_t> Input() {
   return x;
 }
 
-std::vector<int32_t> Expected() {
+std::vector<int32_t> Expected(int layers) {
   std::vector<int32_t> x = Input();
   std::vector<int64_t> y(x.begin(), x.end());
-  for (int l = 0; l < kLayers; ++l) {
+  for (int l = 0; l < layers; ++l) {
     std::vector<int64_t> next(kN * kN);
     for (int64_t i = 0; i < kN; ++i) {
       for (int64_t j = 0; j < kN; ++j) {
@@ -96,7 +109,7 @@ std::vector<int32_t> Expected() {
 }
 
 bool RunAndCheck(xla::PjRtClient& client, xla::PjRtLoadedExecutable& exe,
-                 const char* what) {
+                 const char* what, int layers = kLayers) {
   xla::Literal input = xla::LiteralUtil::CreateR2FromArray2D<int32_t>([] {
     xla::Array2D<int32_t> a(kN, kN);
     std::vector<int32_t> x = Input();
@@ -129,9 +142,10 @@ bool RunAndCheck(xla::PjRtClient& client, xla::PjRtLoadedExecutable& exe,
   }
   std::vector<int32_t> got((*literal)->data<int32_t>().begin(),
                            (*literal)->data<int32_t>().end());
-  bool same = got == Expected();
+  bool same = got == Expected(layers);
   std::cout << what << ": executed, " << got.size() << " values "
-            << (same ? "match" : "DIFFER from") << " the host computation\n";
+            << (same ? "match" : "DIFFER from") << " the host computation ("
+            << layers << " layers)\n";
   return same;
 }
 
@@ -153,13 +167,52 @@ std::string Read(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
+// The job's MAC, as the runtime makes it: from XLAKIT_CACHE_KEY.
+std::unique_ptr<::xlakit::EntryMac> JobMac() {
+  std::unique_ptr<::xlakit::EntryMac> mac = ::xlakit::NewEntryMacFromEnv();
+  XLAKIT_CHECK_MSG(mac != nullptr,
+                   "run with " << ::xlakit::kCacheKeyEnv << " set");
+  return mac;
+}
+
+// The tagged entries of a job with a key, and a forgery built from them.
+bool WriteKeyedEntries(const std::string& dir, xla::PjRtClient& client,
+                       xla::PjRtLoadedExecutable& exe,
+                       const ::xlakit::RuntimeIdentity& self) {
+  std::unique_ptr<::xlakit::EntryMac> mac = JobMac();
+  if (mac == nullptr) return false;
+  auto tagged = EncodeExecutableEntry(exe, self, mac.get());
+  XLAKIT_CHECK_MSG(tagged.ok(), tagged.status());
+  if (!tagged.ok()) return false;
+  XLAKIT_CHECK(tagged->compare(0, 4, ::xlakit::kAuthMagic, 4) == 0);
+  XLAKIT_CHECK(Write(dir, "tagged", *tagged));
+  ::xlakit::OpenSslEntryMac another("another job's key");
+  XLAKIT_CHECK(Write(dir, "other_key",
+                     EncodeExecutableEntry(exe, self, &another).value()));
+  // Tampered: the tag stays, the plain entry inside becomes another real
+  // executable with its checksum recomputed, as anyone who can write the
+  // folder could do.
+  auto computation = BuildComputation(kOtherLayers);
+  if (!computation.ok()) return false;
+  auto other = client.CompileAndLoad(*computation, xla::CompileOptions());
+  XLAKIT_CHECK_MSG(other.ok(), other.status());
+  if (!other.ok()) return false;
+  auto inner = EncodeExecutableEntry(**other, self, nullptr);
+  if (!inner.ok()) return false;
+  XLAKIT_CHECK(Write(dir, "tampered",
+                     tagged->substr(0, ::xlakit::kAuthPrefixBytes) + *inner));
+  std::cout << "process 1: with " << ::xlakit::kCacheKeyEnv << ": tagged entry "
+            << tagged->size() << " bytes, tampered and other-key entries\n";
+  return true;
+}
+
 int WriteEntries(const std::string& dir) {
   auto client = CpuClient();
   if (!client.ok()) {
     std::cerr << "no CPU client: " << client.status() << "\n";
     return 1;
   }
-  auto computation = BuildComputation();
+  auto computation = BuildComputation(kLayers);
   XLAKIT_CHECK_MSG(computation.ok(), computation.status());
   if (!computation.ok()) return 1;
   auto start = std::chrono::steady_clock::now();
@@ -170,7 +223,8 @@ int WriteEntries(const std::string& dir) {
   XLAKIT_CHECK(RunAndCheck(**client, **exe, "process 1 (compiled)"));
 
   ::xlakit::RuntimeIdentity self = IdentityOf(**client, kSeries, kRevision);
-  auto entry = EncodeExecutableEntry(**exe, self);
+  // A job without a key: plain entries.
+  auto entry = EncodeExecutableEntry(**exe, self, nullptr);
   XLAKIT_CHECK_MSG(entry.ok(), entry.status());
   if (!entry.ok()) return 1;
   XLAKIT_CHECK(Write(dir, "good", *entry));
@@ -180,7 +234,7 @@ int WriteEntries(const std::string& dir) {
   XLAKIT_CHECK(Write(dir, "corrupt", corrupt));
   XLAKIT_CHECK(Write(dir, "truncated", entry->substr(0, entry->size() - 100)));
   auto other = [&](::xlakit::RuntimeIdentity id) {
-    return EncodeExecutableEntry(**exe, id).value();
+    return EncodeExecutableEntry(**exe, id, nullptr).value();
   };
   ::xlakit::RuntimeIdentity tpu = self;
   tpu.platform_name = "tpu";
@@ -205,7 +259,70 @@ int WriteEntries(const std::string& dir) {
             << self.platform_version << "', cold compile " << compile_s
             << " s, entry " << entry->size() << " bytes\n";
   std::ofstream(dir + "/compile_seconds") << compile_s << "\n";
+  XLAKIT_CHECK(WriteKeyedEntries(dir, **client, **exe, self));
   return Failures() ? 1 : 0;
+}
+
+// Each entry in `refusals` (file name -> reason) must be a miss with that
+// reason, erased. A job with a key (`keyed`) makes one MAC per lookup, as the
+// runtime does. Returns the number of misses.
+int ExpectMisses(xla::PjRtClient& client, const std::string& dir,
+                 const ::xlakit::RuntimeIdentity& self, bool keyed,
+                 const std::map<std::string, std::string>& refusals) {
+  int misses = 0;
+  for (const auto& [name, reason] : refusals) {
+    std::unique_ptr<::xlakit::EntryMac> mac = keyed ? JobMac() : nullptr;
+    LoadedEntry r =
+        LoadExecutableEntry(client, Read(dir + "/" + name), self, mac.get());
+    bool miss = r.executable == nullptr;
+    misses += miss;
+    XLAKIT_CHECK_MSG(miss && r.reason == reason,
+                     name << ": got '" << r.reason << "' " << r.detail);
+    XLAKIT_CHECK_MSG(r.fate == ::xlakit::EntryFate::kErase,
+                     name << ": fate " << ::xlakit::EntryFateName(r.fate));
+    std::cout << "process 2: " << (keyed ? "keyed, " : "") << name
+              << " -> miss (" << r.reason << ", "
+              << ::xlakit::EntryFateName(r.fate) << ")\n";
+  }
+  return misses;
+}
+
+// Process 2 as a job with a key: only entries tagged under it load.
+void LoadKeyedEntries(const std::string& dir, xla::PjRtClient& client,
+                      const ::xlakit::RuntimeIdentity& self, double compile_s) {
+  std::string tagged = Read(dir + "/tagged");
+  std::unique_ptr<::xlakit::EntryMac> mac = JobMac();
+  if (mac == nullptr) return;
+  auto start = std::chrono::steady_clock::now();
+  LoadedEntry loaded = LoadExecutableEntry(client, tagged, self, mac.get());
+  double load_s = Seconds(start);
+  XLAKIT_CHECK_MSG(loaded.executable != nullptr,
+                   loaded.reason << ": " << loaded.detail);
+  if (loaded.executable == nullptr) return;
+  XLAKIT_CHECK(
+      RunAndCheck(client, *loaded.executable, "process 2 (keyed, loaded)"));
+  std::cout << "process 2: keyed warm load (tag checked) " << load_s
+            << " s vs cold compile " << compile_s << " s\n";
+
+  // The forgery is a sound entry around a real executable: without a key
+  // it loads and runs the other computation, so only the tag stops it.
+  std::string tampered = Read(dir + "/tampered");
+  LoadedEntry unkeyed = LoadExecutableEntry(client, tampered, self, nullptr);
+  XLAKIT_CHECK_MSG(unkeyed.executable != nullptr,
+                   unkeyed.reason << ": " << unkeyed.detail);
+  if (unkeyed.executable != nullptr) {
+    XLAKIT_CHECK(RunAndCheck(client, *unkeyed.executable,
+                             "process 2 (no key, tampered entry loaded)",
+                             kOtherLayers));
+  }
+  const std::map<std::string, std::string> refusals = {
+      {"tampered", "bad_tag"},
+      {"other_key", "bad_tag"},
+      {"good", "unauthenticated"},
+  };
+  int misses = ExpectMisses(client, dir, self, /*keyed=*/true, refusals);
+  std::cout << "process 2: keyed, " << misses << " of " << refusals.size()
+            << " entries without a valid tag counted as misses\n";
 }
 
 int LoadEntries(const std::string& dir) {
@@ -217,7 +334,7 @@ int LoadEntries(const std::string& dir) {
   ::xlakit::RuntimeIdentity self = IdentityOf(**client, kSeries, kRevision);
   std::string good = Read(dir + "/good");
   auto start = std::chrono::steady_clock::now();
-  LoadedEntry loaded = LoadExecutableEntry(**client, good, self);
+  LoadedEntry loaded = LoadExecutableEntry(**client, good, self, nullptr);
   double load_s = Seconds(start);
   XLAKIT_CHECK_MSG(loaded.executable != nullptr,
                    loaded.reason << ": " << loaded.detail);
@@ -234,24 +351,14 @@ int LoadEntries(const std::string& dir) {
       {"foreign", "bad_magic"},
       {"refused_payload", "load_failed"},
   };
-  int misses = 0;
-  for (const auto& [name, reason] : refusals) {
-    LoadedEntry r = LoadExecutableEntry(**client, Read(dir + "/" + name), self);
-    bool miss = r.executable == nullptr;
-    misses += miss;
-    XLAKIT_CHECK_MSG(miss && r.reason == reason,
-                     name << ": got '" << r.reason << "' " << r.detail);
-    XLAKIT_CHECK_MSG(r.fate == ::xlakit::EntryFate::kErase,
-                     name << ": fate " << ::xlakit::EntryFateName(r.fate));
-    std::cout << "process 2: " << name << " -> miss (" << r.reason << ", "
-              << ::xlakit::EntryFateName(r.fate) << ")\n";
-  }
+  int misses = ExpectMisses(**client, dir, self, /*keyed=*/false, refusals);
   double compile_s = 0;
   std::ifstream(dir + "/compile_seconds") >> compile_s;
   std::cout << "process 2: " << misses << " of " << refusals.size()
             << " bad entries counted as misses; warm load " << load_s
             << " s vs cold compile " << compile_s << " s ("
             << (load_s > 0 ? compile_s / load_s : 0) << "x)\n";
+  LoadKeyedEntries(dir, **client, self, compile_s);
   return Failures() ? 1 : 0;
 }
 

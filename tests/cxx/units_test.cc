@@ -1,12 +1,13 @@
 // Pure-function tests of xlakit's runtime C++ against real XLA types: the
 // sharded-assembly plan over real OpSharding protos, allocator-stat sums,
-// the fate of refused cache entries, envelope identity checks and the atomic
-// writer's temporary names and file modes.
+// the fate of refused cache entries, envelope identity checks, the atomic
+// writer's temporary names and file modes, and the runtime's entry MAC.
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "torch_xla/csrc/runtime/xlakit/cache_entry.h"
 #include "torch_xla/csrc/runtime/xlakit/core/atomic_file.h"
 #include "torch_xla/csrc/runtime/xlakit/core/entry_fate.h"
+#include "torch_xla/csrc/runtime/xlakit/core/entry_mac_openssl.h"
 #include "torch_xla/csrc/runtime/xlakit/core/envelope.h"
 #include "torch_xla/csrc/runtime/xlakit/memory_stats.h"
 #include "torch_xla/csrc/runtime/xlakit/shard_layout.h"
@@ -315,6 +317,39 @@ void AtomicWriteModesIgnoreTheUmask(const std::string& dir) {
   }
 }
 
+// The runtime's MAC (core/entry_mac_openssl.h) over the BoringSSL this
+// binary links: RFC 4231 test case 2, with the key from the environment.
+void EntryMacIsHmacSha256FromTheEnvironment() {
+  const char* saved = std::getenv(::xlakit::kCacheKeyEnv);
+  std::string kept = saved ? saved : "";
+  ::unsetenv(::xlakit::kCacheKeyEnv);
+  XLAKIT_CHECK(::xlakit::NewEntryMacFromEnv() == nullptr);
+  ::setenv(::xlakit::kCacheKeyEnv, "", 1);
+  XLAKIT_CHECK(::xlakit::NewEntryMacFromEnv() == nullptr);
+  ::setenv(::xlakit::kCacheKeyEnv, "Jefe", 1);
+  std::unique_ptr<::xlakit::EntryMac> mac = ::xlakit::NewEntryMacFromEnv();
+  XLAKIT_CHECK(mac != nullptr);
+  if (mac != nullptr) {
+    mac->Update("what do ya want ");
+    mac->Update("for nothing?");
+    std::string tag = mac->Tag();
+    std::string hex;
+    for (unsigned char c : tag) {
+      hex += "0123456789abcdef"[c >> 4];
+      hex += "0123456789abcdef"[c & 15];
+    }
+    XLAKIT_CHECK_MSG(hex ==
+                         "5bdcc146bf60754e6a042426089575c7"
+                         "5a003f089d2739839dec58b964ec3843",
+                     hex);
+  }
+  if (saved != nullptr) {
+    ::setenv(::xlakit::kCacheKeyEnv, kept.c_str(), 1);
+  } else {
+    ::unsetenv(::xlakit::kCacheKeyEnv);
+  }
+}
+
 }  // namespace
 
 int RunUnits(const std::string& dir) {
@@ -332,6 +367,7 @@ int RunUnits(const std::string& dir) {
   TempNamesCarryHostAndRandomBits();
   TempNamesAreReadBackByTheirTarget();
   AtomicWriteModesIgnoreTheUmask(dir);
+  EntryMacIsHmacSha256FromTheEnvironment();
   std::cout << "units: " << (Failures() ? "FAILED" : "ok") << " (" << Failures()
             << " failed checks)\n";
   return Failures() ? 1 : 0;

@@ -102,6 +102,9 @@ void AddXlakitBindings(py::module& m) {
     d["patches"] = info.patches;
     d["series_sha256"] = info.series_sha256;
     d["sources_sha256"] = info.sources_sha256;
+    // What entries carry and cache keys are salted with; the cache folder's
+    // name and `xlakit cache verify` use this, never a copy of its recipe.
+    d["patch_series_id"] = runtime::xlakit::PatchSeriesId();
     d["torch_xla_commit"] = info.torch_xla_commit;
     d["xla_commit"] = info.xla_commit;
     return d;

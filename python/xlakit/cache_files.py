@@ -59,6 +59,7 @@ class EntryReport:
     platform_name: str | None
     platform_version: str | None
     patch_series_id: str | None
+    torch_xla_revision: str | None
     message: str
 
     @property
@@ -82,13 +83,14 @@ def _is_temporary(name: str) -> bool:
 
 def _plain(name: str, st: os.stat_result, status: str, message: str) -> EntryReport:
     return EntryReport(name=name, size_bytes=st.st_size, status=status, kind=None, platform_name=None,
-                       platform_version=None, patch_series_id=None, message=message)
+                       platform_version=None, patch_series_id=None, torch_xla_revision=None, message=message)
 
 
 def _from_envelope(name: str, st: os.stat_result, info: dict) -> EntryReport:
     return EntryReport(name=name, size_bytes=st.st_size, status=info["status"], kind=info.get("kind"),
                        platform_name=info.get("platform_name"), platform_version=info.get("platform_version"),
-                       patch_series_id=info.get("patch_series_id"), message=info["message"])
+                       patch_series_id=info.get("patch_series_id"),
+                       torch_xla_revision=info.get("torch_xla_revision"), message=info["message"])
 
 
 def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str, str] | None,
@@ -171,11 +173,17 @@ def made_by_xlakit(directory: Path) -> bool:
 
 
 def _identity(args: argparse.Namespace) -> dict[str, str] | None:
+    """The runtime to judge entries against: three fields, plus the torch_xla revision when given."""
     given = {k: getattr(args, k) for k in ("platform_name", "platform_version", "patch_series_id")}
     if not any(given.values()):
+        if args.torch_xla_revision:
+            raise XlakitError("--torch-xla-revision checks entries only together with --platform-name, "
+                              "--platform-version and --patch-series-id")
         return None
     if not all(given.values()):
         raise XlakitError("pass all of --platform-name, --platform-version and --patch-series-id, or none")
+    if args.torch_xla_revision:
+        given["torch_xla_revision"] = args.torch_xla_revision
     return given
 
 
@@ -282,7 +290,9 @@ def add_parser(subparsers) -> None:
         q.add_argument("--json", action="store_true", help="print the folder's trust state and the entries as JSON")
         q.add_argument("--platform-name", help="check entries against this runtime (with the next two)")
         q.add_argument("--platform-version")
-        q.add_argument("--patch-series-id")
+        q.add_argument("--patch-series-id", help=f"the runtime's id, as its {KEY_FILE} records it")
+        q.add_argument("--torch-xla-revision", help="also check the torch_xla commit entries were written by "
+                                                    "(with the three above)")
         if name == "prune":
             q.add_argument("--dry-run", action="store_true", help="list what would be removed")
             q.add_argument("--foreign", action="store_true",

@@ -7,7 +7,8 @@
 #   BENCH_ARGS     extra arguments for `make bench`                    []
 #   FAULT_ARGS     extra arguments for `make faults` (--rounds, --seed) []
 #   TORCH_XLA_GIT  torch_xla git URL or local mirror (build, patches-check,
-#                  preflight)                             [VERSIONS.toml URL]
+#                  preflight: [VERSIONS.toml URL]; cxx-check: the upstream
+#                  files are checked only when it is given)          []
 #   PYTORCH_GIT    pytorch git URL or local mirror (build, preflight)
 #                                                         [VERSIONS.toml URL]
 #   BUILD_ARGS     extra arguments for build/xlakit_build.py, e.g. --dry-run []
@@ -27,7 +28,7 @@ INSTALL_PYTHON ?= python3
 VPY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.xlakit-setup
 
-.PHONY: setup test faults demo bench clean build patches-check wheel install preflight
+.PHONY: setup test faults demo bench clean build patches-check cxx-check wheel install preflight
 
 setup: $(SETUP_STAMP)
 
@@ -54,6 +55,7 @@ demo: setup
 bench: setup
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_save.py $(BENCH_ARGS)
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_async.py
+	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_load.py
 
 # Source build (build/xlakit_build.py; `BUILD_ARGS=--dry-run` prints the plan).
 XB := $(PYTHON) build/xlakit_build.py
@@ -67,6 +69,11 @@ preflight:
 
 patches-check:
 	$(XB) patches-check --torch-xla-git="$(TORCH_XLA_GIT)" $(BUILD_ARGS)
+
+# Compile checks against real XLA headers + the real-PJRT cache test; the
+# venv provides the cpu-dev torch headers.
+cxx-check: setup
+	$(XB) cxx-check --torch-xla-git="$(TORCH_XLA_GIT)" --python $(VPY) $(BUILD_ARGS)
 
 wheel:
 	$(XB) wheel $(BUILD_ARGS)

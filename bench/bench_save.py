@@ -14,53 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import workloads  # noqa: E402
+from measure import MiB, PeakRss, compiles as _compiles, fresh_process, rss as _rss  # noqa: E402
 
 METHODS = ("torch.save", "sync+cpu", "xm.save", "xlakit.save", "raw write+fsync")
-MiB = 1 << 20
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRss:
-    """Samples this process's RSS every few ms; `peak` is the highest seen."""
-
-    def __init__(self):
-        self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss())
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-
-
-def _compiles() -> int:
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data("CompileTime")
-    return data[0] if data else 0
 
 
 def _sync_then_cpu(state, path):
@@ -139,12 +103,8 @@ def run_one(workload: str, method: str, folder: str, max_inflight_bytes: int, re
 
 
 def _measure(workload: str, method: str, folder: str, max_inflight_bytes: int, repeat: int) -> dict:
-    cmd = [sys.executable, __file__, "--one", workload, method, "--folder", folder,
-           "--max-inflight-bytes", str(max_inflight_bytes), "--repeat", str(repeat)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise SystemExit(f"{workload}/{method} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return fresh_process(__file__, [workload, method, "--folder", folder, "--max-inflight-bytes",
+                                    str(max_inflight_bytes), "--repeat", str(repeat)])
 
 
 def _table(rows: list[dict], max_inflight_bytes: int) -> str:

@@ -76,3 +76,44 @@ def requirements(name: str, data: dict | None = None) -> list[str]:
 def patch_level(data: dict | None = None) -> int:
     data = data if data is not None else load()
     return int(data["xlakit"]["patch_level"])
+
+
+@dataclass(frozen=True)
+class Download:
+    """A pinned file from a package registry: what `make cxx-check` fetches."""
+
+    name: str
+    package: str
+    version: str
+    file: str
+    sha256: str
+    date: str | None = None
+    link: bool = False
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _download(where: str, raw: dict) -> Download:
+    for key in ("package", "version", "file", "sha256"):
+        if not raw.get(key):
+            raise PinError(f"{where}.{key} is missing")
+    if not _SHA256.match(raw["sha256"]):
+        raise PinError(f"{where}.sha256 must be 64 hex digits, found {raw['sha256']!r}")
+    return Download(name=raw.get("name", raw["package"]), package=raw["package"], version=raw["version"],
+                    file=raw["file"], sha256=raw["sha256"], date=raw.get("date"), link=bool(raw.get("link")))
+
+
+def cxx_brackets(data: dict | None = None) -> list[Download]:
+    """The TensorFlow wheels whose XLA brackets the openxla pin, in order."""
+    data = data if data is not None else load()
+    raw = data.get("cxx_check", {}).get("brackets", [])
+    out = [_download(f"cxx_check.brackets[{i}]", b) for i, b in enumerate(raw)]
+    if not out or sum(b.link for b in out) != 1:
+        raise PinError("cxx_check.brackets needs at least one wheel and exactly one with link = true")
+    return out
+
+
+def cxx_llvm(data: dict | None = None) -> Download:
+    data = data if data is not None else load()
+    return _download("cxx_check.llvm", data.get("cxx_check", {}).get("llvm", {}))

@@ -6,6 +6,8 @@ runner that logs it, so `--dry-run` prints the whole pipeline in order.
 `build` is the full source build (preflight, fetch, verify, patch, place,
 stamp, torch wheel, patched torch_xla wheel, xlakit wheel, SHA256SUMS +
 build-info.json); the other subcommands are its steps, runnable alone.
+`cxx-check` compiles the C++ against real XLA headers and runs it against a
+real PJRT client without bazel (cxx_check.py).
 Git sources default to VERSIONS.toml and are overridden by --pytorch-git /
 --torch-xla-git (the Makefile passes PYTORCH_GIT / TORCH_XLA_GIT), e.g. to a
 local mirror on an air-gapped host.
@@ -14,6 +16,7 @@ local mirror on an air-gapped host.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -21,6 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cxx_check  # noqa: E402
+import cxx_compile  # noqa: E402
+import cxx_deps  # noqa: E402
 import pins  # noqa: E402
 import pipeline  # noqa: E402
 import preflight  # noqa: E402
@@ -76,6 +82,26 @@ def cmd_patches_check(args: argparse.Namespace) -> int:
     print(f"patches-check: {len(patches)} patches apply with zero fuzz to torch_xla {commit[:12]} "
           f"(series sha256 {series.sha256(patches)[:16]})")
     return 0
+
+
+def cmd_cxx_check(args: argparse.Namespace) -> int:
+    """Compile checks on both brackets, the C++ test, the deliberate breaks; verdicts on stdout."""
+    cfg = _config(args)
+    # Only a source given explicitly: CI has no route to the default GitHub URL.
+    git = args.torch_xla_git or os.environ.get("XLAKIT_TORCH_XLA_GIT") or None
+    log_path = cfg.work / "cxx-check" / "commands.log"
+    with contextlib.ExitStack() as stack:
+        if args.dry_run:
+            out = sys.stdout
+        else:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = stack.enter_context(open(log_path, "w"))
+            print(f"cxx-check: every command is logged to {log_path}", flush=True)
+        runner = Runner(dry_run=args.dry_run, out=out)
+        return cxx_check.run(runner, cfg, cache=cxx_deps.cache_root(args.cache), python=args.python,
+                             torch_xla_git=git, jobs=args.jobs, cxx=cxx_compile.which_cxx(args.cxx),
+                             bracket_names=args.brackets.split(",") if args.brackets else None, out=sys.stdout,
+                             fresh=args.fresh)
 
 
 def _build_steps(runner: Runner, cfg: pipeline.Config) -> None:
@@ -191,6 +217,7 @@ def parser() -> argparse.ArgumentParser:
     for name, func, help_text in (
         ("preflight", cmd_preflight, "name what this host lacks for a source build"),
         ("patches-check", cmd_patches_check, "apply the series to the pinned torch_xla in a temp tree"),
+        ("cxx-check", cmd_cxx_check, "compile the C++ against real XLA headers; run it on a real PJRT client"),
         ("build", cmd_build, "the full source build into wheels/"),
         ("wheel", cmd_wheel, "build the xlakit wheel into wheels/"),
         ("install", cmd_install, "install wheels/ after checking SHA256SUMS"),
@@ -207,6 +234,13 @@ def parser() -> argparse.ArgumentParser:
             q.add_argument("--force", action="store_true", help="rebuild even if inputs are unchanged")
         if name == "install":
             q.add_argument("--python", default=sys.executable, help="interpreter whose environment gets the wheels")
+        if name == "cxx-check":
+            q.add_argument("--python", default=sys.executable, help="interpreter with the cpu-dev torch (headers)")
+            q.add_argument("--cache", default=None, help="download cache [$XLAKIT_CXX_CACHE or ~/.cache/xlakit/cxx]")
+            q.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
+            q.add_argument("--brackets", default=None, help="comma-separated bracket names (default: all)")
+            q.add_argument("--cxx", default=None, help="C++ compiler [g++]")
+            q.add_argument("--fresh", action="store_true", help="compile every unit, ignoring kept results")
     return p
 
 
@@ -214,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (pins.PinError, series.SeriesError, pipeline.StepError, CommandError) as e:
+    except (pins.PinError, series.SeriesError, pipeline.StepError, CommandError, cxx_deps.DepsError) as e:
         print(f"xlakit_build {args.command}: {e}", file=sys.stderr)
         return 2
 

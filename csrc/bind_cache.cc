@@ -45,7 +45,8 @@ py::dict ResultToDict(const DecodeResult& r) {
                 r.status == EntryStatus::kTrailingBytes ||
                 r.status == EntryStatus::kPlatformMismatch ||
                 r.status == EntryStatus::kPlatformVersionMismatch ||
-                r.status == EntryStatus::kPatchSeriesMismatch;
+                r.status == EntryStatus::kPatchSeriesMismatch ||
+                r.status == EntryStatus::kTorchXlaRevisionMismatch;
   const EntryHeader& h = r.header;
   d["format_version"] = parsed ? py::cast(h.format_version) : py::none();
   d["kind"] = parsed ? py::cast(EntryKindName(h.kind)) : py::none();
@@ -104,19 +105,23 @@ std::optional<PyEntryMac> MacFor(const std::optional<py::bytes>& key) {
   return std::optional<PyEntryMac>(std::in_place, *key);
 }
 
-// All three identity fields, or none (check integrity only).
+// All three identity fields, or none (check integrity only); the torch_xla
+// revision, compared when given, only together with them.
 std::optional<RuntimeIdentity> Identity(
     const std::optional<std::string>& platform_name,
     const std::optional<std::string>& platform_version,
-    const std::optional<std::string>& patch_series_id) {
+    const std::optional<std::string>& patch_series_id,
+    const std::optional<std::string>& torch_xla_revision) {
   int given = !!platform_name + !!platform_version + !!patch_series_id;
-  if (given == 0) return std::nullopt;
-  if (given != 3) {
+  if ((given != 0 && given != 3) || (given == 0 && torch_xla_revision)) {
     throw py::value_error(
         "pass all of platform_name, platform_version and "
-        "patch_series_id to check an entry against a runtime, or none");
+        "patch_series_id to check an entry against a runtime, or none "
+        "(torch_xla_revision only together with them)");
   }
-  return RuntimeIdentity{*platform_name, *platform_version, *patch_series_id};
+  if (given == 0) return std::nullopt;
+  return RuntimeIdentity{*platform_name, *platform_version, *patch_series_id,
+                         torch_xla_revision.value_or("")};
 }
 
 }  // namespace
@@ -162,9 +167,11 @@ void BindCache(py::module_& m) {
       [](py::bytes data, std::optional<std::string> platform_name,
          std::optional<std::string> platform_version,
          std::optional<std::string> patch_series_id,
+         std::optional<std::string> torch_xla_revision,
          std::optional<py::bytes> key) {
-        std::optional<RuntimeIdentity> self =
-            Identity(platform_name, platform_version, patch_series_id);
+        std::optional<RuntimeIdentity> self = Identity(
+            platform_name, platform_version, patch_series_id,
+            torch_xla_revision);
         std::optional<PyEntryMac> mac = MacFor(key);
         std::string_view view = View(data);
         DecodeResult r;
@@ -178,7 +185,8 @@ void BindCache(py::module_& m) {
       },
       py::arg("data"), py::kw_only(), py::arg("platform_name") = py::none(),
       py::arg("platform_version") = py::none(),
-      py::arg("patch_series_id") = py::none(), py::arg("key") = py::none());
+      py::arg("patch_series_id") = py::none(),
+      py::arg("torch_xla_revision") = py::none(), py::arg("key") = py::none());
 
   // Enough bytes to decode any header, plain or authenticated.
   m.attr("MAX_HEADER_BYTES") = kAuthPrefixBytes + kMaxHeaderBytes;
@@ -188,9 +196,11 @@ void BindCache(py::module_& m) {
       [](const std::string& path, std::optional<std::string> platform_name,
          std::optional<std::string> platform_version,
          std::optional<std::string> patch_series_id,
+         std::optional<std::string> torch_xla_revision,
          std::optional<py::bytes> key, size_t chunk_bytes) {
-        std::optional<RuntimeIdentity> self =
-            Identity(platform_name, platform_version, patch_series_id);
+        std::optional<RuntimeIdentity> self = Identity(
+            platform_name, platform_version, patch_series_id,
+            torch_xla_revision);
         if (chunk_bytes == 0) throw py::value_error("chunk_bytes must be > 0");
         std::optional<PyEntryMac> mac = MacFor(key);
         DecodeResult r;
@@ -208,18 +218,30 @@ void BindCache(py::module_& m) {
       },
       py::arg("path"), py::kw_only(), py::arg("platform_name") = py::none(),
       py::arg("platform_version") = py::none(),
-      py::arg("patch_series_id") = py::none(), py::arg("key") = py::none(),
+      py::arg("patch_series_id") = py::none(),
+      py::arg("torch_xla_revision") = py::none(), py::arg("key") = py::none(),
       py::arg("chunk_bytes") = size_t{1} << 20);
 
   m.def(
       "cache_key_material",
       [](const std::string& platform_name, const std::string& platform_version,
          const std::string& patch_series_id) {
-        return py::bytes(CacheKeyMaterial(
-            RuntimeIdentity{platform_name, platform_version, patch_series_id}));
+        // The revision is not part of the key material (the series id covers
+        // it).
+        return py::bytes(CacheKeyMaterial(RuntimeIdentity{
+            platform_name, platform_version, patch_series_id, ""}));
       },
       py::kw_only(), py::arg("platform_name"), py::arg("platform_version"),
       py::arg("patch_series_id"));
+
+  m.def(
+      "temp_file_target",
+      [](const std::string& name) -> std::optional<std::string> {
+        std::string target = TempFileTarget(name);
+        if (target.empty()) return std::nullopt;
+        return target;
+      },
+      py::arg("name"));
 
   m.def(
       "write_file_atomic",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -110,6 +111,34 @@ def test_stamp_writes_provenance_from_the_series(tmp_path):
     assert f'#define XLAKIT_SERIES_SHA256 "{series.sha256(patches)}"' in header
     assert f'#define XLAKIT_PATCH_SET "xlakit{pins.patch_level()}"' in header
     assert "#define XLAKIT_PATCHES " + ", ".join(f'"{p.name}"' for p in patches) in header
+
+
+def test_stamp_carries_the_sources_digest(tmp_path):
+    cfg = pipeline.Config(work=tmp_path, wheels=tmp_path / "wheels")
+    (tmp_path / pipeline.STAMP_TARGET).parent.mkdir(parents=True)
+    header = pipeline.write_stamp(xlakit_build.Runner(), cfg, tmp_path).read_text()
+    digest = pipeline.sources_sha256(series.read(), cfg.sources())
+    assert f'#define XLAKIT_SOURCES_SHA256 "{digest}"' in header
+
+
+def test_sources_digest_covers_placed_csrc_not_only_patches(tmp_path, monkeypatch):
+    # Regression: the id that salts cache keys covered patches/ only, so a
+    # change to xlakit's placed C++ reused entries written by the old code.
+    csrc = tmp_path / "csrc"
+    for folder in pipeline.PLACEMENT:
+        (csrc / folder).mkdir(parents=True)
+        (csrc / folder / "a.cc").write_text("int a;\n")
+    (csrc / "module.cc").write_text("// xlakit._C only\n")
+    monkeypatch.setattr(pipeline, "CSRC", csrc)
+    patches, src = series.read(), pins.sources()
+    before = pipeline.sources_sha256(patches, src)
+    (csrc / "module.cc").write_text("// changed, but never placed\n")
+    assert pipeline.sources_sha256(patches, src) == before
+    (csrc / "runtime" / "a.cc").write_text("int b;\n")
+    changed = pipeline.sources_sha256(patches, src)
+    assert changed != before
+    other = {**src, "torch_xla": dataclasses.replace(src["torch_xla"], commit="0" * 40)}
+    assert pipeline.sources_sha256(patches, other) != changed
 
 
 def test_sums_detect_a_changed_wheel_and_install_refuses(tmp_path):

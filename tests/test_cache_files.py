@@ -40,7 +40,7 @@ def cache(tmp_path):
     (tmp_path / "444").write_bytes(bytes(corrupt))
     (tmp_path / "555").write_bytes(_entry(version="v0"))  # older libtpu
     (tmp_path / "666").write_bytes(STOCK_ENTRY)
-    temp = tmp_path / f"{_C.TEMP_PREFIX}777.123.0"
+    temp = tmp_path / f"{_C.TEMP_PREFIX}777.host.123.0.0123456789abcdef"
     temp.write_bytes(b"XLKC")
     os.utime(temp, (OLD, OLD))  # left by a writer killed long ago
     return tmp_path
@@ -62,7 +62,7 @@ def test_ls_reads_headers_only(cache, capsys):
     # The flipped payload byte is invisible without reading the payload.
     assert st["111"] == st["222"] == st["444"] == st["555"] == "ok"
     assert st["333"] == "truncated" and st["666"] == "foreign"
-    assert st[f"{_C.TEMP_PREFIX}777.123.0"] == "temporary"
+    assert st[f"{_C.TEMP_PREFIX}777.host.123.0.0123456789abcdef"] == "temporary"
 
 
 def test_verify_checksums_and_checks_identity(cache, capsys):
@@ -163,6 +163,21 @@ def test_missing_folder_is_one_line_error(tmp_path, capsys):
 def test_partial_identity_is_an_error(cache, capsys):
     assert main(["cache", "verify", str(cache), "--platform-name", "tpu"]) == 2
     assert "pass all of" in capsys.readouterr().err
+    assert main(["cache", "verify", str(cache), "--torch-xla-revision", "c04e61c"]) == 2
+    assert "only together with" in capsys.readouterr().err
+
+
+def test_verify_and_prune_check_the_torch_xla_revision_when_given(tmp_path, capsys):
+    # Regression: the revision was written into every entry and `cache verify` never compared it.
+    (tmp_path / "1").write_bytes(_entry())
+    rc, st = _statuses(capsys, "cache", "verify", str(tmp_path), *ARGS, "--torch-xla-revision", "d15ea5e")
+    assert rc == 1 and st["1"] == "torch_xla_revision_mismatch"
+    rc, st = _statuses(capsys, "cache", "verify", str(tmp_path), *ARGS, "--torch-xla-revision", "c04e61c")
+    assert rc == 0 and st["1"] == "ok"
+    assert main(["cache", "prune", str(tmp_path), *ARGS, "--torch-xla-revision", "c04e61c"]) == 0
+    assert (tmp_path / "1").exists()
+    assert main(["cache", "prune", str(tmp_path), *ARGS, "--torch-xla-revision", "d15ea5e"]) == 0
+    assert "removed: 1 (torch_xla_revision_mismatch)" in capsys.readouterr().out and not (tmp_path / "1").exists()
 
 
 def test_a_killed_writers_temporary_is_kept_while_young_and_pruned_when_old(tmp_path, capsys):

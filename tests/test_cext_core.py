@@ -93,6 +93,65 @@ def test_atomic_write_replaces_and_leaves_no_temporary(tmp_path):
     assert os.listdir(tmp_path) == ["entry"]
 
 
+@pytest.mark.parametrize(
+    ("folder_mode", "umask", "mode"),
+    [
+        (0o700, 0o000, 0o600),
+        (0o700, 0o022, 0o600),
+        (0o755, 0o000, 0o640),  # never readable by others, whatever the folder
+        (0o750, 0o077, 0o640),  # the umask cannot take the group's read bit the folder asks for
+        (0o770, 0o002, 0o640),
+        (0o740, 0o022, 0o600),  # group may read the folder but not search it
+        (0o710, 0o022, 0o600),  # ... or search but not list it
+    ],
+)
+def test_atomic_write_gives_owner_only_or_group_read_modes_whatever_the_umask(tmp_path, folder_mode, umask, mode):
+    # An entry is code the jobs run: 0600, or 0640 in a folder shared with its group (trust_shared),
+    # never the umask's 0644/0664.
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    folder.chmod(folder_mode)
+    old = os.umask(umask)
+    try:
+        _C.write_file_atomic(str(folder / "entry"), b"x")
+    finally:
+        os.umask(old)
+    assert (folder / "entry").stat().st_mode & 0o777 == mode
+
+
+def test_atomic_write_replaces_a_link_and_never_writes_through_it(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"theirs")
+    (tmp_path / "cache").mkdir()
+    target = tmp_path / "cache" / "123"
+    target.symlink_to(outside)
+    _C.write_file_atomic(str(target), b"mine")
+    assert not target.is_symlink() and target.read_bytes() == b"mine"
+    assert outside.read_bytes() == b"theirs"
+
+
+def test_temp_file_target_reads_the_writers_names():
+    name = f"{_C.TEMP_PREFIX}123.node-7.example.org.4242.0.0123456789abcdef"
+    assert _C.temp_file_target(name) == "123"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "123",
+        f"{_C.TEMP_PREFIX}123.4242.0.0123456789abcdef",  # the old pid.counter names: no host, no random bits
+        f"{_C.TEMP_PREFIX}123.host.4242.0.0123456789ABCDEF",  # the writer prints lower-case hex
+        f"{_C.TEMP_PREFIX}123.host.4242.0.0123456789abcde",
+        f"{_C.TEMP_PREFIX}123.host.pid.0.0123456789abcdef",
+        f"{_C.TEMP_PREFIX}123.{'h' * 65}.4242.0.0123456789abcdef",
+        f"{_C.TEMP_PREFIX}.host.4242.0.0123456789abcdef",
+        ".other-tmp.123.host.4242.0.0123456789abcdef",
+    ],
+)
+def test_temp_file_target_refuses_other_names(name):
+    assert _C.temp_file_target(name) is None
+
+
 def test_atomic_write_failure_names_the_path_and_keeps_the_target(tmp_path):
     missing = tmp_path / "no-such-dir" / "entry"
     with pytest.raises(OSError, match="cannot create .*no-such-dir"):

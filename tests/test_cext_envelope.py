@@ -111,6 +111,17 @@ def test_other_identity_mismatches(field, status):
 def test_partial_identity_is_rejected():
     with pytest.raises(ValueError, match="pass all of"):
         _C.verify_entry(_entry(), platform_name="tpu")
+    with pytest.raises(ValueError, match="torch_xla_revision only together"):
+        _C.verify_entry(_entry(), torch_xla_revision="c04e61c")
+
+
+def test_torch_xla_revision_is_checked_when_given():
+    # Regression: the revision was written into every entry and never compared.
+    info = _C.verify_entry(_entry(), **IDENTITY, torch_xla_revision="d15ea5e")
+    assert info["status"] == "torch_xla_revision_mismatch"
+    assert "'c04e61c'" in info["message"] and "'d15ea5e'" in info["message"]
+    assert _C.verify_entry(_entry(), **IDENTITY, torch_xla_revision="c04e61c")["ok"]
+    assert _C.verify_entry(_entry(), **IDENTITY)["ok"]  # not given: not compared
 
 
 def test_unknown_kind_is_rejected_when_encoding():

@@ -39,14 +39,14 @@ class FakeXLAC:
 
 KEY = {"device_type": "TPU", "platform_version": "PJRT C API\nTFRT TPU v6 lite", "torch_xla": "2.9.0",
        "torch_xla_commit": None, "xla_commit": "x" * 40, "torch_commit": "t" * 40, "patch_set": "stock",
-       "series_sha256": None}
+       "patch_series_id": None}
 
 
 def test_folder_name_is_readable_and_changes_with_the_runtime():
     name = compile_cache.cache_dir_name(KEY)
     assert name.startswith("tpu-stock-") and name == compile_cache.cache_dir_name(dict(KEY))
     for field, other in (("platform_version", "PJRT C API\nTFRT TPU v5 lite"), ("torch_xla_commit", "c04e61c"),
-                         ("xla_commit", "y" * 40)):
+                         ("xla_commit", "y" * 40), ("patch_series_id", "xlakit3:" + "ab" * 32)):
         assert compile_cache.cache_dir_name({**KEY, field: other}) != name, field
     assert compile_cache.cache_dir_name({**KEY, "patch_set": "xlakit1"}).startswith("tpu-xlakit1-")
 
@@ -58,6 +58,16 @@ def test_key_describes_this_runtime():
     assert key["device_type"] == "CPU" and key["patch_set"] == "stock"
     assert key["platform_version"] == torch_xla._XLAC._xla_get_platform_version()
     assert key["torch_xla"] == torch_xla.__version__
+
+
+def test_key_carries_the_patched_runtimes_own_series_id(monkeypatch):
+    # The id the C++ salts its keys with and writes into entries, read from the binary, never recomputed.
+    series_id = "xlakit3:" + "cd" * 32
+    monkeypatch.setattr(_features, "build_info", lambda: {"patch_set": "xlakit3", "patch_series_id": series_id,
+                                                          "torch_xla_commit": "c" * 40, "xla_commit": "x" * 40})
+    key = compile_cache.cache_key()
+    assert key["patch_series_id"] == series_id and key["patch_set"] == "xlakit3"
+    assert compile_cache.cache_dir_name(key).startswith("cpu-xlakit3-")
 
 
 @pytest.mark.slow

@@ -150,7 +150,74 @@ def test_the_index_records_each_storage_at_its_offset_with_its_tensors(tmp_path)
     index = json.loads(bytes(torch._C.PyTorchFileReader(str(tmp_path / "c.pt")).get_record(
         archive.CHECKSUMS_RECORD)))
     assert index["version"] == archive.FORMAT_VERSION
-    shared = [s for s in index["storages"].values() if len(s["paths"]) == 2][0]
+    cols = index["storages"]
+    row = int(next(iter(cols["more_paths"])))
+    shared = {"paths": [cols["path"][row], *cols["more_paths"][str(row)]], "offset": cols["offset"][row],
+              "nbytes": cols["nbytes"][row], archive.HASH: cols[archive.HASH][row]}
     assert shared["paths"] == ["a", "b"] and shared["offset"] % archive.ALIGNMENT == 0
     assert archive.digest(data[shared["offset"]:shared["offset"] + shared["nbytes"]]) == shared[archive.HASH]
-    assert struct.unpack("<I", data[-22:-18])[0] == 0x06054B50  # an end-of-central-directory record
+    eocd = data.rfind(b"PK\x05\x06")  # the zip's end record; its comment points at the index
+    comment = data[eocd + 22:]
+    assert struct.unpack_from("<H", data, eocd + 20)[0] == len(comment)
+    offset, nbytes = map(int, comment.decode().removeprefix("xlakit-index:").split(":"))
+    assert json.loads(data[offset:offset + nbytes]) == index
+
+
+def _same(a, b, seen=None) -> None:
+    """`a` and `b` are the same state: types, keys, values bit for bit, sharing and identity."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride(), a.storage_offset(), a.requires_grad, a.is_conj()) == \
+            (b.dtype, b.shape, b.stride(), b.storage_offset(), b.requires_grad, b.is_conj())
+        assert bytes(archive.tensor_bytes(a.detach().resolve_conj().contiguous())) == \
+            bytes(archive.tensor_bytes(b.detach().resolve_conj().contiguous()))
+    elif isinstance(a, dict):
+        assert list(a) == list(b) and getattr(a, "__dict__", {}) == getattr(b, "__dict__", {})
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b or (a != a and b != b), (a, b)  # NaN equals NaN here
+
+
+def _sharing(state) -> list[list[int]]:
+    """Which leaves are the same object and which tensors share a storage, by position."""
+    leaves = []
+
+    def walk(v):
+        if isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        leaves.append(v)
+
+    walk(state)
+    ids = [[i for i, y in enumerate(leaves) if y is x] for x in leaves]
+    ptrs = [[i for i, y in enumerate(leaves) if isinstance(y, torch.Tensor) and isinstance(x, torch.Tensor)
+             and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()] for x in leaves]
+    return ids + ptrs
+
+
+def test_xlakits_reader_builds_exactly_what_torch_load_builds(tmp_path):
+    base = torch.arange(12.0)
+    shared_list = [1, 2.5, "x"]
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "base": base, "view": base[3:9].view(2, 3),
+             "again": base, "p": torch.nn.Parameter(torch.ones(2)), "conj": torch.randn(2, dtype=torch.complex64).conj(),
+             "numbers": (1, -0.0, float("nan"), float("inf"), 2 ** 70, True, None, 1 + 2j, b"\x00\xff"),
+             "torch": [torch.float16, torch.Size([2, 3]), torch.device("cpu")], 3: "int key",
+             "shared": [shared_list, shared_list], "set": {1, 2}, "empty": {}}
+    path = tmp_path / "c.pt"
+    xlakit.save(state, path)
+    ours, theirs = xlakit.load(path), torch.load(path, weights_only=True)
+    _same(ours, theirs)
+    assert _sharing(ours) == _sharing(theirs)
+    assert ours["shared"][0] is ours["shared"][1]

@@ -78,7 +78,8 @@ def test_drift_is_reported_against_a_profile_that_differs(tmp_path, capsys):
 
 def test_stock_wheels_drift_from_the_tpu_profile(m):
     drift = {d["what"]: d for d in _manifest.drift(m, "tpu", PINS)}
-    assert drift["patch set"]["expected"] == "xlakit1" and drift["patch set"]["found"] == "stock"
+    level = _pins.load(PINS)["xlakit"]["patch_level"]
+    assert drift["patch set"]["expected"] == f"xlakit{level}" and drift["patch set"]["found"] == "stock"
     assert drift["torch git revision"]["expected"] == "21fec65781bebe867faf209f89bb687ffd236ca4"
     assert drift["torch_xla git revision"]["found"].startswith("unknown")  # stock wheels do not record it
 
@@ -118,7 +119,8 @@ def test_log_manifest_logs_the_row_and_json(caplog):
 
 
 def test_patched_build_info_is_read_from_the_binding(monkeypatch):
-    build = {"patch_set": "xlakit1", "patches": ["0001-add-build-info.patch"], "series_sha256": "ab" * 32,
+    patch_set = f"xlakit{_pins.load(PINS)['xlakit']['patch_level']}"
+    build = {"patch_set": patch_set, "patches": ["0001-add-build-info.patch"], "series_sha256": "ab" * 32,
              "torch_xla_commit": "c04e61c3424142c0eebcc9e59984b9d8fced18c0",
              "xla_commit": "9a9aa0e11e4fcda8d6a9c3267dca6776ddbdb0ca"}
     fake = FakePatchedXLAC(_features.xlac(), _xlakit_build_info=lambda: dict(build))
@@ -129,7 +131,7 @@ def test_patched_build_info_is_read_from_the_binding(monkeypatch):
     assert m["torch_xla"]["xla_git"] == build["xla_commit"]
     whats = {d["what"] for d in m["drift"]}
     assert not whats & {"patch set", "torch_xla git revision", "openxla git revision"}
-    assert "patches xlakit1" in xlakit.manifest_line(m)
+    assert f"patches {patch_set}" in xlakit.manifest_line(m)
 
 
 @pytest.mark.parametrize("found, spec, ok", [

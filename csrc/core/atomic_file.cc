@@ -2,12 +2,15 @@
 #include "atomic_file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <random>
 
 namespace xlakit {
 namespace {
@@ -23,19 +26,111 @@ std::string DirName(const std::string& path) {
   return path.substr(0, slash);
 }
 
+constexpr size_t kMaxHostChars = 64;
+constexpr size_t kRandomHexDigits = 16;
+
+bool IsNameChar(char c) {
+  return c != '/' && static_cast<unsigned char>(c) >= 0x20;
+}
+
+bool AllOf(std::string_view s, const char* allowed) {
+  return !s.empty() && s.find_first_not_of(allowed) == std::string_view::npos;
+}
+
+// The host name as a file-name part: at most kMaxHostChars characters, '/'
+// and control characters replaced.
+std::string HostPart() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') {
+    return "unknown-host";
+  }
+  std::string out(name, strnlen(name, kMaxHostChars));
+  for (char& c : out) {
+    if (!IsNameChar(c)) c = '_';
+  }
+  return out;
+}
+
+std::string RandomHex() {
+  // From the OS on every call (getrandom): cache writes are rare, and a
+  // per-process stream would need a lock.
+  std::random_device rd;
+  uint64_t bits = (static_cast<uint64_t>(rd()) << 32) | rd();
+  char buf[kRandomHexDigits + 1];
+  std::snprintf(buf, sizeof(buf), "%016llx",
+                static_cast<unsigned long long>(bits));
+  return buf;
+}
+
+// Owner read-write; group read too when the folder lets its group read and
+// search it (what xlakit creates for a shared cache, trust_shared). Never
+// more: an entry is code the jobs run.
+mode_t EntryModeFor(const std::string& dir) {
+  struct stat st;
+  if (::stat(dir.c_str(), &st) == 0 &&
+      (st.st_mode & (S_IRGRP | S_IXGRP)) == (S_IRGRP | S_IXGRP)) {
+    return 0640;
+  }
+  return 0600;
+}
+
 }  // namespace
 
-std::string WriteFileAtomic(const std::string& path, std::string_view data) {
+std::string TempPathFor(const std::string& path) {
   static std::atomic<unsigned long> counter{0};
-  std::string dir = DirName(path);
+  static const std::string host = HostPart();
   std::string base = path.substr(
       path.rfind('/') == std::string::npos ? 0 : path.rfind('/') + 1);
-  // pid + counter: unique across concurrent writers in and across processes.
-  std::string tmp = dir + "/" + kTempPrefix + base + "." +
-                    std::to_string(::getpid()) + "." +
-                    std::to_string(counter.fetch_add(1));
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  return DirName(path) + "/" + kTempPrefix + base + "." + host + "." +
+         std::to_string(::getpid()) + "." +
+         std::to_string(counter.fetch_add(1)) + "." + RandomHex();
+}
+
+std::string TempFileTarget(std::string_view name) {
+  std::string_view prefix(kTempPrefix);
+  if (name.substr(0, prefix.size()) != prefix) return "";
+  name.remove_prefix(prefix.size());
+  // TempPathFor's fields from the right: random bits, counter, pid.
+  std::string_view fields[3];
+  for (std::string_view& field : fields) {
+    size_t dot = name.rfind('.');
+    if (dot == std::string_view::npos) return "";
+    field = name.substr(dot + 1);
+    name = name.substr(0, dot);
+  }
+  if (fields[0].size() != kRandomHexDigits ||
+      !AllOf(fields[0], "0123456789abcdef") ||
+      !AllOf(fields[1], "0123456789") || !AllOf(fields[2], "0123456789")) {
+    return "";
+  }
+  // What is left is <base>.<host>; the base ends at its first dot.
+  size_t dot = name.find('.');
+  if (dot == 0 || dot == std::string_view::npos) return "";
+  std::string_view host = name.substr(dot + 1);
+  if (host.empty() || host.size() > kMaxHostChars) return "";
+  for (char c : name) {
+    if (!IsNameChar(c)) return "";
+  }
+  return std::string(name.substr(0, dot));
+}
+
+std::string WriteFileAtomic(const std::string& path, std::string_view data) {
+  std::string dir = DirName(path);
+  std::string tmp = TempPathFor(path);
+  mode_t mode = EntryModeFor(dir);
+  // O_EXCL | O_NOFOLLOW: a file or link someone put at the name is never
+  // written through.
+  int fd = ::open(tmp.c_str(),
+                  O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
   if (fd < 0) return Errno("cannot create", tmp);
+  // The umask only ever removes bits, and may remove the group's read bit
+  // the folder asks for: set the mode exactly.
+  if (::fchmod(fd, mode) != 0) {
+    std::string error = Errno("cannot set the mode of", tmp);
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    return error;
+  }
   const char* p = data.data();
   size_t left = data.size();
   while (left > 0) {

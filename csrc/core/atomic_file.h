@@ -14,8 +14,24 @@ namespace xlakit {
 // Temporary files start with this prefix so tools can tell them apart.
 inline constexpr char kTempPrefix[] = ".xlakit-tmp.";
 
+// The temporary file a write to `path` goes through, beside it:
+// <dir>/<kTempPrefix><base>.<host>.<pid>.<counter>.<16 random hex digits>.
+// Host and random bits keep writers apart where pid + counter does not:
+// hosts sharing an NFS cache, containers that all run as PID 1.
+std::string TempPathFor(const std::string& path);
+
+// The name of the file a temporary that TempPathFor made is to become, from
+// the temporary's file name (no folder); "" for any other name. The target's
+// name is read up to its first dot, exact for torch_xla's cache entries
+// (decimal hashes). Tools (`xlakit cache prune`) recognise the writer's
+// temporaries with this, so the name's format lives here only.
+std::string TempFileTarget(std::string_view name);
+
 // Returns "" on success, else a message with the path and errno text. On
-// failure the temporary file is removed and the target is untouched.
+// failure the temporary file is removed and the target is untouched. An entry
+// is code the jobs run, so it gets mode 0600, or 0640 when the folder lets its
+// group read and search it (a cache shared with trust_shared), whatever the
+// umask; the temporary is created O_EXCL | O_NOFOLLOW.
 std::string WriteFileAtomic(const std::string& path, std::string_view data);
 
 }  // namespace xlakit

@@ -1,9 +1,12 @@
 // EntryMac (core/envelope.h) over the HMAC of OpenSSL's API, which BoringSSL
-// shares: the runtime's cache hook uses it to write and check authenticated
-// entries. BoringSSL is already in the torch_xla tree through XLA; the target
-// that includes this header needs "@boringssl//:crypto". Header-only, so
-// xlakit._C (which uses Python's hmac instead) links no crypto library;
-// tests/cpp/entry_mac_check.cc compiles it against the system OpenSSL.
+// shares: the runtime's cache hook (runtime/xlakit/pjrt_access.cc) uses it to
+// write and check authenticated entries. BoringSSL is already in the
+// torch_xla tree through XLA; :xlakit_core depends on "@boringssl//:crypto".
+// Header-only, so xlakit._C (which uses Python's hmac instead) links no crypto
+// library. `make cxx-check` compiles it against the BoringSSL headers of the
+// TensorFlow wheels and runs it over the BoringSSL their framework library
+// exports (tests/cxx); tests/cpp/entry_mac_check.cc, against the system
+// OpenSSL.
 #ifndef XLAKIT_CORE_ENTRY_MAC_OPENSSL_H_
 #define XLAKIT_CORE_ENTRY_MAC_OPENSSL_H_
 

@@ -157,6 +157,8 @@ const char* EntryStatusName(EntryStatus status) {
       return "unauthenticated";
     case EntryStatus::kBadTag:
       return "bad_tag";
+    case EntryStatus::kTorchXlaRevisionMismatch:
+      return "torch_xla_revision_mismatch";
   }
   return "unknown";
 }
@@ -300,6 +302,12 @@ DecodeResult VerifyEntry(std::string_view data, const RuntimeIdentity& self) {
     r.message = "entry was written by patch series " +
                 Quote(h.patch_series_id) + ", this runtime has " +
                 Quote(self.patch_series_id);
+  } else if (!self.torch_xla_revision.empty() &&
+             h.torch_xla_revision != self.torch_xla_revision) {
+    r.status = EntryStatus::kTorchXlaRevisionMismatch;
+    r.message = "entry was written by torch_xla " +
+                Quote(h.torch_xla_revision) + ", this runtime is " +
+                Quote(self.torch_xla_revision);
   }
   return r;
 }

@@ -47,6 +47,8 @@ enum class EntryStatus : uint8_t {
   kUnauthenticated,
   // The entry's tag does not verify under the runtime's key.
   kBadTag,
+  // Appended, so the values above keep their numbers.
+  kTorchXlaRevisionMismatch,
 };
 
 struct EntryHeader {
@@ -73,11 +75,14 @@ struct DecodeResult {
   bool tag_checked = false;
 };
 
-// What the running process is; an entry must match all three to be used.
+// What the running process is; an entry must match it to be used. An empty
+// torch_xla_revision is not compared (tools that inspect a cache folder may
+// not know it); the runtime always sets it.
 struct RuntimeIdentity {
   std::string platform_name;
   std::string platform_version;
   std::string patch_series_id;
+  std::string torch_xla_revision;
 };
 
 const char* EntryStatusName(EntryStatus status);
@@ -99,8 +104,9 @@ DecodeResult DecodeHeader(std::string_view data, uint64_t total_size);
 DecodeResult DecodeEntry(std::string_view data);
 
 // DecodeEntry, then compares the header with the running process. Platform
-// name is checked first, then platform version, then the patch series, so the
-// status names the most fundamental difference.
+// name is checked first, then platform version, then the patch series, then
+// the torch_xla revision, so the status names the most fundamental
+// difference.
 DecodeResult VerifyEntry(std::string_view data, const RuntimeIdentity& self);
 
 // The longest header an entry can have: the fixed prefix, four strings at

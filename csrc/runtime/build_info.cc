@@ -13,6 +13,7 @@ const BuildInfo& GetBuildInfo() {
     b->patch_set = XLAKIT_PATCH_SET;
     b->patches = {XLAKIT_PATCHES};
     b->series_sha256 = XLAKIT_SERIES_SHA256;
+    b->sources_sha256 = XLAKIT_SOURCES_SHA256;
     b->torch_xla_commit = XLAKIT_TORCH_XLA_COMMIT;
     b->xla_commit = XLAKIT_XLA_COMMIT;
     return b;
@@ -22,7 +23,7 @@ const BuildInfo& GetBuildInfo() {
 
 std::string PatchSeriesId() {
   const BuildInfo& info = GetBuildInfo();
-  return info.patch_set + ":" + info.series_sha256;
+  return info.patch_set + ":" + info.sources_sha256;
 }
 
 }  // namespace xlakit

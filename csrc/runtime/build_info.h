@@ -17,13 +17,17 @@ struct BuildInfo {
   std::string patch_set;  // e.g. "xlakit1"
   std::vector<std::string> patches;
   std::string series_sha256;
+  // sha256 over the series, every csrc/ file placed into the tree and the
+  // upstream commits: what this binary's xlakit code was built from.
+  std::string sources_sha256;
   std::string torch_xla_commit;
   std::string xla_commit;
 };
 
 const BuildInfo& GetBuildInfo();
 
-// "<patch_set>:<series_sha256>", written into cache entries and cache keys.
+// "<patch_set>:<sources_sha256>", written into cache entries and cache keys:
+// a change to a patch, to xlakit's placed C++ or to a pin gives new keys.
 std::string PatchSeriesId();
 
 }  // namespace xlakit

@@ -1,15 +1,15 @@
 // xlakit's adapters inside torch_xla's PJRT client: the persistent-cache
-// codec (envelope + LoadSerializedExecutable), the cache-key salt, runtime
-// memory info by raw device string, and shard access for host transfers.
-// PjRtComputationClient names PjRtAccess a friend (a one-line hook), so the
-// logic lives here instead of in upstream files. Placed into the torch_xla
+// codec, the cache-key salt, runtime memory info by raw device string, and
+// shard access for host transfers. PjRtComputationClient names PjRtAccess a
+// friend (a one-line hook), so the logic lives here instead of in upstream
+// files; what needs no torch_xla (cache_entry.h, memory_stats.h) is thinner
+// still and tested against a real PJRT client. Placed into the torch_xla
 // tree at torch_xla/csrc/runtime/xlakit/ by build/xlakit_build.py.
 #ifndef XLA_TORCH_XLA_CSRC_RUNTIME_XLAKIT_PJRT_ACCESS_H_
 #define XLA_TORCH_XLA_CSRC_RUNTIME_XLAKIT_PJRT_ACCESS_H_
 
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +17,7 @@
 #include "xla/pjrt/pjrt_client.h"
 
 #include "torch_xla/csrc/runtime/computation_client.h"
+#include "torch_xla/csrc/runtime/xlakit/memory_stats.h"
 
 namespace torch_xla {
 namespace runtime {
@@ -24,14 +25,6 @@ namespace runtime {
 class PjRtComputationClient;
 
 namespace xlakit {
-
-struct RuntimeMemoryInfo {
-  int64_t bytes_used = 0;
-  // Absent when the allocator knows no limit (tsl::AllocatorStats::bytes_limit
-  // is a std::optional).
-  std::optional<int64_t> bytes_limit;
-  std::optional<int64_t> peak_bytes_used;
-};
 
 // One addressable piece of a tensor's device data: the whole buffer for
 // unsharded data, one shard (of replica 0) for sharded data.
@@ -48,26 +41,30 @@ struct DataPieces {
 
 class PjRtAccess {
  public:
-  // Serialized executable (or, where the client cannot serialize, the HLO
-  // module) wrapped in the xlakit envelope.
+  // The serialized executable in xlakit's envelope, tagged when the job has
+  // a key (XLAKIT_CACHE_KEY); "" (nothing is cached) where the client cannot
+  // serialize it or the tag cannot be computed.
   static std::string SerializeComputation(
       PjRtComputationClient& client,
       const ComputationClient::ComputationPtr& computation);
 
   // nullptr (a counted miss, then a recompile) for any entry that is foreign,
-  // corrupt, truncated, for another runtime, or that the client refuses.
+  // corrupt, truncated, for another runtime, without a tag that verifies
+  // under the job's key (checked before the client sees it), or that the
+  // client refuses; notes the entry's fate (core/entry_fate.h) for the cache
+  // that called. Never compiles: it runs under the persistent cache's lock.
   static ComputationClient::ComputationPtr DeserializeComputation(
       PjRtComputationClient& client, const std::string& serialized);
 
-  // Folds platform name, platform version and the patch-series id into the
+  // Folds platform name, platform version and the patch-series id (which
+  // covers the series, the placed csrc/ and the upstream commits) into the
   // compilation-environment hash that is part of every cache key.
   static torch::lazy::hash_t SaltCompilationEnvHash(xla::PjRtClient* client,
                                                     torch::lazy::hash_t hash);
 
   // INVALID_ARGUMENT listing valid devices for an unknown device;
   // UNIMPLEMENTED when the platform keeps no allocator stats. "SPMD:0" sums
-  // the local devices (its peak is the sum of per-device peaks: an upper
-  // bound, since devices peak at different times).
+  // the local devices (SumAllocatorStats).
   static absl::StatusOr<RuntimeMemoryInfo> GetRuntimeMemoryInfo(
       PjRtComputationClient& client, const std::string& device);
 

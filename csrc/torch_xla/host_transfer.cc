@@ -24,18 +24,21 @@
 #include "torch_xla/csrc/runtime/pjrt_computation_client.h"
 #include "torch_xla/csrc/runtime/runtime.h"
 #include "torch_xla/csrc/runtime/xlakit/core/batch_plan.h"
+#include "torch_xla/csrc/runtime/xlakit/core/device_string.h"
 #include "torch_xla/csrc/runtime/xlakit/pjrt_access.h"
+#include "torch_xla/csrc/runtime/xlakit/shard_layout.h"
 #include "torch_xla/csrc/tensor_util.h"
 #include "torch_xla/csrc/unwrap_data.h"
 #include "torch_xla/csrc/xla_graph_executor.h"
-#include "torch_xla/csrc/xla_sharding_util.h"
 
 namespace torch_xla {
 namespace xlakit {
 namespace {
 
 using runtime::xlakit::DataPieces;
+using runtime::xlakit::LocalShard;
 using runtime::xlakit::PjRtAccess;
+using runtime::xlakit::ShardRegion;
 
 // A literal and its completion, shared with the OnReady callback: after a
 // timeout the copy may still land, so the memory must outlive this call.
@@ -48,7 +51,11 @@ struct PendingCopy {
 struct Piece {
   size_t tensor = 0;
   std::shared_ptr<xla::PjRtBuffer> buffer;
-  std::vector<at::indexing::TensorIndex> index;  // empty: the whole tensor
+  // Where the piece goes: [start, start + extent) of the tensor, taken from
+  // the start of the buffer (edge shards carry padding past the extent).
+  // Empty: the buffer is the whole tensor.
+  std::vector<int64_t> start;
+  std::vector<int64_t> extent;
   int64_t bytes = 0;
 };
 
@@ -91,7 +98,11 @@ absl::StatusOr<std::vector<at::Tensor>> TransferToHost(
   XLA_ASSIGN_OR_RETURN(std::vector<XLATensorPtr> xtensors,
                        bridge::GetXlaTensors(tensors));
   // One sync for all of them: pending IR becomes one graph, not one each.
-  XLAGraphExecutor::Get()->SyncTensorsGraph(&xtensors, {}, /*wait=*/false,
+  // wait=true: returns once the graph is scheduled, so GetXlaData() below
+  // finds the data (with wait=false it throws while the async operation is
+  // in flight) and a failed run raises here instead of leaving a
+  // placeholder that is waited on until the deadline.
+  XLAGraphExecutor::Get()->SyncTensorsGraph(&xtensors, {}, /*wait=*/true,
                                             /*sync_ltc_data=*/true);
   XLA_ASSIGN_OR_RETURN(runtime::ComputationClient * client,
                        runtime::GetComputationClient());
@@ -114,44 +125,41 @@ absl::StatusOr<std::vector<at::Tensor>> TransferToHost(
                          PjRtAccess::GetDataPieces(*pjrt_client, data));
     const at::Tensor& t = tensors[i];
     results[i] = at::empty(t.sizes(), t.options().device(at::kCPU));
-    std::vector<std::pair<int, std::vector<at::indexing::TensorIndex>>>
-        replica_and_index;
-    if (dp.is_sharded && dp.sharding.type() != xla::OpSharding::REPLICATED &&
-        dp.sharding.type() != xla::OpSharding::OTHER) {
-      // The shard index math upstream supports covers these two only.
-      return absl::UnimplementedError(absl::StrCat(
-          "_xla_transfer_to_host: ", Describe(t, i, tensors.size()),
-          " has sharding type ", xla::OpSharding::Type_Name(dp.sharding.type()),
-          "; only REPLICATED and OTHER (tiled) shardings are supported"));
+    auto bytes_of = [](const xla::PjRtBuffer& buffer) {
+      return xla::ShapeUtil::ByteSizeOf(
+          xla::ShapeUtil::DeviceShapeToHostShape(buffer.on_device_shape()));
+    };
+    if (!dp.is_sharded) {
+      pieces.push_back(
+          {i, dp.pieces[0].buffer, {}, {}, bytes_of(*dp.pieces[0].buffer)});
+      continue;
     }
-    if (dp.is_sharded && dp.sharding.type() == xla::OpSharding::OTHER) {
-      // As _get_local_shard_replica_and_indices computes it upstream: the
-      // shard shape from the tensor's sharding spec, devices from the shards.
-      XLATensor::ShardingSpecPtr spec = xtensors[i]->sharding_spec();
-      std::vector<int64_t> shard_shape;
-      if (spec != nullptr) {
-        shard_shape = ShardingUtil::GetShardShape(spec);
-      } else {
-        const xla::Shape& s = dp.pieces[0].buffer->on_device_shape();
-        shard_shape.assign(s.dimensions().begin(), s.dimensions().end());
-      }
-      std::vector<std::string> devices;
-      for (const auto& p : dp.pieces) devices.push_back(p.device);
-      replica_and_index = ShardingUtil::GetShardReplicaAndIndicesForDevices(
-          shard_shape, t.sizes().vec(), dp.sharding, devices);
+    // Each tile from its lowest local replica, placed by the buffers' own
+    // dimensions; a tile no local device holds fails the transfer (the
+    // result would otherwise keep uninitialised memory there).
+    std::vector<LocalShard> shards;
+    for (const auto& p : dp.pieces) {
+      ::xlakit::RuntimeDevice parsed;
+      std::string error = ::xlakit::ParseRuntimeDevice(p.device, &parsed);
+      if (!error.empty()) return absl::InternalError(error);
+      const xla::Shape& s = p.buffer->on_device_shape();
+      shards.push_back(
+          {parsed.ordinal,
+           std::vector<int64_t>(s.dimensions().begin(), s.dimensions().end())});
     }
-    for (size_t s = 0; s < dp.pieces.size(); ++s) {
-      // Replicated data, or a replica of a shard already taken: copy once.
-      if (replica_and_index.empty() ? s > 0 : replica_and_index[s].first != 0)
-        continue;
-      Piece piece{i, dp.pieces[s].buffer, {}, 0};
-      if (!replica_and_index.empty()) {
-        piece.index = replica_and_index[s].second;
-      }
-      piece.bytes =
-          xla::ShapeUtil::ByteSizeOf(xla::ShapeUtil::DeviceShapeToHostShape(
-              piece.buffer->on_device_shape()));
-      pieces.push_back(std::move(piece));
+    absl::StatusOr<std::vector<ShardRegion>> regions =
+        runtime::xlakit::PlanShardAssembly(dp.sharding, t.sizes().vec(),
+                                           shards);
+    if (!regions.ok()) {
+      return absl::Status(regions.status().code(),
+                          absl::StrCat("_xla_transfer_to_host: ",
+                                       Describe(t, i, tensors.size()), ": ",
+                                       regions.status().message()));
+    }
+    for (ShardRegion& r : *regions) {
+      const auto& buffer = dp.pieces[r.shard].buffer;
+      pieces.push_back({i, buffer, std::move(r.start), std::move(r.extent),
+                        bytes_of(*buffer)});
     }
   }
 
@@ -190,13 +198,14 @@ absl::StatusOr<std::vector<at::Tensor>> TransferToHost(
       at::Tensor host = MakeTensorFromXlaLiteral(
           copy.literal, results[piece.tensor].scalar_type());
       at::Tensor& out = results[piece.tensor];
-      if (piece.index.empty()) {
+      if (piece.start.empty()) {
         out.copy_(host.view(out.sizes()));
       } else {
-        // Edge shards carry padding: keep only what the index covers.
-        at::Tensor dst = out.index(piece.index);
-        for (int64_t d = 0; d < dst.dim(); ++d) {
-          host = host.narrow(d, 0, dst.size(d));
+        // Edge shards carry padding: keep only the region's extent.
+        at::Tensor dst = out;
+        for (size_t d = 0; d < piece.start.size(); ++d) {
+          dst = dst.narrow(d, piece.start[d], piece.extent[d]);
+          host = host.narrow(d, 0, piece.extent[d]);
         }
         dst.copy_(host);
       }

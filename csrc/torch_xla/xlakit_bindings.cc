@@ -20,8 +20,10 @@ namespace torch_xla {
 namespace xlakit {
 namespace {
 
-// Called with the GIL held: maps a status to the builtin a Python caller
-// expects (ValueError for a bad device, TimeoutError for a deadline, ...).
+// Called with the GIL held, never inside a gil_scoped_release (raising
+// without the GIL is a fatal interpreter error): maps a status to the
+// builtin a Python caller expects (ValueError for a bad device,
+// TimeoutError for a deadline, ...).
 [[noreturn]] void Raise(const absl::Status& status) {
   PyObject* type = PyExc_RuntimeError;
   switch (status.code()) {
@@ -58,11 +60,13 @@ void AddXlakitBindings(py::module& m) {
   m.def(
       "_xla_runtime_memory_info",
       [](const std::string& device) {
+        // Raise() needs the GIL: fetch the client before releasing it.
+        runtime::PjRtComputationClient& client = PjRtClient();
         absl::StatusOr<runtime::xlakit::RuntimeMemoryInfo> info;
         {
           py::gil_scoped_release nogil;
-          info = runtime::xlakit::PjRtAccess::GetRuntimeMemoryInfo(PjRtClient(),
-                                                                   device);
+          info =
+              runtime::xlakit::PjRtAccess::GetRuntimeMemoryInfo(client, device);
         }
         if (!info.ok()) Raise(info.status());
         py::dict d;
@@ -97,6 +101,10 @@ void AddXlakitBindings(py::module& m) {
     d["patch_set"] = info.patch_set;
     d["patches"] = info.patches;
     d["series_sha256"] = info.series_sha256;
+    d["sources_sha256"] = info.sources_sha256;
+    // What entries carry and cache keys are salted with; the cache folder's
+    // name and `xlakit cache verify` use this, never a copy of its recipe.
+    d["patch_series_id"] = runtime::xlakit::PatchSeriesId();
     d["torch_xla_commit"] = info.torch_xla_commit;
     d["xla_commit"] = info.xla_commit;
     return d;

@@ -23,6 +23,7 @@ def verify_entry(
     platform_name: str | None = None,
     platform_version: str | None = None,
     patch_series_id: str | None = None,
+    torch_xla_revision: str | None = None,
     key: bytes | None = None,
 ) -> dict[str, object]: ...
 MAX_HEADER_BYTES: int
@@ -33,10 +34,12 @@ def verify_entry_file(
     platform_name: str | None = None,
     platform_version: str | None = None,
     patch_series_id: str | None = None,
+    torch_xla_revision: str | None = None,
     key: bytes | None = None,
     chunk_bytes: int = 1 << 20,
 ) -> dict[str, object]: ...
 def cache_key_material(*, platform_name: str, platform_version: str, patch_series_id: str) -> bytes: ...
+def temp_file_target(name: str) -> str | None: ...
 def write_file_atomic(path: str, data: bytes) -> None: ...
 def plan_transfer_batches(item_bytes: list[int], *, max_inflight_bytes: int) -> list[tuple[int, int, int]]: ...
 def validate_runtime_device(

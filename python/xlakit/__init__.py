@@ -16,6 +16,7 @@ from xlakit.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIncompleteError,
+    CheckpointMismatchError,
     CheckpointPeerError,
     CheckpointSerializationError,
     CheckpointTimeoutError,
@@ -33,7 +34,8 @@ from xlakit.memory import MemoryInfo, memory_info
 # missing or broken; `xlakit doctor` has to run exactly there. The checkpoint
 # package itself imports torch and torch.distributed.checkpoint (~0.3 s) only
 # inside its functions.
-_LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint", "dcp_save": "xlakit.checkpoint",
+_LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint", "restore": "xlakit.checkpoint",
+         "dcp_save": "xlakit.checkpoint",
          "dcp_load": "xlakit.checkpoint", "wait_until_idle": "xlakit.checkpoint",
          "SaveHandle": "xlakit.checkpoint.background", "CheckpointManager": "xlakit.checkpoint.manager"}
 
@@ -50,6 +52,7 @@ __all__ = [
     "__version__",
     "save",
     "load",
+    "restore",
     "dcp_save",
     "dcp_load",
     "wait_until_idle",
@@ -65,6 +68,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointIncompleteError",
+    "CheckpointMismatchError",
     "CheckpointPeerError",
     "CheckpointSerializationError",
     "CheckpointTimeoutError",

@@ -41,8 +41,6 @@ from xlakit.errors import XlakitError
 # torch_xla's PersistentCache names a file `ss << key` (torch_xla/csrc/runtime/cache.h), the key being a
 # torch::lazy::hash_t, a 128-bit integer that an ostream writes in decimal.
 _ENTRY_NAME = re.compile(r"[0-9]{1,39}")
-# The atomic writer's temporary name (csrc/core/atomic_file.cc): prefix, entry name, pid, counter.
-_TEMP_NAME = re.compile(re.escape(_C.TEMP_PREFIX) + r"([0-9]{1,39})\.[0-9]+\.[0-9]+")
 # A temporary file younger than this may still be written to; a killed writer's is older.
 TEMP_MIN_AGE_S = 15 * 60
 _MAGICS = (_C.ENVELOPE_MAGIC, _C.AUTH_MAGIC)
@@ -61,6 +59,7 @@ class EntryReport:
     platform_name: str | None
     platform_version: str | None
     patch_series_id: str | None
+    torch_xla_revision: str | None
     message: str
 
     @property
@@ -77,15 +76,21 @@ def _is_entry_name(name: str) -> bool:
     return _ENTRY_NAME.fullmatch(name) is not None and int(name) < 1 << 128
 
 
+def _is_temporary(name: str) -> bool:
+    """A temporary of the atomic writer for an entry (its name format is the C++ writer's, csrc/core/atomic_file.h)."""
+    return _is_entry_name(_C.temp_file_target(name) or "")
+
+
 def _plain(name: str, st: os.stat_result, status: str, message: str) -> EntryReport:
     return EntryReport(name=name, size_bytes=st.st_size, status=status, kind=None, platform_name=None,
-                       platform_version=None, patch_series_id=None, message=message)
+                       platform_version=None, patch_series_id=None, torch_xla_revision=None, message=message)
 
 
 def _from_envelope(name: str, st: os.stat_result, info: dict) -> EntryReport:
     return EntryReport(name=name, size_bytes=st.st_size, status=info["status"], kind=info.get("kind"),
                        platform_name=info.get("platform_name"), platform_version=info.get("platform_version"),
-                       patch_series_id=info.get("patch_series_id"), message=info["message"])
+                       patch_series_id=info.get("patch_series_id"),
+                       torch_xla_revision=info.get("torch_xla_revision"), message=info["message"])
 
 
 def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str, str] | None,
@@ -93,7 +98,7 @@ def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str,
     name = path.name
     if name == KEY_FILE:
         return _plain(name, st, KEY, "")
-    if _TEMP_NAME.fullmatch(name):
+    if _is_temporary(name):
         age = now - st.st_mtime
         if age < TEMP_MIN_AGE_S:
             return _plain(name, st, IN_PROGRESS, f"a writer's temporary file, modified {age:.0f} s ago: "
@@ -168,11 +173,17 @@ def made_by_xlakit(directory: Path) -> bool:
 
 
 def _identity(args: argparse.Namespace) -> dict[str, str] | None:
+    """The runtime to judge entries against: three fields, plus the torch_xla revision when given."""
     given = {k: getattr(args, k) for k in ("platform_name", "platform_version", "patch_series_id")}
     if not any(given.values()):
+        if args.torch_xla_revision:
+            raise XlakitError("--torch-xla-revision checks entries only together with --platform-name, "
+                              "--platform-version and --patch-series-id")
         return None
     if not all(given.values()):
         raise XlakitError("pass all of --platform-name, --platform-version and --patch-series-id, or none")
+    if args.torch_xla_revision:
+        given["torch_xla_revision"] = args.torch_xla_revision
     return given
 
 
@@ -279,7 +290,9 @@ def add_parser(subparsers) -> None:
         q.add_argument("--json", action="store_true", help="print the folder's trust state and the entries as JSON")
         q.add_argument("--platform-name", help="check entries against this runtime (with the next two)")
         q.add_argument("--platform-version")
-        q.add_argument("--patch-series-id")
+        q.add_argument("--patch-series-id", help=f"the runtime's id, as its {KEY_FILE} records it")
+        q.add_argument("--torch-xla-revision", help="also check the torch_xla commit entries were written by "
+                                                    "(with the three above)")
         if name == "prune":
             q.add_argument("--dry-run", action="store_true", help="list what would be removed")
             q.add_argument("--foreign", action="store_true",

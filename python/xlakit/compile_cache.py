@@ -5,7 +5,9 @@ shared by two runtimes (a libtpu bump, a rebuilt torch_xla, stock and
 patched wheels) hands one the other's executables. `enable_persistent_cache`
 therefore places entries in a subfolder named by the platform version (which
 carries the libtpu build on TPU), the torch_xla/openxla/torch revisions and
-the patch set, and writes the key beside them as JSON for people and tools.
+the patched runtime's patch-series id (the one its entries carry and its C++
+salts cache keys with), and writes the key beside them as JSON for people
+and tools (`xlakit cache verify --patch-series-id`).
 
 An entry is code the job runs, so the folder must be one only the user (and
 root) can write: `enable_persistent_cache` refuses any other (`cache_trust`),
@@ -71,7 +73,9 @@ def cache_key(secret: bytes | None = None) -> dict[str, Any]:
         "xla_commit": build.get("xla_commit") or getattr(v, "__xla_gitrev__", None),
         "torch_commit": torch.version.git_version,
         "patch_set": build.get("patch_set") or "stock",
-        "series_sha256": build.get("series_sha256"),
+        # The runtime's own id (patch set and the digest of the series, its placed C++ and the upstream
+        # commits): what its entries carry and its C++ cache keys are salted with. Read, never recomputed.
+        "patch_series_id": build.get("patch_series_id"),
     }
     if secret:  # only then, so the folder of a cache without a key keeps its name
         key["key_id"] = key_id(secret)

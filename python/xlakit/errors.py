@@ -61,6 +61,20 @@ class CheckpointFormatError(CheckpointError, ValueError):
     """The file is a readable checkpoint but not one xlakit can verify."""
 
 
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A checkpoint does not fit the template it is restored into (keys, shapes, dtypes).
+
+    `problems` lists every difference, one message each; nothing was changed.
+    """
+
+    def __init__(self, message: str, *, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = list(problems or [])
+
+    def __reduce__(self):
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
 class CheckpointSerializationError(CheckpointError, TypeError):
     """The state holds an object a weights-only checkpoint cannot store."""
 

@@ -2,16 +2,18 @@
 
 Reading order, top-down:
 
-* here: `save`, `load`, `dcp_save`, `dcp_load`, `wait_until_idle` (options
-  resolved, then handed to the layout that runs them);
+* here: `save`, `load`, `restore`, `dcp_save`, `dcp_load`, `wait_until_idle`
+  (options resolved, then handed to the layout that runs them);
 * `pipeline.py`: one file saved through plan, sync, transfer, write, commit;
-  `loading.py`: one file verified and read; `background.py`: the same save
-  with its write and commit in the background;
+  `loading.py`: one file read, each record once and verified as read;
+  `restoring.py`: the same, straight into a template's tensors on their devices;
+  `background.py`: the save with its write and commit in the background;
 * `ranks.py` (replicated and sharded layouts) and `dcp.py` / `dcp_ranks.py`
   (torch.distributed.checkpoint folders), over `agreement.py` (what every
   rank agrees on before anything is deleted or committed);
 * below them: `operation.py` (deadline, cancellation, commit point), `state.py`
-  (the plan of tensors and storages), `archive.py` (the file format),
+  (the plan of tensors and storages), `archive.py` (the zip and its index),
+  `pickled.py` / `structure.py` (the state as torch.load and as xlakit reads it),
   `transfer.py` / `spmd.py` (device to host), `paths.py` / `folders.py`
   (temporary names, atomic replacement, commit records), `options.py`.
 
@@ -143,6 +145,82 @@ def _load_folder(folder: Path, opts: LoadOptions) -> Any:
         raise CheckpointFormatError(f"{folder} is a sharded checkpoint: inside the job that wrote it "
                                     f"each rank loads its own shard; elsewhere pass shard=N to read one")
     return ranks.load(folder, opts)
+
+
+def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | None = None,
+            **overrides: Any) -> Any:
+    """Restore a checkpoint into the tensors of `template`, in place, on their devices.
+
+    The fast way to resume: each tensor of `template` (a state dict as your model
+    and optimizer have it now: on the CPU, a CUDA device or an XLA device, SPMD-sharded
+    or not) receives the saved values where it is, keeping its device, dtype and
+    sharding. The file is read once, record by record, each hashed as it is read,
+    in batches of at most ``max_inflight_bytes`` that go to their devices (one
+    batched host-to-device transfer per batch on XLA) before the next is read, so
+    the host never holds more than one batch. Every difference between checkpoint
+    and template (missing or extra keys, shapes, dtypes) is reported at once,
+    before anything is changed.
+
+    Args:
+        path: a file written by `xlakit.save` (any torch.save file works, read whole);
+            a sharded folder's shard with ``shard=N`` (inside the job, this rank's by
+            default); a DCP folder is restored through `dcp_load`.
+        template: the state to fill, e.g. ``{"model": model.state_dict(),
+            "optimizer": opt.state_dict()}`` (an optimizer needs state to receive it:
+            take a step, or restore only the model).
+        options: a `LoadOptions` (``mmap`` does not apply); keyword overrides win.
+
+    Returns:
+        The restored state: the checkpoint's structure with the template's own tensors
+        (filled in place) and the checkpoint's other values (step counters, learning
+        rates), e.g. for ``opt.load_state_dict(state["optimizer"])``.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint does not fit the template (`.problems`
+            lists every difference); nothing was changed.
+        CheckpointCorruptError: a record fails its checksum (the tensor is named);
+            tensors restored before it hold the checkpoint's values.
+        CheckpointTimeoutError: the deadline passed.
+
+    Example:
+        >>> import torch, xlakit
+        >>> p = getfixture("tmp_path") / "ckpt.pt"
+        >>> xlakit.save({"w": torch.ones(2), "step": 7}, p)
+        >>> template = {"w": torch.zeros(2), "step": 0}
+        >>> xlakit.restore(p, template)["step"], template["w"]
+        (7, tensor([1., 1.]))
+    """
+    from xlakit.checkpoint import restoring
+
+    opts: LoadOptions = resolve(LoadOptions, options, overrides)
+    if opts.mmap:
+        raise ValueError("mmap does not apply to restore: the values go into the template's own memory")
+    final = Path(path)
+    if final.is_dir():
+        return _restore_folder(final, template, opts)
+    if opts.shard is not None:
+        raise ValueError(f"shard={opts.shard} reads one shard of a sharded checkpoint folder; {final} "
+                         f"is {'a file' if final.exists() else 'missing'}")
+    return restoring.restore(final, template, opts)
+
+
+def _restore_folder(folder: Path, template: Any, opts: LoadOptions) -> Any:
+    import dataclasses
+
+    from xlakit.checkpoint import agreement, folders, ranks, restoring
+
+    record = folders.read_json_record(folder)
+    if record is not None and record.get("format") == folders.DCP_FORMAT:
+        dcp_load(template, folder, options=dataclasses.replace(opts, shard=None, layout="auto"))
+        return template
+    commit = ranks.read_commit(folder)
+    shard = opts.shard
+    if shard is None:
+        if agreement.world_size() == 1:
+            raise ValueError(f"{folder} is a sharded checkpoint: pass shard=N (inside the job that "
+                             f"wrote it, each rank restores its own shard)")
+        shard = agreement.dist().get_rank()
+    return restoring.restore(ranks.shard_path(folder, commit, shard, opts), template, opts)
 
 
 def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | None = None,

@@ -289,7 +289,9 @@ class Coordination:
         """
         if self.gate.outcome is not None:
             return
-        culprits = [self.rank]
+        # An error that already names its culprit (a disagreement found in `agree`) keeps it.
+        named = getattr(error, "rank", None)
+        culprits = [self.rank if named is None else named]
         if waiting:
             try:
                 self.publish(f"broken/{self.rank}", {"error": _first_line(error)})
@@ -301,14 +303,15 @@ class Coordination:
                 missing = [r for r in missing if not self.store.check([self._key(f"broken/{r}")])]
                 time.sleep(_POLL_S)
             culprits = missing or [self.rank]
+        stalled = waiting and culprits != [self.rank]
         message = _first_line(error)
-        if culprits != [self.rank]:
+        if stalled:
             message = f"rank(s) {culprits} stopped answering (died or stalled); here: {message}"
         with self.gate.lock:
             if self.gate.outcome is None:
                 try:
                     held = self.claim(self._abort_record(
-                        message, culprits, isinstance(error, TimeoutError) or culprits != [self.rank], stage))
+                        message, culprits, isinstance(error, TimeoutError) or stalled, stage))
                 except CheckpointPeerError:
                     return  # the store is gone: the outcome stays unknown here, nothing is discarded
                 self.gate.settle(held)

@@ -22,14 +22,11 @@ in the file, digest and the tensor paths that use it.
 from __future__ import annotations
 
 import ctypes
-import io
 import json
-import pickle
 import secrets
 import struct
 import sys
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -37,17 +34,19 @@ from typing import BinaryIO
 import torch
 import xxhash
 
-from xlakit.checkpoint.state import Plan, StorageEntry, TensorRef
-from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointSerializationError
+from xlakit.checkpoint.state import StorageEntry
+from xlakit.errors import CheckpointCorruptError, CheckpointFormatError
 
 ARCHIVE = "archive"
-CHECKSUMS_RECORD = "xlakit/checksums.json"
+CHECKSUMS_RECORD = "xlakit/checksums.json"  # the index
+STRUCTURE_RECORD = "xlakit/structure.json"
+_INDEX_POINTER = "xlakit-index:"  # the zip comment: where the index's bytes are
 FORMAT = "xlakit-checkpoint"
 FORMAT_VERSION = 2  # 1: storages keyed by tensor, no offsets; 2: shared storages, offsets, paths
 HASH = "xxh3_64"
 ALIGNMENT = 64
 CHUNK_BYTES = 1 << 20
-_PICKLE_PROTOCOL = 2  # torch.save's default; the weights-only unpickler expects it
+_SMALL_RECORD = 64 << 10  # storages up to this size are copied whole and written in one call
 _TORCH_FILE_VERSION = b"3\n"
 _U32 = 0xFFFFFFFF
 _U16 = 0xFFFF
@@ -64,89 +63,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if n == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
-
-
-# -- the pickle -------------------------------------------------------------------------------
-
-class _StorageRef:
-    """Stands for one storage in the pickle; persistent_id turns it into a record key."""
-
-    def __init__(self, entry: StorageEntry, dtype: torch.dtype, legacy: object | None):
-        self.entry, self.dtype, self.legacy = entry, dtype, legacy
-
-
-class _PlainTensor:
-    """A Parameter's data, pickled as a plain tensor inside `_rebuild_parameter`."""
-
-    def __init__(self, ref: TensorRef):
-        self.ref = ref
-
-
-class _MetadataPickler(pickle.Pickler):
-    def __init__(self, file: BinaryIO, plan: Plan):
-        super().__init__(file, protocol=_PICKLE_PROTOCOL)
-        self._plan = plan
-        self._legacy = torch.storage._dtype_to_storage_type_map()
-
-    def persistent_id(self, obj):
-        if not isinstance(obj, _StorageRef):
-            return None
-        e = obj.entry
-        if obj.legacy is not None:  # a typed storage, as torch.save writes for the common dtypes
-            itemsize = torch.empty((), dtype=obj.dtype).element_size()
-            return ("storage", obj.legacy, e.key, "cpu", e.nbytes // itemsize)
-        return ("storage", torch.UntypedStorage, e.key, "cpu", e.nbytes)
-
-    def _rebuild(self, ref: TensorRef, requires_grad: bool):
-        legacy_name = self._legacy.get(ref.dtype)
-        metadata = torch._utils.get_tensor_metadata(ref.tensor) if ref.tensor.device.type != "xla" else {}
-        if legacy_name is not None:
-            args = (_StorageRef(ref.storage, ref.dtype, getattr(torch, legacy_name)), ref.offset,
-                    ref.size, ref.stride, requires_grad, OrderedDict())
-            return torch._utils._rebuild_tensor_v2, args + ((metadata,) if metadata else ())
-        storage = _StorageRef(ref.storage, ref.dtype, None)
-        return (torch._utils._rebuild_tensor_v3,
-                (storage, ref.offset, ref.size, ref.stride, requires_grad, OrderedDict(), ref.dtype)
-                + ((metadata,) if metadata else ()))
-
-    def reducer_override(self, obj):
-        if isinstance(obj, _PlainTensor):
-            return self._rebuild(obj.ref, False)
-        if isinstance(obj, torch.Tensor):
-            ref = self._plan.tensors[id(obj)]
-            if isinstance(obj, torch.nn.Parameter):
-                return (torch._utils._rebuild_parameter,
-                        (_PlainTensor(ref), obj.requires_grad, OrderedDict()))
-            return self._rebuild(ref, obj.requires_grad)
-        return NotImplemented
-
-
-def _check_weights_only(data: bytes) -> None:
-    """Refuse, before anything is written, a pickle that torch.load(weights_only=True) rejects."""
-    from torch import _weights_only_unpickler
-
-    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
-    unpickler.persistent_load = lambda saved_id: torch.UntypedStorage(0)
-    try:
-        unpickler.load()
-    except pickle.UnpicklingError as e:
-        err = CheckpointSerializationError(
-            f"the state cannot be loaded back with torch.load(weights_only=True): {e}")
-        err.add_note("Save plain containers of tensors and numbers (state_dict()s), not objects.")
-        raise err from None
-    except Exception:  # noqa: BLE001 - rebuilding against empty storages fails; the globals passed
-        pass
-
-
-def pickle_state(state: object, plan: Plan) -> bytes:
-    buf = io.BytesIO()
-    try:
-        _MetadataPickler(buf, plan).dump(state)
-    except (pickle.PicklingError, TypeError, AttributeError) as e:
-        raise CheckpointSerializationError(f"the state cannot be pickled: {e}") from e
-    data = buf.getvalue()
-    _check_weights_only(data)
-    return data
 
 
 # -- the zip ----------------------------------------------------------------------------------
@@ -173,6 +89,7 @@ class ArchiveWriter:
         self._records: list[_Record] = []
         self._buffer = bytearray(CHUNK_BYTES)
         self._pickle: dict = {}
+        self._structure: dict = {}
         self._storages: dict[str, dict] = {}
 
     def _put(self, data) -> None:
@@ -198,17 +115,28 @@ class ArchiveWriter:
             self._put(struct.pack("<IIII", 0x08074B50, crc, size, size))
 
     def _small(self, name: str, data: bytes) -> tuple[int, str]:
-        offset = self._begin(name)
-        self._put(data)
-        self._end(len(data), zlib.crc32(data) if self._crc else 0)
-        return offset, digest(data)
+        """A record from bytes already private to the writer, in one write."""
+        raw = f"{ARCHIVE}/{name}".encode()
+        header_at = self._pos
+        pad = -(header_at + 30 + len(raw) + 4) % ALIGNMENT
+        crc = zlib.crc32(data) if self._crc else 0
+        n = len(data)
+        self._records.append(_Record(raw, header_at, n, crc))
+        descriptor = (struct.pack("<IIQQ", 0x08074B50, crc, n, n) if n >= _U32
+                      else struct.pack("<IIII", 0x08074B50, crc, n, n))
+        self._put(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw), 4 + pad)
+                  + raw + b"FB" + struct.pack("<H", pad) + b"Z" * pad + data + descriptor)
+        return header_at + 30 + len(raw) + 4 + pad, digest(data)
 
-    def write_header(self, pickled: bytes) -> None:
+    def write_header(self, pickled: bytes, structure: bytes) -> None:
+        """The pickle (for torch.load), torch's format records, the structure (for xlakit)."""
         offset, pickle_digest = self._small("data.pkl", pickled)
         self._pickle = {"nbytes": len(pickled), "offset": offset, HASH: pickle_digest}
         for name, value in ((".format_version", b"1"), (".storage_alignment", str(ALIGNMENT).encode()),
                             ("byteorder", sys.byteorder.encode())):
             self._small(name, value)
+        offset, structure_digest = self._small(STRUCTURE_RECORD, structure)
+        self._structure = {"nbytes": len(structure), "offset": offset, HASH: structure_digest}
 
     def write_storage(self, entry: StorageEntry, view: memoryview,
                       on_chunk: Callable[[int], None] = lambda n: None) -> None:
@@ -216,9 +144,16 @@ class ArchiveWriter:
 
         `on_chunk(nbytes)` runs after each chunk (progress; it may raise to stop).
         """
+        n = len(view)
+        if n <= _SMALL_RECORD:  # header, bytes and descriptor in one write; the bytes copied once
+            data = bytes(view)
+            offset, storage_digest = self._small(f"data/{entry.key}", data)
+            self._storages[entry.key] = {"nbytes": n, "offset": offset, HASH: storage_digest,
+                                         "paths": entry.paths}
+            on_chunk(n)
+            return
         offset = self._begin(f"data/{entry.key}")
         hasher, crc, buf = xxhash.xxh3_64(), 0, memoryview(self._buffer)
-        n = len(view)
         for start in range(0, n, CHUNK_BYTES):
             m = min(CHUNK_BYTES, n - start)
             buf[:m] = view[start:start + m]
@@ -233,14 +168,21 @@ class ArchiveWriter:
                                      "paths": entry.paths}
 
     def finish(self) -> None:
-        index = {"format": FORMAT, "version": FORMAT_VERSION, "hash": HASH,
-                 "pickle": self._pickle, "storages": self._storages}
-        self._small(CHECKSUMS_RECORD, json.dumps(index, sort_keys=True).encode())
+        # Storages as columns, in key order (key i at row i): parsed several times faster
+        # than one object per storage, which matters with 100,000 tensors.
+        rows = [self._storages[k] for k in sorted(self._storages, key=int)]
+        columns = {name: [r[name] for r in rows] for name in ("offset", "nbytes", HASH)}
+        columns["path"] = [r["paths"][0] for r in rows]
+        columns["more_paths"] = {str(i): r["paths"][1:] for i, r in enumerate(rows) if len(r["paths"]) > 1}
+        index = {"format": FORMAT, "version": FORMAT_VERSION, "hash": HASH, "pickle": self._pickle,
+                 "structure": self._structure, "storages": columns}
+        blob = json.dumps(index, sort_keys=True).encode()
+        offset, _ = self._small(CHECKSUMS_RECORD, blob)
         self._small("version", _TORCH_FILE_VERSION)
         self._small(".data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())
-        self._central_directory()
+        self._central_directory(f"{_INDEX_POINTER}{offset}:{len(blob)}".encode())
 
-    def _central_directory(self) -> None:
+    def _central_directory(self, comment: bytes) -> None:
         start = self._pos
         for r in self._records:
             big = [v for v in (r.size, r.size, r.header_offset) if v >= _U32]
@@ -255,15 +197,55 @@ class ArchiveWriter:
         self._put(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 45, 0, 0, count, count, size, start))
         self._put(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
         self._put(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, _U16), min(count, _U16),
-                              min(size, _U32), min(start, _U32), 0))
+                              min(size, _U32), min(start, _U32), len(comment)) + comment)
 
 
 # -- reading the index ------------------------------------------------------------------------
 
+def locate_index(f: BinaryIO, size: int) -> tuple[int, int] | None:
+    """(offset, nbytes) of the index from the zip comment xlakit writes; None where there is none."""
+    tail_len = min(size, 22 + 64)
+    f.seek(size - tail_len)
+    tail = f.read(tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + 22 > len(tail):
+        return None
+    comment_len = struct.unpack_from("<H", tail, at + 20)[0]
+    comment = tail[at + 22:at + 22 + comment_len]
+    if len(comment) != comment_len or not comment.startswith(_INDEX_POINTER.encode()):
+        return None
+    try:
+        offset, nbytes = (int(x) for x in comment[len(_INDEX_POINTER):].split(b":"))
+    except ValueError:
+        return None
+    return (offset, nbytes) if 0 <= offset and 0 < nbytes and offset + nbytes <= size else None
+
+
+def parse_index(blob: bytes, path: str) -> dict:
+    """The index record, checked for its format and version."""
+    try:
+        meta = json.loads(blob)
+        if meta.get("format") != FORMAT or meta.get("hash") != HASH:
+            raise ValueError(f"unknown format {meta.get('format')!r}/{meta.get('hash')!r}")
+        version = meta.get("version")
+        if not isinstance(version, int):
+            raise ValueError(f"format version {version!r} is not a number")
+    except (ValueError, RuntimeError, AttributeError) as e:
+        raise CheckpointCorruptError(f"{path}: the checksum record is unreadable ({e})") from e
+    if version > FORMAT_VERSION:
+        err = CheckpointFormatError(
+            f"{path} was written in xlakit checkpoint format version {version}; this xlakit "
+            f"understands versions up to {FORMAT_VERSION}")
+        err.add_note("Upgrade xlakit to load it, or read it with torch.load(path, weights_only=True) "
+                     "without verification.")
+        raise err
+    return meta
+
+
 @dataclass(frozen=True)
 class StorageCheck:
     key: str
-    path: str
+    path: str  # the first tensor on the storage, for messages
     nbytes: int
     expected: str
     offset: int | None  # known from the index (version 2), else looked up in the zip
@@ -284,29 +266,19 @@ def read_index(path: str) -> tuple[dict, torch._C.PyTorchFileReader]:
         err.add_note("Load it with xlakit.load(path, verify=False) or torch.load(path, "
                      "weights_only=True) if you trust it.")
         raise err
-    try:
-        meta = json.loads(bytes(reader.get_record(CHECKSUMS_RECORD)))
-        if meta.get("format") != FORMAT or meta.get("hash") != HASH:
-            raise ValueError(f"unknown format {meta.get('format')!r}/{meta.get('hash')!r}")
-        version = meta.get("version")
-        if not isinstance(version, int):
-            raise ValueError(f"format version {version!r} is not a number")
-    except (ValueError, RuntimeError) as e:
-        raise CheckpointCorruptError(f"{path}: the checksum record is unreadable ({e})") from e
-    if version > FORMAT_VERSION:
-        err = CheckpointFormatError(
-            f"{path} was written in xlakit checkpoint format version {version}; this xlakit "
-            f"understands versions up to {FORMAT_VERSION}")
-        err.add_note("Upgrade xlakit to load it, or read it with torch.load(path, weights_only=True) "
-                     "without verification.")
-        raise err
-    return meta, reader
+    return parse_index(bytes(reader.get_record(CHECKSUMS_RECORD)), path), reader
 
 
 def iter_checks(meta: dict) -> Iterator[StorageCheck]:
-    for key, rec in meta["storages"].items():
-        path = rec["paths"][0] if "paths" in rec else rec["path"]
-        yield StorageCheck(key, path, int(rec["nbytes"]), rec[HASH], rec.get("offset"))
+    """Every storage of an index: version 2 stores them as columns, version 1 as one object each."""
+    storages = meta["storages"]
+    if isinstance(storages.get("offset"), list):  # row i is storage key i
+        for row, (offset, nbytes, digest_, path) in enumerate(zip(
+                storages["offset"], storages["nbytes"], storages[HASH], storages["path"])):
+            yield StorageCheck(str(row), path, int(nbytes), digest_, int(offset))
+        return
+    for key, rec in storages.items():
+        yield StorageCheck(key, rec["path"], int(rec["nbytes"]), rec[HASH], rec.get("offset"))
 
 
 def record_offset(reader, name: str, path: str, what: str, tensor: str | None) -> int:

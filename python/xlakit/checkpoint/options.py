@@ -138,11 +138,13 @@ class LoadOptions:
             alone), "single" (this process alone) or "replicated" (every rank of the job
             reads the file; all succeed or all raise).
         shard: read this one shard of a sharded checkpoint folder, without coordination.
+        max_inflight_bytes: (`xlakit.restore`) cap on checkpoint bytes held on the host at once.
     """
 
     verify: bool = True
     timeout_s: float = field(default_factory=lambda: _knobs.get_float(_knobs.SAVE_TIMEOUT_S))
     mmap: bool = False
+    max_inflight_bytes: int = field(default_factory=lambda: _knobs.get_int(_knobs.MAX_INFLIGHT_BYTES))
     stall_warning_s: float = field(default_factory=lambda: _knobs.get_float(_knobs.STALL_WARNING_S))
     progress_interval_s: float = field(
         default_factory=lambda: _knobs.get_float(_knobs.PROGRESS_INTERVAL_S))
@@ -154,6 +156,7 @@ class LoadOptions:
         _bool("verify", self.verify)
         _seconds("timeout_s", self.timeout_s)
         _bool("mmap", self.mmap)
+        _count("max_inflight_bytes", self.max_inflight_bytes, minimum=1)
         _seconds("stall_warning_s", self.stall_warning_s)
         _seconds("progress_interval_s", self.progress_interval_s)
         _callback(self.progress_callback)

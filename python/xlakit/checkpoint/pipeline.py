@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from xlakit.checkpoint import archive, paths, state, transfer
+from xlakit.checkpoint import archive, paths, pickled, state, structure, transfer
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import SaveOptions
 from xlakit.checkpoint.state import Plan, StorageEntry
@@ -39,12 +39,13 @@ Commit = Callable[[Operation, Path, Path], None]
 
 @dataclass
 class FileSave:
-    """One checkpoint file, planned and pickled; nothing written yet."""
+    """One checkpoint file, planned, pickled and described; nothing written yet."""
 
     final: Path
     opts: SaveOptions
     plan: Plan
-    pickled: bytes
+    pickled: bytes  # for torch.load
+    structure: bytes  # for xlakit's reader (structure.py)
 
 
 # -- plan ---------------------------------------------------------------------------------------
@@ -54,7 +55,7 @@ def prepare(obj: Any, final: Path, opts: SaveOptions, *, check_target: bool = Tr
     if check_target:
         paths.check_target(final)
     plan = state.plan(obj)
-    return FileSave(final, opts, plan, archive.pickle_state(obj, plan))
+    return FileSave(final, opts, plan, pickled.pickle_state(obj, plan), structure.encode(obj, plan))
 
 
 # -- sync and transfer --------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def write(op: Operation, job: FileSave, items: HostItems, *, commit: Commit | No
     try:
         with open(tmp, "xb") as f:
             writer = archive.ArchiveWriter(f, compute_crc32=job.opts.compute_crc32)
-            writer.write_header(job.pickled)
+            writer.write_header(job.pickled, job.structure)
             for batch, hosts, *_ in items:
                 for entry, host in zip(batch, hosts):
                     op.enter("write", entry.path)

@@ -188,7 +188,7 @@ def save(obj: Any, path: Path, opts: SaveOptions) -> background.SaveHandle | Non
     """`xlakit.save` with layout 'replicated' or 'sharded' (see the module docstring)."""
     save_ = CoordinatedSave(obj, path, opts)
     if opts.asynchronous:
-        job = save_.job or pipeline.FileSave(path, opts, _empty_plan(), b"")
+        job = save_.job or pipeline.FileSave(path, opts, _empty_plan(), b"", b"")
         return background.start(job, save_.stage, save_.write, gate=save_.coord.gate, rank=save_.rank)
     op = save_.operation("save")
     op.run(save_.run)
@@ -228,7 +228,7 @@ def loading_format_error(folder: Path, record: dict) -> Exception:
                                  f"not {folders.SHARDED_FORMAT!r}; it is not a checkpoint xlakit.load reads")
 
 
-def _shard_path(folder: Path, record: dict, shard: int, opts: LoadOptions) -> Path:
+def shard_path(folder: Path, record: dict, shard: int, opts: LoadOptions) -> Path:
     if not 0 <= shard < record["world"]:
         raise ValueError(f"{folder} has shards 0..{record['world'] - 1}, not {shard}")
     entry = record["shards"][shard]
@@ -244,7 +244,7 @@ def _shard_path(folder: Path, record: dict, shard: int, opts: LoadOptions) -> Pa
 
 def load_shard(folder: Path, shard: int, opts: LoadOptions) -> Any:
     """One verified shard of a committed sharded checkpoint, without coordination."""
-    return loading.load_file(_shard_path(folder, read_commit(folder), shard, opts), opts)
+    return loading.load_file(shard_path(folder, read_commit(folder), shard, opts), opts)
 
 
 def load(path: Path, opts: LoadOptions) -> Any:
@@ -265,7 +265,7 @@ def load(path: Path, opts: LoadOptions) -> Any:
                     raise ValueError(f"{path} was saved by {record['world']} ranks and this job has "
                                      f"{coord.world}; load one shard with shard=N, or save with "
                                      f"xlakit.dcp_save to reshard")
-                result = loading.read_file(op, _shard_path(path, record, coord.rank, opts), opts)
+                result = loading.read_file(op, shard_path(path, record, coord.rank, opts), opts)
             else:
                 result = loading.read_file(op, path, opts)
         except BaseException as e:

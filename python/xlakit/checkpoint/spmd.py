@@ -18,6 +18,7 @@ this module refuses with a pointer to `xlakit.dcp_save`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -127,3 +128,40 @@ def to_host(tensors: Sequence[torch.Tensor], *, timeout_s: float,
                 f"tensors of this batch (timeout_s={timeout_s:.3g} was left)", stage="transfer")
         hosts.append(assemble(t))
     return hosts
+
+
+def padded_shard_shape(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape of each device's shard of tiled `t`, padding included; None if not tiled."""
+    import torch_xla
+
+    spec = torch_xla._XLAC._get_xla_sharding_spec(t)
+    m = re.match(r"\{devices=\[([\d,]+)\]", spec)
+    if m is None:
+        return None
+    tiles = [int(x) for x in m.group(1).split(",")][:t.dim()]
+    return tuple(-(-n // k) for n, k in zip(t.shape, tiles))
+
+
+def load_from_host(t: torch.Tensor, host: torch.Tensor) -> None:
+    """Fill tiled (or partially replicated) `t` in place from its full host value, shard by shard.
+
+    Each local device receives exactly its shard (padding zeroed); nothing is
+    replicated on the device and nothing compiles. Needs every local shard's
+    slice, as `_get_local_shard_replica_and_indices` gives them in device order.
+    """
+    import torch_xla
+
+    xlac = torch_xla._XLAC
+    shape = padded_shard_shape(t)
+    if shape is None:
+        raise ValueError(f"not a tiled tensor: {xlac._get_xla_sharding_spec(t)}")
+    shards = []
+    for _, index in xlac._get_local_shard_replica_and_indices([t])[0]:
+        piece = host if index is Ellipsis else host[tuple(index)]
+        if tuple(piece.shape) == shape:
+            shards.append(piece.contiguous())
+            continue
+        padded = torch.zeros(shape, dtype=host.dtype)
+        padded[tuple(slice(0, n) for n in piece.shape)] = piece
+        shards.append(padded)
+    xlac._load_local_shards(t, shards, list(xlac._xla_get_runtime_devices()))

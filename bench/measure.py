@@ -1,0 +1,54 @@
+"""What every benchmark row measures: wall time, peak RSS increase, compiles; one fresh process per row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+MiB = 1 << 20
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """Samples this process's RSS every few ms; `peak` is the highest seen."""
+
+    def __init__(self):
+        self.peak = rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+
+def compiles() -> int:
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return data[0] if data else 0
+
+
+def fresh_process(script: str, args: list[str], timeout_s: float = 1800) -> dict:
+    """Run `script --one ...args` in a new interpreter; the JSON row it printed last."""
+    out = subprocess.run([sys.executable, script, "--one", *args], capture_output=True, text=True,
+                         timeout=timeout_s)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

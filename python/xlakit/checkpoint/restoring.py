@@ -1,0 +1,294 @@
+"""Restore a checkpoint straight into a training state: in place, on its devices, in batches.
+
+A resume usually reads the whole file into host memory, then copies every
+tensor to its device: twice the work, and the whole state on the host at
+once. Here the template (a state dict whose tensors already sit where they
+should: CPU, CUDA, an XLA device, SPMD-sharded) is matched against the
+checkpoint's structure first, and every difference (missing or extra keys,
+shapes, dtypes) is reported at once, before anything is changed. Then the
+storages are read in batches of at most `max_inflight_bytes`, each record
+once and hashed as read, and each batch goes to its devices before the next
+is read:
+
+* CPU: read straight into the template tensor's memory when it covers its
+  storage, else copied in place;
+* XLA: one batched host-to-device transfer (`_xla_tensors_from_aten`) for the
+  batch's plain tensors, each template tensor then pointed at its new buffer
+  (`copy_` from device data: no compile, and it reaches the parameter behind a
+  `state_dict()` alias); tiled SPMD tensors receive exactly their local shards
+  (`spmd.load_from_host`); other shardings are copied;
+* other devices (CUDA): copied in place.
+
+Plain torch.save files (and earlier xlakit files) have no structure record:
+they are loaded to the host whole, then copied the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xlakit.checkpoint import loading, spmd, structure
+from xlakit.checkpoint.archive import tensor_bytes
+from xlakit.checkpoint.operation import Operation, Watch, check_idle
+from xlakit.checkpoint.options import LoadOptions
+from xlakit.checkpoint.structure import TensorSpec
+from xlakit.errors import CheckpointMismatchError
+
+PARTLY = ("nothing on disk was changed; tensors restored before the failure hold the checkpoint's "
+          "values, the rest their previous ones: restore again from a good checkpoint")
+_SHOWN = 20  # problems listed in the message (all are in `.problems`)
+
+
+@dataclass(eq=False)
+class Target:
+    """One template tensor and what fills it: a spec (xlakit file) or a host tensor (torch file)."""
+
+    path: str
+    tensor: torch.Tensor
+    source: TensorSpec | torch.Tensor
+
+
+def restore(path: Path, template: Any, opts: LoadOptions) -> Any:
+    """See `xlakit.restore`."""
+    if not path.is_file():
+        raise FileNotFoundError(2, f"no checkpoint at {path}", str(path))
+    check_idle()  # a stuck transfer of an earlier save must not be queued behind
+    op = Operation("restore", path, Watch.of(opts), bytes_total=path.stat().st_size, untouched=PARTLY)
+    return op.run(lambda op: _restore(op, path, template, opts))
+
+
+def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any:
+    with open(path, "rb", buffering=0) as f:
+        index = loading.open_index(f, path)
+        if index is None:
+            op.enter("read")
+            if opts.verify:
+                loading.verify_file(path, op)
+            saved = loading.torch_load(path, False)
+            targets = _match(saved, template, path)
+            op.enter("copy")
+            _apply(op, [(t, t.source) for t in targets])
+            return _rebuild(saved, targets)
+        reader = loading.RecordReader(f, path)
+        layout = loading.read_structure(op, reader, index, opts.verify)
+        saved = structure.decode(layout, structure.spec, str(path))
+        targets = _match(saved, template, path)
+        op.bytes_total = sum(index["storages"]["nbytes"][r] for r in {t.source.storage for t in targets})
+        arena = Arena()
+        for batch in _batches(targets, index, opts.max_inflight_bytes):
+            _restore_batch(op, reader, index, batch, opts.verify, arena)
+        return _rebuild(saved, targets)
+
+
+# -- matching ---------------------------------------------------------------------------------
+
+def _match(saved: Any, template: Any, path: Path) -> list[Target]:
+    """Every (template tensor, saved tensor) pair; raises naming every difference."""
+    targets: list[Target] = []
+    problems: list[str] = []
+
+    def kind(v: Any) -> str:
+        if isinstance(v, (TensorSpec, torch.Tensor)):
+            return "a tensor"
+        return f"a {type(v).__name__}"
+
+    def walk(s: Any, t: Any, where: str) -> None:
+        name = where or "the state"
+        s_tensor = isinstance(s, (TensorSpec, torch.Tensor))
+        if s_tensor and isinstance(t, torch.Tensor):
+            shape, dtype = tuple(s.size if isinstance(s, TensorSpec) else s.shape), s.dtype
+            if shape != tuple(t.shape) or dtype != t.dtype:
+                problems.append(f"{name}: the checkpoint has {dtype} {list(shape)}, the template "
+                                f"{t.dtype} {list(t.shape)}")
+            else:
+                targets.append(Target(name, t, s))
+        elif s_tensor or isinstance(t, torch.Tensor):
+            problems.append(f"{name}: the checkpoint has {kind(s)}, the template {kind(t)}")
+        elif isinstance(s, dict) and isinstance(t, dict):
+            for k in t.keys() - s.keys():
+                problems.append(f"{_child(where, k)}: missing from the checkpoint")
+            for k in s.keys() - t.keys():
+                problems.append(f"{_child(where, k)}: in the checkpoint, not in the template")
+            for k in s.keys() & t.keys():
+                walk(s[k], t[k], _child(where, k))
+        elif isinstance(s, (list, tuple)) and isinstance(t, (list, tuple)):
+            if len(s) != len(t):
+                problems.append(f"{name}: the checkpoint has {len(s)} items, the template {len(t)}")
+            for i, (x, y) in enumerate(zip(s, t)):
+                walk(x, y, _child(where, i))
+        elif isinstance(s, (dict, list, tuple)) != isinstance(t, (dict, list, tuple)):
+            problems.append(f"{name}: the checkpoint has {kind(s)}, the template {kind(t)}")
+
+    walk(saved, template, "")
+    if problems:
+        problems.sort()
+        shown = "\n  - ".join(problems[:_SHOWN]) + (f"\n  ... and {len(problems) - _SHOWN} more"
+                                                     if len(problems) > _SHOWN else "")
+        err = CheckpointMismatchError(f"{path} does not fit the template ({len(problems)} "
+                                      f"difference(s)); nothing was changed:\n  - {shown}",
+                                      problems=problems)
+        err.add_note("Build the template like the state that was saved (same model and optimizer "
+                     "configuration; an optimizer must have taken a step to have state), or load the "
+                     "checkpoint with xlakit.load and pick what you need.")
+        raise err
+    return targets
+
+
+def _child(where: str, key: object) -> str:
+    return f"{where}/{key}" if where else str(key)
+
+
+def _rebuild(saved: Any, targets: list[Target]) -> Any:
+    """The saved structure with the template's tensors in the tensors' places."""
+    by_source = {id(t.source): t.tensor for t in targets}
+
+    def walk(v: Any) -> Any:
+        if id(v) in by_source:
+            return by_source[id(v)]
+        if isinstance(v, dict):
+            out = type(v)((k, walk(x)) for k, x in v.items())
+            for name, value in getattr(v, "__dict__", {}).items():  # state_dict()'s _metadata
+                setattr(out, name, value)
+            return out
+        if isinstance(v, (list, tuple)):
+            return type(v)(walk(x) for x in v)
+        return v
+
+    return walk(saved)
+
+
+# -- reading and placing ----------------------------------------------------------------------
+
+def _batches(targets: list[Target], index: dict, cap: int) -> list[list[Target]]:
+    """Targets grouped so that each group's storages hold at most `cap` bytes (one big one alone)."""
+    sizes, offsets = index["storages"]["nbytes"], index["storages"]["offset"]
+    by_row: dict[int, list[Target]] = {}
+    for t in targets:
+        by_row.setdefault(t.source.storage, []).append(t)
+    batches, batch, held = [], [], 0
+    for row in sorted(by_row, key=offsets.__getitem__):  # file order: sequential reads
+        if batch and held + sizes[row] > cap:
+            batches.append(batch)
+            batch, held = [], 0
+        batch += by_row[row]
+        held += sizes[row]
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def _fills_storage(t: Target, index: dict) -> bool:
+    """A CPU template tensor that can receive its storage's bytes directly."""
+    s = t.source
+    return (t.tensor.device.type == "cpu" and t.tensor.is_contiguous() and s.offset == 0 and s.contiguous
+            and not (s.conj or s.neg) and t.tensor.numel() * t.tensor.element_size()
+            == index["storages"]["nbytes"][s.storage])
+
+
+class Arena:
+    """One reused host buffer for a batch's records: touched once, not once per batch.
+
+    A host-to-device transfer may still read the previous batch from it after the
+    call returned (torch_xla keeps the source alive until the transfer completes):
+    the buffer is reused only once nothing but the arena holds it.
+    """
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def fit(self, nbytes: int, op: Operation) -> torch.Tensor:
+        if self.buffer.numel() < nbytes or not self._released(op):
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffer
+
+    def _released(self, op: Operation) -> bool:
+        use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: without it, no reuse
+        if use_count is None:
+            return False
+        while use_count(self.buffer.untyped_storage()._cdata) > 1:
+            op.check()
+            time.sleep(0.001)
+        return True
+
+
+def _restore_batch(op: Operation, reader: loading.RecordReader, index: dict, batch: list[Target],
+                   verify: bool, arena: Arena) -> None:
+    cols = index["storages"]
+    users: dict[int, int] = {}
+    for t in batch:
+        users[t.source.storage] = users.get(t.source.storage, 0) + 1
+    direct = {id(t) for t in batch if users[t.source.storage] == 1 and _fills_storage(t, index)}
+    rows = sorted({t.source.storage for t in batch if id(t) not in direct}, key=cols["offset"].__getitem__)
+    places, end = {}, 0
+    for row in rows:  # each record's place in the arena, 64-byte aligned for every dtype
+        places[row] = end
+        end += -(-cols["nbytes"][row] // 64) * 64
+    buffer = arena.fit(end, op)
+    for t in batch:
+        if id(t) in direct:  # CPU: the file's bytes go straight into the template's memory
+            _read_record(op, reader, cols, t.source.storage, tensor_bytes(t.tensor), t.path, verify)
+    for row in rows:
+        n = cols["nbytes"][row]
+        _read_record(op, reader, cols, row, tensor_bytes(buffer[places[row]:places[row] + n]),
+                     cols["path"][row], verify)
+    hosts = [(t, _host_view(buffer, places[t.source.storage], cols["nbytes"][t.source.storage], t.source))
+             for t in batch if id(t) not in direct]
+    op.enter("copy", hosts[0][0].path if hosts else None)
+    _apply(op, hosts)
+
+
+def _read_record(op: Operation, reader: loading.RecordReader, cols: dict, row: int, dst: memoryview,
+                 name: str, verify: bool) -> None:
+    """Record `row` into `dst`, checked as read."""
+    op.enter("read", name)
+    reader.read_into(cols["offset"][row], dst, f"tensor {name!r}", name)
+    if verify:
+        loading.check_record(reader.path, dst, cols[loading.archive.HASH][row], f"tensor {name!r}",
+                             f"data/{row}", name)
+    op.advance(len(dst))
+
+
+def _host_view(buffer: torch.Tensor, place: int, nbytes: int, s: TensorSpec) -> torch.Tensor:
+    """The saved tensor `s` as a view of its record's bytes in the arena."""
+    typed = buffer[place:place + nbytes].view(s.dtype)
+    t = typed.as_strided(s.size, s.stride, typed.storage_offset() + s.offset)
+    return structure.set_math_bits(t, structure.CONJ * s.conj | structure.NEG * s.neg)
+
+
+def _apply(op: Operation, pairs: list[tuple[Target, torch.Tensor]]) -> None:
+    """Put each host tensor's values into its template tensor, in place, on its device."""
+    plain_xla: list[tuple[Target, torch.Tensor]] = []
+    with torch.no_grad():
+        for t, host in pairs:
+            dst = t.tensor
+            if dst.device.type != "xla":
+                dst.copy_(host.detach())
+            elif spmd.is_sharded(dst):
+                spmd.load_from_host(dst, host.detach().resolve_conj().resolve_neg())
+            elif _sharding(dst) != "":
+                dst.copy_(host.detach())  # replicated or other annotated shardings keep theirs
+            else:
+                plain_xla.append((t, host))
+        if plain_xla:
+            import torch_xla
+
+            xlac = torch_xla._XLAC
+            hosts = [h.detach().resolve_conj().resolve_neg().contiguous() for _, h in plain_xla]
+            fresh = xlac._xla_tensors_from_aten(hosts, [str(t.tensor.device) for t, _ in plain_xla])
+            for (t, _), new in zip(plain_xla, fresh):
+                # copy_ from device data only points the tensor at the new buffer (no compile), and
+                # reaches the parameter behind a state_dict()'s detached alias.
+                t.tensor.copy_(new)
+    op.advance(0)
+
+
+def _sharding(t: torch.Tensor) -> str:
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(t)

@@ -1,0 +1,206 @@
+"""The state's structure as JSON: what xlakit's own reader rebuilds instead of unpickling.
+
+The pickle in a checkpoint is for `torch.load`; xlakit reads the same state
+from this record instead, which needs no unpickler at all (nothing in a file
+can run code) and is several times faster on states with many tensors: JSON
+is parsed in C and each tensor is one `set_` on its storage.
+
+Every node is a JSON scalar (null, bool, int, float, string) or a tagged list:
+`["d", [[k, v], ...]]` dict, `"o"` OrderedDict (a third item holds its attributes,
+like `state_dict()`'s `_metadata`), `"l"` list, `"u"` tuple,
+`"s"` set, `"f"` frozenset, `["b", base64]` bytes, `["c", re, im]` complex,
+`["dt", name]` dtype, `["z", dims]` Size, `["dv", name]` device, `["r", n]`
+the n-th tensor or mutable container again (shared references stay shared), and
+`["t", storage, offset, dtype, flags, *size, *stride]` a tensor: `storage` is
+its row in the index, `dtype` an entry of the root's dtype table, `flags` a
+bit mask (requires_grad, Parameter, conj, neg). The root is
+`{"dtypes": [...], "state": node}`. The plan (`state.plan`) has already
+refused everything else.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from xlakit.checkpoint.state import Plan
+from xlakit.errors import CheckpointCorruptError
+
+_CONTAINER_TAGS = {dict: "d", OrderedDict: "o", list: "l", tuple: "u", set: "s", frozenset: "f"}
+_MUTABLE = (dict, OrderedDict, list, set)
+
+
+REQUIRES_GRAD, PARAMETER, CONJ, NEG = 1, 2, 4, 8
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor of the checkpoint as the structure describes it (no data)."""
+
+    storage: int  # the storage's row in the index
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    parameter: bool
+    conj: bool
+    neg: bool
+
+    @property
+    def contiguous(self) -> bool:
+        expected, stride = 1, []
+        for n in reversed(self.size):
+            stride.append(expected)
+            expected *= max(n, 1)
+        return all(n <= 1 or s == e for n, s, e in zip(self.size, self.stride, reversed(stride)))
+
+
+def encode(state: object, plan: Plan) -> bytes:
+    """The structure of `state` (already planned) as compact JSON bytes."""
+    memo: dict[int, int] = {}
+    dtypes: dict[torch.dtype, int] = {}
+
+    def enc(v: object) -> object:
+        t = type(v)
+        if v is None or t is bool or t is str or t is int or t is float:
+            return v
+        if isinstance(v, torch.Tensor):
+            if id(v) in memo:
+                return ["r", memo[id(v)]]
+            memo[id(v)] = len(memo)
+            ref = plan.tensors[id(v)]
+            on_host = v.device.type != "xla"
+            flags = (REQUIRES_GRAD * v.requires_grad | PARAMETER * (type(v) is torch.nn.Parameter)
+                     | CONJ * (on_host and v.is_conj()) | NEG * (on_host and v.is_neg()))
+            return ["t", ref.storage.index, ref.offset, dtypes.setdefault(ref.dtype, len(dtypes)), flags,
+                    *ref.size, *ref.stride]
+        tag = _CONTAINER_TAGS.get(t)
+        if tag is not None:
+            if t in _MUTABLE:
+                if id(v) in memo:
+                    return ["r", memo[id(v)]]
+                memo[id(v)] = len(memo)
+            if t in (dict, OrderedDict):
+                items = [[enc(k), enc(x)] for k, x in v.items()]
+                attrs = getattr(v, "__dict__", None)  # state_dict()'s `_metadata`, as pickle keeps it
+                return [tag, items, enc(dict(attrs))] if attrs else [tag, items]
+            return [tag, [enc(x) for x in v]]
+        if t is bytes:
+            return ["b", base64.b64encode(v).decode()]
+        if t is complex:
+            return ["c", v.real, v.imag]
+        if t is torch.dtype:
+            return ["dt", str(v).removeprefix("torch.")]
+        if t is torch.Size:
+            return ["z", list(v)]
+        if t is torch.device:
+            return ["dv", str(v)]
+        raise TypeError(f"no structure for a {t.__qualname__}")  # state.plan refused it already
+
+    node = enc(state)
+    names = [str(d).removeprefix("torch.") for d in sorted(dtypes, key=dtypes.get)]
+    return json.dumps({"dtypes": names, "state": node}, separators=(",", ":")).encode()
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return value
+
+
+def decode(data: bytes, tensor: Callable[..., Any], where: str, *, storages: Any = None) -> Any:
+    """Rebuild the state from `data`, each tensor made by `tensor(storage, offset, size, stride, dtype, flags)`.
+
+    `storage` is the index row, or `storages[row]` when `storages` is given.
+
+    Raises:
+        CheckpointCorruptError: the record is not a structure this reader made.
+    """
+    memo: list[Any] = []
+
+    def dec(node: Any) -> Any:
+        if type(node) is not list:
+            return node
+        tag = node[0]
+        if tag == "t":
+            ndim = (len(node) - 5) // 2
+            made = tensor(node[1] if storages is None else storages[node[1]], node[2], tuple(node[5:5 + ndim]),
+                          tuple(node[5 + ndim:]), dtypes[node[3]], node[4])
+            memo.append(made)
+            return made
+        if tag in ("d", "o"):
+            out: Any = {} if tag == "d" else OrderedDict()
+            memo.append(out)
+            for k, v in node[1]:
+                out[dec(k)] = dec(v)
+            if len(node) > 2:
+                for name, value in dec(node[2]).items():
+                    setattr(out, name, value)
+            return out
+        if tag == "l":
+            out = []
+            memo.append(out)
+            out.extend(dec(x) for x in node[1])
+            return out
+        if tag == "s":
+            out = set()
+            memo.append(out)
+            out.update(dec(x) for x in node[1])
+            return out
+        if tag == "u":
+            return tuple(dec(x) for x in node[1])
+        if tag == "f":
+            return frozenset(dec(x) for x in node[1])
+        if tag == "r":
+            return memo[node[1]]
+        if tag == "b":
+            return base64.b64decode(node[1])
+        if tag == "c":
+            return complex(node[1], node[2])
+        if tag == "dt":
+            return _dtype(node[1])
+        if tag == "z":
+            return torch.Size(node[1])
+        if tag == "dv":
+            return torch.device(node[1])
+        raise ValueError(f"unknown node tag {tag!r}")
+
+    try:
+        root = json.loads(data)
+        dtypes = [_dtype(name) for name in root["dtypes"]]
+        return dec(root["state"])
+    except (ValueError, TypeError, IndexError, KeyError) as e:
+        raise CheckpointCorruptError(f"{where}: the structure record is not one xlakit wrote ({e})") from e
+
+
+def spec(storage: int, offset: int, size: tuple, stride: tuple, dtype: torch.dtype, flags: int) -> TensorSpec:
+    """The `decode` arguments of a tensor as a `TensorSpec`."""
+    return TensorSpec(storage, offset, size, stride, dtype, bool(flags & REQUIRES_GRAD),
+                      bool(flags & PARAMETER), bool(flags & CONJ), bool(flags & NEG))
+
+
+def materialize(storage: torch.UntypedStorage, offset: int, size: tuple, stride: tuple, dtype: torch.dtype,
+                flags: int) -> torch.Tensor:
+    """The tensor on `storage` (bytes already in place), as torch.load makes it."""
+    t = set_math_bits(torch.empty(0, dtype=dtype).set_(storage, offset, size, stride), flags)
+    if flags & PARAMETER:
+        return torch.nn.Parameter(t, requires_grad=bool(flags & REQUIRES_GRAD))
+    if flags & REQUIRES_GRAD:
+        t.requires_grad_(True)
+    return t
+
+
+def set_math_bits(t: torch.Tensor, flags: int) -> torch.Tensor:
+    """`t` with the conj/neg bits of `flags` set, as torch.load sets them."""
+    if flags & (CONJ | NEG):
+        # Only the bits that are on: torch sets a bit for every key it is given, even with False.
+        torch._utils.set_tensor_metadata(t, {k: True for k, bit in (("conj", CONJ), ("neg", NEG)) if flags & bit})
+    return t

@@ -1,0 +1,160 @@
+"""xlakit.restore and xlakit's reader: one pass over the file, into the state where it lives."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import xlakit
+from tests.spmd_run import run_scenario
+from xlakit.checkpoint import archive, loading
+
+
+def _trained(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(2):
+        model(torch.randn(3, 16)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_restore_fills_a_cpu_model_and_optimizer_bit_exactly(tmp_path):
+    model, opt = _trained(0)
+    xlakit.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": 7}, tmp_path / "c.pt")
+    model2, opt2 = _trained(1)
+    params = [p.data_ptr() for p in model2.parameters()]
+    state = xlakit.restore(tmp_path / "c.pt", {"model": model2.state_dict(), "opt": opt2.state_dict(), "step": 0})
+    assert state["step"] == 7
+    assert _equal_states(model.state_dict(), model2.state_dict())
+    assert [p.data_ptr() for p in model2.parameters()] == params  # in place
+    opt2.load_state_dict(state["opt"])
+    for group, group2 in zip(opt.state.values(), opt2.state.values()):
+        assert all(torch.equal(group[k], group2[k]) for k in group)
+    assert opt2.param_groups[0]["lr"] == 0.01
+
+
+def test_restore_into_tied_and_viewed_templates(tmp_path):
+    base = torch.arange(20.0)
+    xlakit.save({"base": base, "view": base[5:10], "tied_a": base, "other": torch.ones(3)}, tmp_path / "c.pt")
+    t_base = torch.zeros(20)
+    template = {"base": t_base, "view": torch.zeros(5), "tied_a": t_base, "other": torch.zeros(3)}
+    xlakit.restore(tmp_path / "c.pt", template)
+    assert torch.equal(template["base"], base) and torch.equal(template["view"], base[5:10])
+    assert torch.equal(template["other"], torch.ones(3))
+
+
+@pytest.mark.xla
+def test_restore_onto_the_xla_device_in_one_transfer_per_batch_and_no_compile(tmp_path):
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    model, _ = _trained(0)
+    xlakit.save({"model": model.state_dict()}, tmp_path / "c.pt")
+    device = torch_xla.device()
+    target = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)).to(device)
+    torch_xla.sync()
+    met.clear_all()
+    xlakit.restore(tmp_path / "c.pt", {"model": target.state_dict()})
+    assert met.metric_data("CompileTime") is None
+    assert met.metric_data("TransferToDeviceTime")[0] == 1  # six tensors, one batch, one transfer
+    # The parameters themselves, not only state_dict()'s aliases, hold the values.
+    assert all(torch.equal(p.cpu(), q) for p, q in zip(target.parameters(), model.parameters()))
+    met.clear_all()
+    xlakit.restore(tmp_path / "c.pt", {"model": target.state_dict()}, max_inflight_bytes=1)
+    assert met.metric_data("TransferToDeviceTime")[0] == 6  # one storage per batch
+
+
+@pytest.mark.xla
+def test_restore_into_spmd_templates_of_another_sharding(tmp_path):
+    result = run_scenario("restore_resharded", tmp_path)
+    assert result["mismatch"] == [] and result["step"] == 11
+    assert result["specs_kept"] and result["same_objects"]
+    assert result["compiles"] == 0  # shards go to their devices: nothing is replicated or compiled
+
+
+def test_mismatches_are_reported_at_once_and_nothing_changes(tmp_path):
+    model, opt = _trained(0)
+    xlakit.save({"model": model.state_dict(), "step": 1}, tmp_path / "c.pt")
+    wrong = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 5))
+    before = {k: v.clone() for k, v in wrong.state_dict().items()}
+    template = {"model": wrong.state_dict(), "epoch": 0}
+    with pytest.raises(xlakit.CheckpointMismatchError) as info:
+        xlakit.restore(tmp_path / "c.pt", template)
+    problems = info.value.problems
+    assert len(problems) == 4, problems
+    assert any(p.startswith("model/2.weight: the checkpoint has torch.float32 [4, 16]") for p in problems)
+    assert "epoch: missing from the checkpoint" in problems and "step: in the checkpoint, not in the template" in problems
+    assert _equal_states(wrong.state_dict(), before)  # the matching tensors were not touched either
+
+
+def test_a_damaged_record_is_named_by_restore_and_by_load(tmp_path, caplog):
+    path = tmp_path / "c.pt"
+    xlakit.save({"a": torch.ones(1000), "b": torch.full((1000,), 2.0)}, path)
+    with open(path, "rb", buffering=0) as f:
+        index = loading.open_index(f, path)
+    cols = index["storages"]
+    row = cols["path"].index("b")
+    data = bytearray(path.read_bytes())
+    data[cols["offset"][row] + 17] ^= 0x40
+    path.write_bytes(bytes(data))
+    for call in (lambda: xlakit.load(path), lambda: xlakit.restore(path, {"a": torch.zeros(1000), "b": torch.zeros(1000)})):
+        with pytest.raises(xlakit.CheckpointCorruptError, match="tensor 'b' is corrupt") as info:
+            call()
+        assert info.value.tensor == "b"
+
+
+def test_a_wrong_index_offset_never_makes_a_good_file_corrupt(tmp_path, monkeypatch, caplog):
+    real = archive.ArchiveWriter.finish
+
+    def shifted(self):  # a fake writer bug: every storage's recorded offset is 64 bytes off
+        for rec in self._storages.values():
+            rec["offset"] += 64
+        return real(self)
+
+    monkeypatch.setattr(archive.ArchiveWriter, "finish", shifted)
+    xlakit.save({"w": torch.arange(100000.0), "small": torch.ones(4)}, tmp_path / "c.pt")
+    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING, logger="xlakit"):
+        loaded = xlakit.load(tmp_path / "c.pt")
+    assert torch.equal(loaded["w"], torch.arange(100000.0)) and torch.equal(loaded["small"], torch.ones(4))
+    assert any("points at another place" in r.getMessage() for r in caplog.records)
+
+
+def test_load_reads_xlakit_files_in_one_pass(tmp_path, monkeypatch):
+    xlakit.save({"w": torch.ones(1 << 16)}, tmp_path / "c.pt")
+    calls = []
+    monkeypatch.setattr(loading, "verify_file", lambda *a, **k: calls.append("second pass"))
+    monkeypatch.setattr(loading, "torch_load", lambda *a, **k: calls.append("torch.load"))
+    assert torch.equal(xlakit.load(tmp_path / "c.pt")["w"], torch.ones(1 << 16))
+    assert calls == []  # neither the separate verify pass nor torch's reader ran
+
+
+def test_restore_batches_stay_under_the_cap(tmp_path, monkeypatch):
+    from xlakit.checkpoint import restoring
+
+    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(10)}  # 4000 bytes each
+    xlakit.save(state, tmp_path / "c.pt")
+    held = []
+    real = restoring.Arena.fit
+    monkeypatch.setattr(restoring.Arena, "fit", lambda self, n, op: held.append(n) or real(self, n, op))
+    template = {k: torch.zeros(2000)[::2] for k in state}  # strided: not read in place, through batches
+    xlakit.restore(tmp_path / "c.pt", template, max_inflight_bytes=8192)
+    assert len(held) == 5 and max(held) <= 8192, held
+    assert all(torch.equal(template[k], state[k]) for k in state)
+
+
+def test_restore_reads_plain_torch_files_too(tmp_path):
+    torch.save({"w": torch.arange(6.0).view(2, 3), "n": 3}, tmp_path / "t.pt")
+    template = {"w": torch.zeros(2, 3), "n": 0}
+    with pytest.raises(xlakit.CheckpointFormatError, match="no xlakit checksums"):
+        xlakit.restore(tmp_path / "t.pt", template)
+    assert xlakit.restore(tmp_path / "t.pt", template, verify=False)["n"] == 3
+    assert torch.equal(template["w"], torch.arange(6.0).view(2, 3))

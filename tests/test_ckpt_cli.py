@@ -69,8 +69,9 @@ def flip_byte(path: Path, offset: int) -> None:
 
 
 def storage_offset(path: Path, tensor: str) -> int:
+    """Where the storage whose first tensor is `tensor` starts in the file."""
     meta, _ = archive.read_index(str(path))
-    return next(s["offset"] for s in meta["storages"].values() if tensor in s["paths"])
+    return next(c.offset for c in archive.iter_checks(meta) if c.path == tensor)
 
 
 # -- ls ----------------------------------------------------------------------------------------
@@ -96,7 +97,7 @@ def test_ls_lists_steps_commit_state_sizes_and_the_best(tmp_path, capsys):
 def test_inspect_an_xlakit_file_lists_tensors_storages_and_checksums(files, capsys):
     code, data = ckpt_json(capsys, "inspect", files["xlakit"])
     assert code == 0 and data["kind"] == "xlakit-file" and data["format_version"] == 2 and data["checksums"]
-    assert data["checksum_count"] == 4  # the pickle and three storages
+    assert data["checksum_count"] == 5  # the pickle, the structure record and three storages
     by = {t["name"]: t for t in data["tensors"]}
     assert by["model/w"]["dtype"] == "float32" and by["model/w"]["shape"] == [4, 3] and by["model/w"]["bytes"] == 48
     assert by["model/w"]["shared_with"] == ["model/w_t"] and by["model/b"]["dtype"] == "bfloat16"
@@ -150,6 +151,13 @@ def test_verify_names_the_first_bad_tensor_and_exits_1(files, capsys):
     assert code == 1 and data["status"] == "damaged" and data["tensor"] == "model/b"
     code, out, _ = ckpt(capsys, "verify", files["xlakit"])
     assert code == 1 and "DAMAGED" in out and "tensor 'model/b' is corrupt" in out
+
+
+def test_verify_checks_the_structure_record_too(files, capsys):
+    meta, _ = archive.read_index(str(files["xlakit"]))
+    flip_byte(files["xlakit"], meta["structure"]["offset"] + 5)
+    code, data = ckpt_json(capsys, "verify", files["xlakit"])
+    assert code == 1 and "the structure record is corrupt" in data["message"] and data["tensor"] is None
 
 
 @pytest.mark.multiproc  # the sharded folder comes from a 2-rank job
@@ -226,7 +234,7 @@ def test_verify_streams_in_bounded_memory(tmp_path):
 
 def test_diff_names_what_differs_and_by_how_much(files, tmp_path, capsys):
     code, data = ckpt_json(capsys, "diff", files["xlakit"], files["xlakit"])
-    assert code == 0 and data["identical"] and data["same"] == 4
+    assert code == 0 and data["identical"] and data["same"] == 4  # tensors
     state = xlakit_state()
     state["model"]["w"] = state["model"]["w"].clone()
     state["model"]["w"][1, 2] += 0.5

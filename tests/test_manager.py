@@ -166,7 +166,6 @@ def test_dcp_layout_restores_into_a_template_and_refuses_without_one(tmp_path):
     assert torch.equal(template["w"], torch.full((8,), 2.0)) and template["step"] == 2
 
 
-@pytest.mark.skipif(not hasattr(xlakit.checkpoint, "restore"), reason="xlakit.restore lands with issue 11")
 def test_restore_into_a_template_fills_it_in_place(tmp_path):
     mgr = CheckpointManager(tmp_path)
     mgr.save(1, {"w": torch.arange(6.0).reshape(2, 3), "step": 1})

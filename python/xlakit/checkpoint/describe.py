@@ -152,9 +152,16 @@ def describe_file(path: Path, kind: Kind) -> dict:
     meta = archive.read_index(str(path))[0] if kind.kind == XLAKIT_FILE else None
     return {"path": str(path), "kind": kind.kind, "bytes": path.stat().st_size,
             "format_version": meta["version"] if meta else None, "checksums": meta is not None,
-            "checksum_count": (len(meta["storages"]) + 1) if meta else 0, "note": kind.note,
+            "checksum_count": _checksum_count(meta), "note": kind.note,
             "tensors": [asdict(t) for t in tensor_infos(tensors)],
             "values": {k: jsonable(v) for k, v in values.items()}}
+
+
+def _checksum_count(meta: dict | None) -> int:
+    """Records the index checks: the pickle, the structure record (if any), every storage."""
+    if meta is None:
+        return 0
+    return 1 + ("structure" in meta) + sum(1 for _ in archive.iter_checks(meta))
 
 
 def describe_dcp(path: Path, record: dict) -> dict:

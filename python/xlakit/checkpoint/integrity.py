@@ -8,7 +8,8 @@ read in `CHUNK_BYTES` pieces into one reused buffer and hashed: memory stays
 at one buffer whatever the checkpoint's size. The first range whose digest
 differs is named (the tensor, or the file of a DCP folder).
 
-What it covers: an xlakit file (its pickle and every storage), a sharded
+What it covers: an xlakit file (its pickle, its structure record and every
+storage), a sharded
 folder (every shard named by the commit record, then each shard's own
 checksums), a DCP folder (every file the commit record lists), a manager's
 step folder or every committed step of a manager folder. A plain
@@ -81,6 +82,10 @@ def file_ranges(path: Path, prefix: str = "") -> list[Range]:
     size = path.stat().st_size
     pk = meta["pickle"]
     entries = [("data.pkl", "the pickled structure (data.pkl)", None, pk["nbytes"], pk[HASH], pk.get("offset"))]
+    if "structure" in meta:  # files since xlakit.restore (the layout of every tensor)
+        st = meta["structure"]
+        entries.append((archive.STRUCTURE_RECORD, "the structure record", None, st["nbytes"], st[HASH],
+                        st.get("offset")))
     entries += [(f"data/{c.key}", f"tensor {c.path!r}", c.path, c.nbytes, c.expected, c.offset)
                 for c in archive.iter_checks(meta)]
     out = []

@@ -151,13 +151,23 @@ def test_an_uncaught_timeout_exits_1_and_leaves_no_temporary(tmp_path, how):
     assert _temporaries(tmp_path) == [] and not (tmp_path / "c.pt").exists()
 
 
-def test_a_retry_right_after_a_write_stage_timeout_saves(tmp_path):
+def test_a_retry_right_after_a_write_stage_timeout_saves(tmp_path, monkeypatch):
     # Regression: the retry was refused "blocked inside the runtime ... the process must be
     # restarted" although the worker stopped a second later.
+    from xlakit.checkpoint import archive
+
+    real_put = archive.ArchiveWriter._put
+
+    def slow_put(self, data):  # a fake slow disk: each write takes 50 ms
+        time.sleep(0.05)
+        real_put(self, data)
+
+    monkeypatch.setattr(archive.ArchiveWriter, "_put", slow_put)
     path = tmp_path / "c.pt"
     with pytest.raises(xlakit.CheckpointTimeoutError) as info:
         xlakit.save({"w": torch.ones(BIG)}, path, timeout_s=0.2, max_inflight_bytes=8 << 20)
     assert info.value.stage in ("write", "commit", "open")
+    monkeypatch.undo()
     xlakit.save({"w": torch.ones(8)}, path)
     assert torch.equal(xlakit.load(path)["w"], torch.ones(8))
     assert _temporaries(tmp_path) == []

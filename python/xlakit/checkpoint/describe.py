@@ -119,7 +119,10 @@ def flatten(value: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any
         else:
             values[path or "(state)"] = v
 
-    walk(value, prefix)
+    try:
+        walk(value, prefix)
+    finally:
+        del walk  # a closure that calls itself is a cycle: it would hold the tensors until a gc
     return tensors, values
 
 

@@ -124,7 +124,10 @@ def _match(saved: Any, template: Any, path: Path) -> list[Target]:
         elif isinstance(s, (dict, list, tuple)) != isinstance(t, (dict, list, tuple)):
             problems.append(f"{name}: the checkpoint has {kind(s)}, the template {kind(t)}")
 
-    walk(saved, template, "")
+    try:
+        walk(saved, template, "")
+    finally:
+        del walk  # a closure that calls itself is a cycle: it would hold the tensors until a gc
     if problems:
         problems.sort()
         shown = "\n  - ".join(problems[:_SHOWN]) + (f"\n  ... and {len(problems) - _SHOWN} more"
@@ -159,7 +162,10 @@ def _rebuild(saved: Any, targets: list[Target]) -> Any:
             return type(v)(walk(x) for x in v)
         return v
 
-    return walk(saved)
+    try:
+        return walk(saved)
+    finally:
+        del walk  # a closure that calls itself is a cycle: it would hold the tensors until a gc
 
 
 # -- reading and placing ----------------------------------------------------------------------

@@ -104,7 +104,10 @@ def encode(state: object, plan: Plan) -> bytes:
             return ["dv", str(v)]
         raise TypeError(f"no structure for a {t.__qualname__}")  # state.plan refused it already
 
-    node = enc(state)
+    try:
+        node = enc(state)
+    finally:
+        del enc  # it refers to itself (and to `plan`'s tensors): no cycle outlives the call
     names = [str(d).removeprefix("torch.") for d in sorted(dtypes, key=dtypes.get)]
     return json.dumps({"dtypes": names, "state": node}, separators=(",", ":")).encode()
 
@@ -179,6 +182,11 @@ def decode(data: bytes, tensor: Callable[..., Any], where: str, *, storages: Any
         return dec(root["state"])
     except (ValueError, TypeError, IndexError, KeyError) as e:
         raise CheckpointCorruptError(f"{where}: the structure record is not one xlakit wrote ({e})") from e
+    finally:
+        # `dec` refers to itself through its closure: left alone, that cycle (and `memo`, which
+        # holds every object made) would keep the whole loaded state alive until a garbage collection.
+        memo.clear()
+        del dec
 
 
 def spec(storage: int, offset: int, size: tuple, stride: tuple, dtype: torch.dtype, flags: int) -> TensorSpec:

@@ -162,6 +162,10 @@ def _table(rows: list[dict]) -> str:
                      f"faster than torch.load + load_state_dict")
         lines.append(f"big: xlakit.restore peak RSS increase {big['xlakit.restore']['peak_rss_increase'] / MiB:.0f} "
                      f"MiB (max_inflight_bytes {BATCH / MiB:.0f} MiB, bound x1.25 = {1.25 * BATCH / MiB:.0f} MiB)")
+        if big["limit"] and os.environ.get("PJRT_DEVICE", "CPU").upper() == "CPU":
+            lines.append(f"big: on the CPU PJRT client device buffers are host memory: the limit row, which "
+                         f"runs no xlakit code, rises {big['limit']['peak_rss_increase'] / MiB:.0f} MiB; "
+                         f"xlakit.restore's own share is the difference")
     many = {m: by.get(("many", m)) for m in METHODS["many"]}
     if many["xlakit.load"] and many["torch.load"]:
         lines.append(f"many: xlakit.load is {many['torch.load']['wall_s'] / many['xlakit.load']['wall_s']:.1f}x "

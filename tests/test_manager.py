@@ -101,6 +101,16 @@ def test_an_interrupted_save_is_not_a_step_and_goes_once_superseded(tmp_path):
     assert names(tmp_path) == ["1", "3"]
 
 
+def test_a_save_that_raised_can_be_retried_at_the_same_step(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, state(1))
+    with pytest.raises(xlakit.CheckpointSerializationError):
+        mgr.save(2, {"w": torch.ones(2), "bad": object()})
+    assert mgr.should_save(2) and mgr.all_steps() == [1]
+    assert mgr.save(2, state(2)) is True
+    assert mgr.all_steps() == [1, 2] and mgr.restore(2)["step"] == 2
+
+
 def test_folders_that_are_not_the_managers_are_never_touched(tmp_path):
     (tmp_path / "500").mkdir()
     (tmp_path / "500" / "notes.txt").write_text("mine")

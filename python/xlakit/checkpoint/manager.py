@@ -187,18 +187,23 @@ class CheckpointManager:
                   "best_mode": self.policy.best_mode, "world": self._world, "time_unix": time.time()}
         agreement.decide("manager save", str(folder.absolute()), {"step": step}, Watch.of(opts),
                          prepare=lambda op: steps.prepare(op, folder, record))
-        self._last = step if self._last is None else max(self._last, step)
+        previous, self._last = self._last, step if self._last is None else max(self._last, step)
         target = folder / record["checkpoint"]
         from xlakit import checkpoint
 
-        if self.layout == "dcp":
-            checkpoint.dcp_save(state, target, options=opts)
-        else:
-            background = self.asynchronous and not preempt
-            handle = checkpoint.save(state, target, options=dataclasses.replace(opts, asynchronous=background))
-            if background:
-                self._pending = (step, handle)
-                return True
+        try:
+            if self.layout == "dcp":
+                checkpoint.dcp_save(state, target, options=opts)
+            else:
+                background = self.asynchronous and not preempt
+                handle = checkpoint.save(state, target,
+                                         options=dataclasses.replace(opts, asynchronous=background))
+                if background:
+                    self._pending = (step, handle)
+                    return True
+        except BaseException:
+            self._last = previous  # nothing was saved: `should_save(step)` is true again, a retry saves
+            raise
         self._preempt_saved = self._preempt_saved or preempt
         self._committed(step)
         return True

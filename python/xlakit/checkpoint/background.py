@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from xlakit.checkpoint import pipeline
-from xlakit.checkpoint.operation import COMMIT, Gate, Operation, Watch
+from xlakit.checkpoint.operation import COMMIT, Gate, Operation, Watch, start_thread
 from xlakit.checkpoint.options import SaveOptions
 from xlakit.checkpoint.state import StorageEntry
 from xlakit.errors import CheckpointAsyncError
@@ -164,10 +164,29 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
         finally:
             handle._finished.set()
 
+    def never_started() -> None:
+        handle._error = CheckpointAsyncError(f"the asynchronous save of {job.final} was interrupted "
+                                             f"before its write began; nothing was written")
+        handle._finished.set()
+
     with _lock:
         _pending = handle
-    threading.Thread(target=owner, name="xlakit-async-save", daemon=True).start()
+    try:
+        start_thread(owner, "xlakit-async-save", never_started=never_started)
+    except BaseException as e:  # Ctrl-C while starting the write: the caller saw it, so no commit
+        handle._seen = True  # and nothing of this save speaks again at the next one
+        _note_cancelled(e, second)
+        raise
     return handle
+
+
+def _note_cancelled(e: BaseException, op: Operation) -> None:
+    if op.cancel(f"{type(e).__name__} in the caller") != COMMIT:
+        e.add_note(f"The asynchronous save of {op.path} was cancelled as it started: nothing will be "
+                   f"committed and {op.untouched}.")
+    else:
+        e.add_note(f"The asynchronous save of {op.path} had already committed: the checkpoint there is "
+                   f"the new one.")
 
 
 def save_file(obj: Any, final: Path, opts: SaveOptions) -> SaveHandle:

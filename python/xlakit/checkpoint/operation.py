@@ -47,6 +47,7 @@ STOP_GRACE_S = 0.5  # how long an owner waits, after cancelling, to say whether 
 BUSY_WAIT_S = 5.0  # how long a new operation waits for a cancelled worker before refusing
 EXIT_GRACE_S = 5.0  # how long the exit hook waits for cancelled workers
 _LOCK_WAIT_S = 5.0  # how long a cancel waits for a commit already under way
+_START_WAIT_S = 1.0  # how long an interrupted start waits to learn whether its thread began
 COMMIT, CANCEL = "commit", "cancel"
 
 _live: set["Operation"] = set()  # operations whose worker has not returned
@@ -251,14 +252,20 @@ class Operation:
             self.gate.claim_cancel("no time left")
             self.gate.lock.release()
             raise self.timeout_error("Nothing was started; " + self.untouched + ".")
-        self.start(work)
         try:
+            self.start(work)  # inside: Ctrl-C can land in Thread.start() after the worker began
             return self.watch_worker()
         except BaseException as e:
             self.abandon(e)
             raise
 
     def start(self, work: Callable[["Operation"], Any]) -> None:
+        def never_started() -> None:  # no worker will set `done`: nothing may wait for one
+            self.cancel("interrupted before its worker started")
+            with _live_lock:
+                _live.discard(self)
+            self.done.set()
+
         def target() -> None:
             try:
                 self.result = work(self)
@@ -273,7 +280,7 @@ class Operation:
 
         with _live_lock:
             _live.add(self)
-        threading.Thread(target=target, name=f"xlakit-{self.kind}", daemon=True).start()
+        start_thread(target, f"xlakit-{self.kind}", never_started=never_started)
 
     def watch_worker(self) -> Any:
         """Wait for the worker, reporting progress and enforcing the deadline."""
@@ -317,8 +324,17 @@ class Operation:
         """Cancel after the owner saw `e`, and say in `e` what became of the operation."""
         if isinstance(e, _Expired):
             raise e.error from None
-        if isinstance(e, Cancelled) or self.done.is_set():
+        if isinstance(e, Cancelled) or e is self.error:
             return  # the worker's own outcome, already final
+        if self.done.is_set():  # the caller's own error (a progress callback) after the worker ended
+            # Cancelling still matters: a later phase sharing the gate (an asynchronous save's write)
+            # must not commit either.
+            if self.gate.outcome == COMMIT or self.cancel(f"{type(e).__name__} in the caller") != CANCEL:
+                _note(e, f"The {self.kind} of {self.path} had committed before this error: the "
+                         f"checkpoint there is the new one.")
+            else:
+                _note(e, self._cancel_note(True))
+            return
         outcome = self.cancel(f"{type(e).__name__} in the caller")
         stopped = self.done.wait(STOP_GRACE_S)
         if outcome == CANCEL:
@@ -367,6 +383,27 @@ class _Expired(Exception):
     def __init__(self, error: Exception):
         super().__init__(str(error))
         self.error = error
+
+
+def start_thread(target: Callable[[], None], name: str, *, never_started: Callable[[], None]) -> None:
+    """Start a daemon thread running `target`, safe against an interruption of the start itself.
+
+    Ctrl-C can land inside `Thread.start()`: after the thread was launched (it waits there for
+    the thread to begin) or just before. The exception propagates either way; when the thread
+    has not begun within a second, `never_started()` runs first, so that nothing waits for it.
+    """
+    began = threading.Event()
+
+    def run() -> None:
+        began.set()
+        target()
+
+    try:
+        threading.Thread(target=run, name=name, daemon=True).start()
+    except BaseException:
+        if not began.wait(_START_WAIT_S):
+            never_started()
+        raise
 
 
 def _note(e: BaseException, note: str) -> None:

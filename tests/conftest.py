@@ -16,6 +16,9 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 
 def pytest_configure(config):
+    from tests.ranks import let_children_take_ctrl_c
+
+    let_children_take_ctrl_c()
     # torch's autograd engine sizes its per-device queues on the first backward;
     # the XLA runtime must be up before any test runs one on the CPU.
     if importlib.util.find_spec("torch_xla") is not None:

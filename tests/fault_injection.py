@@ -251,6 +251,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=8)
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
+    from tests.ranks import let_children_take_ctrl_c
+
+    let_children_take_ctrl_c()  # the "int" fault is a Ctrl-C
     rng = random.Random(args.seed)
     totals = [0, 0, 0, 0]
     with tempfile.TemporaryDirectory(prefix="xlakit-faults-") as tmp:

@@ -18,6 +18,19 @@ import time
 from pathlib import Path
 
 
+def let_children_take_ctrl_c() -> None:
+    """Make the processes a test starts react to SIGINT, as a user's terminal would.
+
+    A command started in the background by a non-interactive shell (`cmd &`, some CI
+    runners) inherits SIGINT *ignored*, and an ignored signal stays ignored across exec:
+    Python then never installs its KeyboardInterrupt handler, and a test that presses
+    Ctrl-C in a child would see nothing happen. A handler (unlike SIG_IGN) is reset to the
+    default at exec, so installing Python's own here gives every child the normal behaviour.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -109,6 +109,37 @@ def test_a_damaged_record_is_named_by_restore_and_by_load(tmp_path, caplog):
         with pytest.raises(xlakit.CheckpointCorruptError, match="tensor 'b' is corrupt") as info:
             call()
         assert info.value.tensor == "b"
+    assert any("partly restored" in n for n in info.value.__notes__)  # restore says what it changed
+
+
+def test_templates_that_cannot_hold_the_values_are_refused_before_anything_changes(tmp_path):
+    xlakit.save({"a": torch.ones(4), "e": torch.ones(3), "m": torch.ones(2)}, tmp_path / "c.pt")
+    a = torch.zeros(4)
+    template = {"a": a, "e": torch.zeros(1).expand(3), "m": torch.zeros(2, device="meta")}
+    with pytest.raises(xlakit.CheckpointMismatchError) as info:
+        xlakit.restore(tmp_path / "c.pt", template)
+    assert sorted(p.split(":")[0] for p in info.value.problems) == ["e", "m"], info.value.problems
+    assert torch.equal(a, torch.zeros(4))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("xla", marks=pytest.mark.xla)])
+def test_empty_and_math_bit_templates_restore_exactly(tmp_path, device):
+    # Regression: an empty tensor crashed the restore (a read-only buffer) after others had
+    # been filled; a conj or neg view as template received conjugated or negated values.
+    if device == "xla":
+        import torch_xla
+
+        device = torch_xla.device()
+    values = {"a": torch.arange(4.0), "empty": torch.empty(0), "c": torch.tensor([1 + 2j, 3 - 1j]),
+              "n": torch.tensor([1.0, -2.0])}
+    xlakit.save(values, tmp_path / "c.pt")
+    template = {"a": torch.zeros(4, device=device), "empty": torch.zeros(0, device=device),
+                "c": torch.zeros(2, dtype=torch.complex64), "n": torch.zeros(2)}
+    if device == "cpu":
+        template["c"], template["n"] = template["c"].conj(), template["n"]._neg_view()
+    xlakit.restore(tmp_path / "c.pt", template)
+    for k, v in values.items():
+        assert torch.equal(template[k].cpu(), v), k
 
 
 def test_a_wrong_index_offset_never_makes_a_good_file_corrupt(tmp_path, monkeypatch, caplog):

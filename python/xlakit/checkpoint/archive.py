@@ -61,7 +61,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype)."""
     n = tensor.numel() * tensor.element_size()
     if n == 0:
-        return memoryview(b"")
+        return memoryview(bytearray())  # writable like the others: a restore reads into it
     return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
 
 

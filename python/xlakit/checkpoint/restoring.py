@@ -40,7 +40,8 @@ from xlakit.checkpoint.structure import TensorSpec
 from xlakit.errors import CheckpointMismatchError
 
 PARTLY = ("nothing on disk was changed; tensors restored before the failure hold the checkpoint's "
-          "values, the rest their previous ones: restore again from a good checkpoint")
+          "values, the one being read may hold part of them, the rest their previous ones: restore "
+          "again from a good checkpoint before using the template")
 _SHOWN = 20  # problems listed in the message (all are in `.problems`)
 
 
@@ -80,8 +81,17 @@ def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any
         targets = _match(saved, template, path)
         op.bytes_total = sum(index["storages"]["nbytes"][r] for r in {t.source.storage for t in targets})
         arena = Arena()
-        for batch in _batches(targets, index, opts.max_inflight_bytes):
-            _restore_batch(op, reader, index, batch, opts.verify, arena)
+        filled = 0
+        try:
+            for batch in _batches(targets, index, opts.max_inflight_bytes):
+                _restore_batch(op, reader, index, batch, opts.verify, arena)
+                filled += len(batch)
+        except Exception as e:
+            e.add_note(f"The template is partly restored: {filled} of {len(targets)} tensors hold the "
+                       f"checkpoint's values, those of the batch being read (the tensor named above among "
+                       f"them) may hold its bytes as read, the rest their previous values. Restore again "
+                       f"from a good checkpoint before using it.")
+            raise
         return _rebuild(saved, targets)
 
 
@@ -105,6 +115,12 @@ def _match(saved: Any, template: Any, path: Path) -> list[Target]:
             if shape != tuple(t.shape) or dtype != t.dtype:
                 problems.append(f"{name}: the checkpoint has {dtype} {list(shape)}, the template "
                                 f"{t.dtype} {list(t.shape)}")
+            elif t.device.type == "meta":
+                problems.append(f"{name}: the template tensor is on the meta device: it has no memory "
+                                f"to fill (materialize the model first, e.g. module.to_empty(device=...))")
+            elif t.device.type != "xla" and torch._debug_has_internal_overlap(t) == 1:
+                problems.append(f"{name}: the template tensor's elements overlap in memory (an "
+                                f"expand() or a stride of 0): it cannot hold {list(shape)} values")
             else:
                 targets.append(Target(name, t, s))
         elif s_tensor or isinstance(t, torch.Tensor):
@@ -191,9 +207,10 @@ def _batches(targets: list[Target], index: dict, cap: int) -> list[list[Target]]
 def _fills_storage(t: Target, index: dict) -> bool:
     """A CPU template tensor that can receive its storage's bytes directly."""
     s = t.source
-    return (t.tensor.device.type == "cpu" and t.tensor.is_contiguous() and s.offset == 0 and s.contiguous
-            and not (s.conj or s.neg) and t.tensor.numel() * t.tensor.element_size()
-            == index["storages"]["nbytes"][s.storage])
+    dst = t.tensor
+    return (dst.device.type == "cpu" and dst.is_contiguous() and s.offset == 0 and s.contiguous
+            and not (s.conj or s.neg or dst.is_conj() or dst.is_neg()) and dst.numel() > 0
+            and dst.numel() * dst.element_size() == index["storages"]["nbytes"][s.storage])
 
 
 class Arena:

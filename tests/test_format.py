@@ -221,3 +221,25 @@ def test_xlakits_reader_builds_exactly_what_torch_load_builds(tmp_path):
     _same(ours, theirs)
     assert _sharing(ours) == _sharing(theirs)
     assert ours["shared"][0] is ours["shared"][1]
+
+
+def test_damage_to_the_index_is_a_checkpoint_error_never_a_raw_one(tmp_path):
+    # Regression: one changed byte in the index record ("offset" -> "kffset") gave a raw
+    # KeyError from xlakit.load (and from restore), not a CheckpointError.
+    path = tmp_path / "c.pt"
+    xlakit.save({"a": torch.ones(30), "b": [torch.zeros(2), 3]}, path)
+    good = path.read_bytes()
+    with open(path, "rb") as f:
+        start, n = archive.locate_index(f, len(good))
+    end = start + n
+    damaged = tmp_path / "d.pt"
+    for pos in range(start, end):
+        data = bytearray(good)
+        data[pos] ^= 0x01
+        damaged.write_bytes(bytes(data))
+        for call in (lambda: xlakit.load(damaged),
+                     lambda: xlakit.restore(damaged, {"a": torch.zeros(30), "b": [torch.zeros(2), 0]})):
+            try:
+                call()
+            except xlakit.CheckpointError:
+                pass

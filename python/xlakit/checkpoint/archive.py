@@ -230,6 +230,8 @@ def parse_index(blob: bytes, path: str) -> dict:
         version = meta.get("version")
         if not isinstance(version, int):
             raise ValueError(f"format version {version!r} is not a number")
+        if version == 2:
+            _check_columns(meta)
     except (ValueError, RuntimeError, AttributeError) as e:
         raise CheckpointCorruptError(f"{path}: the checksum record is unreadable ({e})") from e
     if version > FORMAT_VERSION:
@@ -240,6 +242,32 @@ def parse_index(blob: bytes, path: str) -> dict:
                      "without verification.")
         raise err
     return meta
+
+
+def _check_columns(meta: dict) -> None:
+    """Version 2's records and storage columns have the fields and types readers use."""
+    def record(name: str, v: object) -> None:
+        if not (isinstance(v, dict) and _count(v.get("offset")) and _count(v.get("nbytes"))
+                and isinstance(v.get(HASH), str)):
+            raise ValueError(f"its {name} entry is malformed")
+
+    record("pickle", meta.get("pickle"))
+    if "structure" in meta:
+        record("structure", meta["structure"])
+    cols = meta.get("storages")
+    if not isinstance(cols, dict):
+        raise ValueError("it has no storage columns")
+    columns = [cols.get(k) for k in ("offset", "nbytes", HASH, "path")]
+    if not all(isinstance(c, list) for c in columns) or len({len(c) for c in columns}) != 1:
+        raise ValueError("its storage columns are missing or of different lengths")
+    offsets, sizes, digests, paths = columns
+    if not (all(map(_count, offsets)) and all(map(_count, sizes))
+            and all(isinstance(x, str) for x in digests) and all(isinstance(x, str) for x in paths)):
+        raise ValueError("its storage columns hold values of the wrong type")
+
+
+def _count(v: object) -> bool:
+    return type(v) is int and v >= 0
 
 
 @dataclass(frozen=True)
@@ -256,6 +284,8 @@ def read_index(path: str) -> tuple[dict, torch._C.PyTorchFileReader]:
     try:
         reader = torch._C.PyTorchFileReader(path)
     except RuntimeError as e:
+        if is_legacy_torch_file(path):
+            raise legacy_format_error(path) from e
         raise CheckpointCorruptError(
             f"{path} is not a readable checkpoint archive ({e}); the file is truncated or "
             f"corrupted. Load the previous checkpoint.") from e
@@ -267,6 +297,23 @@ def read_index(path: str) -> tuple[dict, torch._C.PyTorchFileReader]:
                      "weights_only=True) if you trust it.")
         raise err
     return parse_index(bytes(reader.get_record(CHECKSUMS_RECORD)), path), reader
+
+
+def is_legacy_torch_file(path) -> bool:
+    """A file in torch.save's pre-1.6 format (`_use_new_zipfile_serialization=False`): a pickle."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"\x80\x02"  # pickle protocol 2; an archive starts with "PK"
+    except OSError:
+        return False
+
+
+def legacy_format_error(path) -> CheckpointFormatError:
+    err = CheckpointFormatError(f"{path} is a torch.save file in the legacy format (not a zip archive): "
+                                f"it has no xlakit checksums and cannot be memory-mapped")
+    err.add_note("Load it with xlakit.load(path, verify=False) or torch.load(path, weights_only=True) "
+                 "if you trust it; xlakit.save(torch.load(...), path) gives a verifiable copy.")
+    return err
 
 
 def iter_checks(meta: dict) -> Iterator[StorageCheck]:

@@ -235,6 +235,8 @@ def torch_load(path: Path, mmap_: bool) -> Any:
                      "torch.load(path, weights_only=False).")
         raise err from e
     except (RuntimeError, ValueError, KeyError, EOFError) as e:
+        if archive.is_legacy_torch_file(path):
+            raise archive.legacy_format_error(path) from e
         # The checked records were intact; damage elsewhere (names, headers) surfaces here.
         raise CheckpointCorruptError(f"{path}: the archive is damaged outside the checksummed "
                                      f"records and torch.load failed: {type(e).__name__}: {e}") from e

@@ -103,6 +103,17 @@ def test_unsaveable_object_is_refused_by_path_before_anything_is_written(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
 
 
+def test_what_torch_load_weights_only_cannot_read_back_is_refused(tmp_path):
+    # Regression: a frozenset was saved, and then torch.load(weights_only=True) (and Lightning's
+    # load_from_checkpoint) could not read the file.
+    with pytest.raises(xlakit.CheckpointSerializationError, match=r"hp/tags.*frozenset"):
+        xlakit.save({"w": torch.ones(2), "hp": {"tags": frozenset({"a"})}}, tmp_path / "c.pt")
+    assert not (tmp_path / "c.pt").exists()
+    state = {"w": torch.ones(2), "hp": {"tags": {"a"}, "pair": (1, 2)}}
+    xlakit.save(state, tmp_path / "c.pt")
+    assert torch.load(tmp_path / "c.pt", weights_only=True)["hp"] == state["hp"]
+
+
 def test_tensor_subclasses_and_meta_tensors_are_refused(tmp_path):
     with pytest.raises(xlakit.CheckpointSerializationError, match="meta device"):
         xlakit.save({"m": torch.empty(2, device="meta")}, tmp_path / "c.pt")

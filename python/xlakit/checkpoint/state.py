@@ -27,7 +27,7 @@ from xlakit.errors import CheckpointSerializationError
 
 _SCALARS = (str, bytes, int, float, bool, complex, type(None))
 _TORCH_VALUES = (torch.dtype, torch.Size, torch.device)
-_CONTAINERS = (dict, list, tuple, set, frozenset)
+_CONTAINERS = (dict, list, tuple, set)  # a frozenset is refused: torch.load(weights_only=True) rejects it
 
 
 @dataclass
@@ -118,6 +118,9 @@ def _walk(value: object, path: str, seen: set[int]) -> Iterator[tuple[str, torch
         return
     if isinstance(value, _SCALARS) or isinstance(value, _TORCH_VALUES):
         return
+    if type(value) is frozenset:
+        raise refuse(path, value, "torch.load(weights_only=True) cannot read a frozenset back; "
+                                  "save it as a set, list or tuple")
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         raise refuse(path, value, "named tuples are not loadable with weights_only=True")
     if isinstance(value, dict):

@@ -72,8 +72,8 @@ def fake_slow_disk() -> None:
         time.sleep(0.2)
         real_remove(path)
 
-    def announced(found, policy):
-        out = real_doomed(found, policy)
+    def announced(found, policy, **kwargs):
+        out = real_doomed(found, policy, **kwargs)
         if out:
             say(event="retention", doomed=out)
         return out

@@ -111,6 +111,16 @@ def test_a_save_that_raised_can_be_retried_at_the_same_step(tmp_path):
     assert mgr.all_steps() == [1, 2] and mgr.restore(2)["step"] == 2
 
 
+def test_a_forced_save_below_the_latest_step_is_kept_by_its_own_retention(tmp_path):
+    # Regression: save(3, force=True) returned True and its own retention deleted step 3 at once.
+    mgr = CheckpointManager(tmp_path, max_to_keep=1)
+    mgr.save(10, state(10))
+    assert mgr.save(3, state(3), force=True) is True
+    assert mgr.restore(3)["step"] == 3 and mgr.all_steps() == [3, 10]
+    mgr.save(11, state(11))
+    assert mgr.all_steps() == [11]
+
+
 def test_folders_that_are_not_the_managers_are_never_touched(tmp_path):
     (tmp_path / "500").mkdir()
     (tmp_path / "500" / "notes.txt").write_text("mine")
@@ -301,6 +311,8 @@ def test_wrong_arguments_name_what_was_expected(tmp_path):
         mgr.save("5", state(5), metrics={"loss": 1.0})
     with pytest.raises(ValueError, match="step must be 0 or more"):
         mgr.should_save(-1)
+    with pytest.raises(ValueError, match="step must be at most 9999999999999999999"):
+        mgr.should_save(10**19)  # a 20-digit folder that no listing would recognize
     with pytest.raises(ValueError, match=r"metrics must hold best_metric 'loss'.*\['acc'\]"):
         mgr.save(1, state(1), metrics={"acc": 1.0})
     with pytest.raises(TypeError, match="metric 'loss' must be a number"):

@@ -358,7 +358,7 @@ class CheckpointManager:
     def _committed(self, step: int) -> None:
         self._steps.add(step)
         found = steps.scan(self.directory)
-        doomed = retention.doomed(found, self.policy)
+        doomed = retention.doomed(found, self.policy, saved=step)
 
         def discard() -> None:
             for s in doomed:

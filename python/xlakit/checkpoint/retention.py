@@ -86,13 +86,14 @@ def kept(committed: dict[int, StepFolder], policy: Retention) -> set[int]:
     return keep
 
 
-def doomed(found: Scan, policy: Retention) -> list[int]:
-    """Step folders to delete: committed ones the policy drops, and interrupted saves older than
-    the latest committed step (a newer step superseded them)."""
+def doomed(found: Scan, policy: Retention, *, saved: int) -> list[int]:
+    """Step folders to delete after step `saved` committed: committed ones the policy drops
+    (never `saved` itself, even when a forced save put it below the latest), and interrupted
+    saves older than the latest committed step (a newer step superseded them)."""
     latest = found.latest
     if latest is None:
         return []
-    keep = kept(found.committed, policy)
+    keep = kept(found.committed, policy) | {saved}
     drop = [s for s in found.committed if s not in keep]
     drop += [s for s in found.pending if s < latest]
     return sorted(drop)

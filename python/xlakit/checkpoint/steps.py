@@ -45,6 +45,7 @@ CHECKPOINT_FOLDER = "ckpt"  # layouts sharded and dcp
 LAYOUTS = ("single", "replicated", "sharded", "dcp")
 TRASH_SUFFIX = ".xlakit-trash"
 _STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
+MAX_STEP = 10**19 - 1  # the largest step `_STEP_NAME` recognizes
 _TRASH_NAME = re.compile(r"\.(0|[1-9][0-9]{0,18})\.[0-9a-f]{8}" + re.escape(TRASH_SUFFIX))
 
 
@@ -53,6 +54,9 @@ def check_step(step: object) -> int:
         raise TypeError(f"step must be a whole number, got {step!r} ({type(step).__name__})")
     if step < 0:
         raise ValueError(f"step must be 0 or more, got {step}")
+    if step > MAX_STEP:
+        raise ValueError(f"step must be at most {MAX_STEP} (19 digits, a folder name every reader "
+                         f"recognizes), got {step}")
     return step
 
 

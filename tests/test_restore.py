@@ -78,6 +78,7 @@ def test_restore_into_spmd_templates_of_another_sharding(tmp_path):
     assert result["mismatch"] == [] and result["step"] == 11
     assert result["specs_kept"] and result["same_objects"]
     assert result["compiles"] == 0  # shards go to their devices: nothing is replicated or compiled
+    assert result["made_here_mismatch"] == [] and result["made_here_specs_kept"]
 
 
 def test_mismatches_are_reported_at_once_and_nothing_changes(tmp_path):

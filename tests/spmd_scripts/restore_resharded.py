@@ -3,6 +3,7 @@
 import torch
 import torch_xla
 import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
 
 import common
 import xlakit
@@ -31,4 +32,18 @@ result = {
     "specs_kept": all(torch_xla._XLAC._get_xla_sharding_spec(template[k]) == s for k, s in specs_before.items()),
     "mismatch": [k for k, (host, _, _) in src.items() if not common.same(template[k].cpu(), host)],
 }
+
+# Templates made on the device and only annotated (the usual `torch.zeros(..., device=d)` then
+# mark_sharding, no sync): for an uneven split their data is not sharded yet, and torch_xla's
+# shard indices answered "replicated" (the restore failed half-way, earlier tensors changed).
+made_here = {}
+for name, (host, _, _) in src.items():
+    t = torch.zeros(host.shape, dtype=host.dtype, device=torch_xla.device())
+    xs.mark_sharding(t, *other[name])
+    made_here[name] = t
+specs_here = {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in made_here.items()}
+xlakit.restore(tmp / "c.pt", {**made_here, "step": 0})
+result["made_here_mismatch"] = [k for k, (host, _, _) in src.items() if not common.same(made_here[k].cpu(), host)]
+result["made_here_specs_kept"] = all(torch_xla._XLAC._get_xla_sharding_spec(made_here[k]) == s
+                                     for k, s in specs_here.items())
 common.finish("restore_resharded", result)

@@ -156,8 +156,8 @@ def load_from_host(t: torch.Tensor, host: torch.Tensor) -> None:
     if shape is None:
         raise ValueError(f"not a tiled tensor: {xlac._get_xla_sharding_spec(t)}")
     shards = []
-    for _, index in xlac._get_local_shard_replica_and_indices([t])[0]:
-        piece = host if index is Ellipsis else host[tuple(index)]
+    for index in local_shard_indices(t, shape):
+        piece = host[index]
         if tuple(piece.shape) == shape:
             shards.append(piece.contiguous())
             continue
@@ -165,3 +165,37 @@ def load_from_host(t: torch.Tensor, host: torch.Tensor) -> None:
         padded[tuple(slice(0, n) for n in piece.shape)] = piece
         shards.append(padded)
     xlac._load_local_shards(t, shards, list(xlac._xla_get_runtime_devices()))
+
+
+_TILED = re.compile(r"\{devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?\}")
+
+
+def local_shard_indices(t: torch.Tensor, shard_shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
+    """The region of tiled `t` each local device holds, in runtime device order.
+
+    Read from the sharding's tile assignment (devices listed row-major over the tile grid).
+    torch_xla's own `_get_local_shard_replica_and_indices` is asked only for other forms: for
+    a tensor whose data is not sharded yet (`torch.zeros(..., device=d)` annotated by
+    `mark_sharding` with an uneven split) it answers "replicated" and turns the tensor's
+    sharding into that.
+    """
+    import torch_xla
+
+    xlac = torch_xla._XLAC
+    m = _TILED.fullmatch(xlac._get_xla_sharding_spec(t))
+    if m is None:
+        return [tuple(index) if index is not Ellipsis else (...,)
+                for _, index in xlac._get_local_shard_replica_and_indices([t])[0]]
+    grid = [int(x) for x in m.group(1).split(",")]
+    ids = [int(x) for x in m.group(2).split(",")]
+    regions = []
+    for device in xlac._xla_get_runtime_devices():
+        position = ids.index(int(device.rsplit(":", 1)[1]))
+        coords = []
+        for extent in reversed(grid):
+            position, c = divmod(position, extent)
+            coords.append(c)
+        coords.reverse()
+        regions.append(tuple(slice(min(c * k, n), min((c + 1) * k, n))
+                             for c, n, k in zip(coords, t.shape, shard_shape)))
+    return regions

@@ -26,7 +26,8 @@ def state(step: int) -> dict:
 
 
 def names(folder) -> list[str]:
-    return sorted(os.listdir(folder))
+    """The entries of `folder`, but the manager's lock file."""
+    return sorted(n for n in os.listdir(folder) if n != steps.LOCK_FILE)
 
 
 # -- policy ------------------------------------------------------------------------------------
@@ -89,6 +90,7 @@ def test_an_interrupted_save_is_not_a_step_and_goes_once_superseded(tmp_path):
     mgr.save(1, state(1))
     mgr.save(2, state(2))
     os.remove(tmp_path / "2" / steps.CHECKPOINT_FILE)  # as if killed before the commit
+    mgr.close()
     mgr2 = CheckpointManager(tmp_path)
     assert mgr2.all_steps() == [1] and mgr2.latest_step() == 1
     with pytest.raises(xlakit.CheckpointIncompleteError, match="step 2 .* never committed"):
@@ -96,6 +98,7 @@ def test_an_interrupted_save_is_not_a_step_and_goes_once_superseded(tmp_path):
     mgr2.save(2, state(2))  # the same step saved again into its folder
     assert mgr2.restore(2)["step"] == 2
     os.remove(tmp_path / "2" / steps.CHECKPOINT_FILE)
+    mgr2.close()
     mgr3 = CheckpointManager(tmp_path)
     mgr3.save(3, state(3))  # step 3 commits: the interrupted step 2 goes
     assert names(tmp_path) == ["1", "3"]
@@ -119,6 +122,24 @@ def test_a_forced_save_below_the_latest_step_is_kept_by_its_own_retention(tmp_pa
     assert mgr.restore(3)["step"] == 3 and mgr.all_steps() == [3, 10]
     mgr.save(11, state(11))
     assert mgr.all_steps() == [11]
+
+
+def test_a_second_manager_on_a_folder_in_use_is_refused_until_the_first_closes(tmp_path):
+    # Regression: a job launched twice on one folder: the second's retention deleted the first's
+    # save in progress as an "interrupted save".
+    first = CheckpointManager(tmp_path)
+    other = subprocess.run([sys.executable, "-c", "import sys, xlakit; xlakit.CheckpointManager(sys.argv[1])",
+                            str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert other.returncode == 1 and "CheckpointBusyError" in other.stderr, other.stderr[-2000:]
+    assert f"pid {os.getpid()}" in other.stderr
+    with pytest.raises(xlakit.CheckpointBusyError, match="another checkpoint manager is using"):
+        CheckpointManager(tmp_path)
+    first.close()
+    with CheckpointManager(tmp_path) as second:
+        second.save(1, state(1))
+    dropped = CheckpointManager(tmp_path)
+    del dropped  # a manager dropped without close() lets go of the folder too
+    CheckpointManager(tmp_path).close()
 
 
 def test_folders_that_are_not_the_managers_are_never_touched(tmp_path):
@@ -146,6 +167,7 @@ def test_trash_left_by_a_killed_retention_is_not_a_step_and_is_removed_later(tmp
     trash = steps.to_trash(tmp_path / "1")  # the first half of a deletion, then a kill
     assert trash.name.startswith(".1.") and trash.name.endswith(steps.TRASH_SUFFIX)
     assert steps.scan(tmp_path).committed.keys() == {2}
+    mgr.close()
     CheckpointManager(tmp_path)
     assert names(tmp_path) == ["2"]
 

@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,7 @@ class CheckpointManager:
             what = "it is a file" if self.directory.is_file() else e.strerror
             raise CheckpointWriteError(e.errno, f"cannot use {self.directory} as a manager folder: "
                                        f"{what}") from e
+        self._lock = None  # rank 0's hold on the folder (see _hold_folder)
         found = steps.scan(self.directory)
         self._steps = set(found.committed)
         self._last = found.latest  # the highest step saved or being saved
@@ -107,8 +109,13 @@ class CheckpointManager:
         self._closed = False
         config = {"layout": layout, "asynchronous": asynchronous, "interval": save_interval_steps,
                   **dataclasses.asdict(self.policy)}
-        agreement.decide("manager start", self._path(), {"config": config, "latest": self._last,
-                                                         "manager": self._prefix}, self._watch())
+        try:
+            agreement.decide("manager start", self._path(), {"config": config, "latest": self._last,
+                                                             "manager": self._prefix}, self._watch(),
+                             prepare=self._hold_folder)
+        except BaseException:
+            self._release()
+            raise
         if self._rank == 0:
             steps.clean(self.directory)  # what a killed retention or save left
 
@@ -299,6 +306,17 @@ class CheckpointManager:
             self._closed = True
             if self._preemption is not None:
                 self._preemption.uninstall()
+            self._release()
+
+    def _hold_folder(self, op) -> None:
+        """(Rank 0, which deletes.) Lock the folder: a second manager or job on it is refused."""
+        # A manager dropped without close() releases it when collected (or at exit).
+        self._lock = weakref.finalize(self, os.close, steps.lock_folder(self.directory))
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock()  # closes the descriptor: the folder's lock is released
+            self._lock = None
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -26,16 +26,18 @@ manager removes; only names of exactly the trash shape are ever removed.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
 import secrets
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from xlakit.checkpoint import folders, paths
 from xlakit.checkpoint.operation import remove_path
-from xlakit.errors import CheckpointError, CheckpointWriteError
+from xlakit.errors import CheckpointBusyError, CheckpointError, CheckpointWriteError
 
 STEP_RECORD = "xlakit-step.json"
 STEP_FORMAT = "xlakit-step"
@@ -44,6 +46,7 @@ CHECKPOINT_FILE = "ckpt.pt"  # layouts single and replicated
 CHECKPOINT_FOLDER = "ckpt"  # layouts sharded and dcp
 LAYOUTS = ("single", "replicated", "sharded", "dcp")
 TRASH_SUFFIX = ".xlakit-trash"
+LOCK_FILE = ".xlakit-manager.lock"
 _STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
 MAX_STEP = 10**19 - 1  # the largest step `_STEP_NAME` recognizes
 _TRASH_NAME = re.compile(r"\.(0|[1-9][0-9]{0,18})\.[0-9a-f]{8}" + re.escape(TRASH_SUFFIX))
@@ -160,6 +163,8 @@ def scan(directory: Path) -> Scan:
         if _TRASH_NAME.fullmatch(name):
             found.trash.append(path)
             continue
+        if name == LOCK_FILE:  # the manager's own
+            continue
         if not _STEP_NAME.fullmatch(name) or not path.is_dir() or path.is_symlink():
             if paths.parse_temp(name) is None:
                 found.other[name] = "not named like a step folder"
@@ -219,6 +224,34 @@ def prepare(op, folder: Path, record: dict) -> None:
         os.rename(tmp, folder)
         op.disown(tmp)
     paths.fsync_dir(folder.parent)
+
+
+def lock_folder(directory: Path) -> int:
+    """Hold `directory`'s manager lock for this process: a file descriptor; closing it releases it.
+
+    The lock (flock on `.xlakit-manager.lock`, which stays in place) is released by the
+    kernel when the process dies, so a killed job never leaves it held.
+
+    Raises:
+        CheckpointBusyError: another manager holds it, in any process, this one included.
+    """
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that did not say which"
+        os.close(fd)
+        err = CheckpointBusyError(f"another checkpoint manager is using {directory} ({holder}); two "
+                                  f"managers on one folder would delete each other's saves in progress")
+        err.add_note("Close the other manager (manager.close(), or a with block), stop the other job, "
+                     "or give this run a folder of its own.")
+        raise err from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
 
 
 def to_trash(folder: Path) -> Path:

@@ -4,8 +4,11 @@ sharded and DCP folders, manager folders and damaged checkpoints; exit codes as 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pty
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +69,24 @@ def flip_byte(path: Path, offset: int) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, which are not JSON."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def pickle_offset(path: Path) -> int:
+    """Where the pickle (`<name>/data.pkl`) of a torch zip file starts."""
+    import zipfile
+
+    info = next(i for i in zipfile.ZipFile(path).infolist() if i.filename.endswith("/data.pkl"))
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return info.header_offset + 30 + name_len + extra_len
 
 
 def storage_offset(path: Path, tensor: str) -> int:
@@ -132,6 +153,43 @@ def test_inspect_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     assert code == 2 and "not a committed checkpoint: it is empty" in err
 
 
+# Regression: a plain torch.save file damaged in its pickle made inspect/diff die with a traceback
+# (IndexError, AssertionError, struct.error from torch's unpickler) and exit 1, "they differ" for diff.
+@pytest.mark.parametrize("offset, bit", [(0, 0), (120, 0), (192, 0)])
+def test_a_damaged_plain_torch_file_is_one_line_naming_it_and_exit_2(tmp_path, capsys, offset, bit):
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    torch.save({"model": {"w": torch.arange(24.0).reshape(4, 6)}, "step": 3}, good)
+    data = bytearray(good.read_bytes())
+    data[pickle_offset(good) + offset] ^= 1 << bit
+    bad.write_bytes(bytes(data))
+    for command in (["inspect", bad], ["diff", good, bad], ["convert", bad, "--to", "xlakit", tmp_path / "o.pt"]):
+        code, out, err = ckpt(capsys, *command)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (command, err)
+        assert f"{bad} cannot be read" in err and "damaged" in err
+
+
+# Regression: a safetensors file starting with byte 0x80 was taken for a legacy torch pickle, and
+# inspect relayed torch's advice to retry with weights_only=False (running pickled code).
+def test_safetensors_is_told_by_its_header_and_pickled_code_is_never_advised(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    st = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.zeros(1) for i in range(77)}, st)  # 77 tensors: a header length of 0x...80
+    assert st.read_bytes()[:1] == b"\x80"
+    for command in (["inspect", st], ["diff", st, st], ["verify", st]):
+        code, _, err = ckpt(capsys, *command)
+        assert code == 2 and f"{st} is a safetensors file" in err and "weights_only" not in err, err
+    torch.save({"w": torch.ones(2), "opts": argparse_namespace()}, tmp_path / "code.pt")
+    code, _, err = ckpt(capsys, "inspect", tmp_path / "code.pt")
+    assert code == 2 and "never runs pickled code" in err and "weights_only" not in err, err
+
+
+def argparse_namespace():
+    import argparse
+
+    return argparse.Namespace(lr=0.1)
+
+
 # -- verify ------------------------------------------------------------------------------------
 
 @pytest.mark.multiproc  # the sharded folder comes from a 2-rank job
@@ -186,6 +244,22 @@ def test_verify_finds_truncation_damaged_folders_and_missing_commits(files, shar
 def test_verify_of_a_plain_torch_file_exits_3_saying_there_is_nothing_to_verify(files, capsys):
     code, out, _ = ckpt(capsys, "verify", files["plain"])
     assert code == 3 and "no xlakit checksums" in out and "nothing to verify" in out
+
+
+# Regression: a folder holding no checkpoint was "DAMAGED" (exit 1), and a manager folder whose only
+# step was interrupted was "OK ... 0 checksum(s)" (exit 0) although nothing was verified.
+def test_verify_exit_codes_for_what_is_no_checkpoint_and_for_nothing_committed(tmp_path, capsys):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("mine")
+    code, out, err = ckpt(capsys, "verify", tmp_path / "notes")
+    assert code == 2 and out == "" and "is not a checkpoint: it holds notes.txt" in err
+    with xlakit.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+    os.remove(tmp_path / "run" / "1" / steps.CHECKPOINT_FILE)  # its only step: an interrupted save
+    code, out, _ = ckpt(capsys, "verify", tmp_path / "run")
+    assert code == 3 and "OK" not in out and "no committed step" in out and "step(s) 1 never committed" in out
+    code, data = ckpt_json(capsys, "verify", tmp_path / "run")
+    assert code == 3 and data["status"] == "no-committed-step" and data["interrupted"] == [1]
 
 
 def _verify_in_a_subprocess(path: Path, stderr) -> subprocess.CompletedProcess:
@@ -250,6 +324,100 @@ def test_diff_names_what_differs_and_by_how_much(files, tmp_path, capsys):
     code, data = ckpt_json(capsys, "diff", files["xlakit"], files["plain"])  # a plain torch file reads too
     assert code == 1 and data["different"][0]["max_abs_diff"] == pytest.approx(1.0, abs=1e-6)
     assert {"name": "step", "a": 7, "b": 8} in data["values_different"]
+
+
+# Regression: {"a/b": x, "a": {"b": y}} flattened both tensors to "a/b": diff said "identical" for
+# different files and convert wrote one of the two tensors.
+def test_names_that_collide_are_refused_not_merged(tmp_path, capsys):
+    a, b = tmp_path / "A.pt", tmp_path / "B.pt"
+    xlakit.save({"a/b": torch.zeros(3), "a": {"b": torch.ones(3)}}, a)
+    xlakit.save({"a/b": torch.full((3,), 7.0), "a": {"b": torch.ones(3)}}, b)
+    code, out, err = ckpt(capsys, "diff", a, b)
+    assert code == 2 and out == "" and "the same name 'a/b' (['a/b'] and ['a']['b'])" in err
+    code, _, err = ckpt(capsys, "convert", a, "--to", "safetensors", tmp_path / "A.st")
+    assert code == 2 and "same name 'a/b'" in err and not (tmp_path / "A.st").exists()
+    code, data = ckpt_json(capsys, "convert", a, "--to", "xlakit", tmp_path / "A2.pt")  # keeps the structure
+    assert code == 0 and data["tensors"] == 2
+
+
+# Regression: a list and a dict keyed "0" gave the same names, and diff called them identical.
+def test_diff_tells_apart_containers_that_give_the_same_names(tmp_path, capsys):
+    states = {"list": {"layers": [torch.zeros(2)]}, "dict": {"layers": {"0": torch.zeros(2)}},
+              "int_keys": {"layers": {0: torch.zeros(2)}}, "tuple": {"layers": (torch.zeros(2),)},
+              "empty_list": {"w": torch.zeros(2), "e": []}, "empty_dict": {"w": torch.zeros(2), "e": {}}}
+    for name, state in states.items():
+        xlakit.save(state, tmp_path / f"{name}.pt")
+    for a, b in (("list", "dict"), ("dict", "int_keys"), ("list", "tuple"), ("empty_list", "empty_dict")):
+        code, data = ckpt_json(capsys, "diff", tmp_path / f"{a}.pt", tmp_path / f"{b}.pt")
+        assert code == 1 and not data["identical"], (a, b, data)
+    code, data = ckpt_json(capsys, "diff", tmp_path / "list.pt", tmp_path / "dict.pt")
+    assert data["structure_different"] == [{"name": "layers/0", "a": "['layers'][0]", "b": "['layers']['0']"}]
+    code, out, _ = ckpt(capsys, "diff", tmp_path / "list.pt", tmp_path / "list.pt")
+    assert code == 0 and out.strip() == "identical"
+
+
+# Regression: a file holding a NaN value differed from itself, NaN against 5.0 had "max abs
+# difference 0", and --json printed NaN, which is not JSON.
+def test_diff_nan_equals_nan_and_differs_from_a_number(tmp_path, capsys):
+    nan, inf = math.nan, math.inf
+    xlakit.save({"w": torch.tensor([nan, 1.0, inf, 2.0]), "best": nan}, tmp_path / "a.pt")
+    xlakit.save({"w": torch.tensor([-nan, 1.0, inf, 2.0]), "best": nan}, tmp_path / "other_nan.pt")
+    xlakit.save({"w": torch.tensor([nan, 1.0, 5.0, nan]), "best": nan}, tmp_path / "b.pt")
+    xlakit.save({"w": torch.tensor([nan, 1.0, 5.0, 2.0]), "best": nan}, tmp_path / "c.pt")
+    for other in ("a", "other_nan"):  # NaNs with other bits are NaNs all the same
+        code, out, _ = ckpt(capsys, "diff", tmp_path / "a.pt", tmp_path / f"{other}.pt")
+        assert code == 0 and out.strip() == "identical", out
+    code, out, _ = ckpt(capsys, "diff", tmp_path / "a.pt", tmp_path / "b.pt")
+    assert code == 1 and ("w: 2 of 4 element(s), max abs difference nan (1 where a NaN stands against a "
+                          "number)") in out
+    code, out, _ = ckpt(capsys, "diff", tmp_path / "a.pt", tmp_path / "b.pt", "--json")
+    assert strict_json(out)["different"] == [{"name": "w", "differing": 2, "elements": 4, "nan_vs_number": 1,
+                                              "max_abs_diff": "NaN"}]
+    code, out, _ = ckpt(capsys, "diff", tmp_path / "a.pt", tmp_path / "c.pt", "--json")
+    assert code == 1 and strict_json(out)["different"][0]["max_abs_diff"] == "Infinity"
+
+
+# Regression: --json printed the bare constants NaN and Infinity (not JSON) for NaN metrics and values.
+def test_json_output_is_strict_json_when_floats_are_not_finite(tmp_path, capsys):
+    with xlakit.CheckpointManager(tmp_path / "run", best_metric="loss") as mgr:
+        mgr.save(1, {"w": torch.ones(2), "score": -math.inf}, metrics={"loss": math.nan})
+    code, out, _ = ckpt(capsys, "ls", tmp_path / "run", "--json")
+    assert code == 0 and strict_json(out)["steps"][0]["metrics"] == {"loss": "NaN"}
+    code, out, _ = ckpt(capsys, "inspect", tmp_path / "run" / "1", "--json")
+    data = strict_json(out)
+    assert code == 0 and data["values"] == {"score": "-Infinity"} and data["step"]["metrics"] == {"loss": "NaN"}
+
+
+# Regression: diff of float8 tensors that differ died with NotImplementedError (index_cpu), exit 2.
+def test_diff_compares_float8_tensors(tmp_path, capsys):
+    for name, values in (("a", [1.0, 2.0]), ("b", [1.0, 3.0])):
+        xlakit.save({"w": torch.tensor(values).to(torch.float8_e4m3fn),
+                     "v": torch.tensor(values).to(torch.float8_e5m2)}, tmp_path / f"{name}.pt")
+    code, data = ckpt_json(capsys, "diff", tmp_path / "a.pt", tmp_path / "b.pt")
+    assert code == 1 and [(d["name"], d["differing"], d["max_abs_diff"]) for d in data["different"]] == [
+        ("v", 1, 1.0), ("w", 1, 1.0)]
+    code, _ = ckpt_json(capsys, "diff", tmp_path / "a.pt", tmp_path / "a.pt")
+    assert code == 0
+
+
+# Regression: "Permission denied" errors never said which file (diff has two).
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("capsh") is None,
+                    reason="as root, file permissions bind only with capsh dropping cap_dac_override")
+def test_permission_errors_name_the_file(tmp_path):
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    for path in (a, b):
+        xlakit.save({"w": torch.ones(2)}, path)
+    b.chmod(0)
+    command = f"{sys.executable} -m xlakit ckpt diff {a} {b}"
+    if os.geteuid() == 0:
+        if os.stat(tmp_path).st_uid == 0:
+            os.chown(b, 4242, -1)  # root's files stay readable to root even without the capability
+        argv = ["capsh", "--drop=cap_dac_override,cap_dac_read_search", "--", "-c", command]
+    else:
+        argv = ["sh", "-c", command]
+    run = subprocess.run(argv, env={**os.environ, "PYTHONPATH": str(ROOT / "python")}, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 2 and f"{b}: Permission denied" in run.stderr, run.stderr
 
 
 def test_diff_refuses_a_damaged_source(files, capsys):

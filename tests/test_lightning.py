@@ -130,18 +130,39 @@ def test_safe_conversions_keep_values_and_drop_types():
     assert type(out["hyper_parameters"]) is dict
 
 
-def test_remove_checkpoint_removes_only_xlakit_files(tmp_path):
+def test_remove_checkpoint_removes_only_xlakit_files(tmp_path, caplog):
     io = xlakit.lightning.XlakitCheckpointIO()
     io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "sub" / "a.ckpt")  # makes the folder, as Lightning's does
     io.remove_checkpoint(tmp_path / "sub" / "a.ckpt")
     assert os.listdir(tmp_path / "sub") == []
     io.remove_checkpoint(tmp_path / "sub" / "missing.ckpt")  # absent: nothing to do
     torch.save({"w": torch.ones(2)}, tmp_path / "plain.ckpt")
-    with pytest.raises(xlakit.CheckpointWriteError, match="not a checkpoint xlakit wrote"):
+    with caplog.at_level("WARNING", logger="xlakit.lightning"):
         io.remove_checkpoint(tmp_path / "plain.ckpt")
-    with pytest.raises(xlakit.CheckpointWriteError, match="it is not a file"):
         io.remove_checkpoint(tmp_path / "sub")
     assert (tmp_path / "plain.ckpt").exists() and (tmp_path / "sub").is_dir()
+    warned = [r.getMessage() for r in caplog.records]
+    assert f"not removing {tmp_path / 'plain.ckpt'}: it is not a checkpoint xlakit wrote" in warned[0]
+    assert f"not removing {tmp_path / 'sub'}: it is not a file" in warned[1] and len(warned) == 2
+
+
+# Regression: a run checkpointed with Lightning's default CheckpointIO and resumed with the plugin
+# aborted trainer.fit when ModelCheckpoint rotated out one of the old (torch.save) files.
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning")
+def test_a_run_resumed_with_the_plugin_keeps_files_of_the_default_io_and_goes_on(tmp_path, caplog):
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    trainer(tmp_path, 2, TorchCheckpointIO()).fit(model(), data())
+    before = sorted(os.listdir(tmp_path))
+    assert before == ["epoch=0.ckpt", "epoch=1.ckpt"]
+    io = xlakit.lightning.XlakitCheckpointIO(load_options=xlakit.LoadOptions(verify=False))
+    t = trainer(tmp_path, EPOCHS, io)
+    with caplog.at_level("WARNING", logger="xlakit.lightning"):
+        t.fit(model(), data(), ckpt_path=tmp_path / "epoch=1.ckpt")
+    assert t.current_epoch == EPOCHS  # the fit ran to its end
+    rotated = [r.getMessage() for r in caplog.records if "not removing" in r.getMessage()]
+    assert rotated and all("it is not a checkpoint xlakit wrote" in m for m in rotated)
+    assert set(before) <= set(os.listdir(tmp_path))  # the default IO's files are left in place
 
 
 def test_an_asynchronous_failure_is_raised_by_the_next_save(tmp_path):

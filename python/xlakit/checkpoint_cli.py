@@ -9,26 +9,37 @@ stdout) and maps outcomes to exit codes:
      diff: the checkpoints differ
   2  an error: a bad argument, a missing path, something that is not a checkpoint,
      a source that cannot be read
-  3  verify: nothing to verify (a plain torch.save file has no checksums)
+  3  verify: nothing to verify (a plain torch.save file has no checksums, a manager folder
+     has no committed step)
 
-Errors are one line on stderr, never a traceback. The progress bar of
-`verify` appears on a terminal only.
+Errors are one line on stderr, never a traceback, and name the file they are
+about. The progress bar of `verify` appears on a terminal only. `--json`
+output is strict JSON: a float that is not finite (a NaN metric, a NaN or
+infinite difference) is written as the string "NaN", "Infinity" or "-Infinity".
+
+`diff` compares names, the containers leading to them (a list is not a dict
+keyed "0"), dtypes and shapes, then elements bit by bit, chunk by chunk; a
+NaN equals a NaN, a NaN against a number is a difference whose size is NaN.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from xlakit.errors import CheckpointCorruptError, XlakitError
+from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, XlakitError
 
 OK, DIFFERENT, ERROR, NOTHING = 0, 1, 2, 3
 _EPILOG = ("exit codes: 0 success; 1 verify found damage, or diff found differences; 2 error (bad argument, "
-           "missing path, not a checkpoint, unreadable source); 3 verify found no checksums to check")
+           "missing path, not a checkpoint, unreadable source); 3 verify found nothing to check (no checksums, "
+           "no committed step)")
 
 
 def _size(n: float) -> str:
@@ -39,9 +50,31 @@ def _size(n: float) -> str:
 
 def _emit(args: argparse.Namespace, data: dict, text: list[str]) -> None:
     if args.json:
-        print(json.dumps(data, indent=1, default=str))
+        print(json.dumps(_json_safe(data), indent=1, default=str, allow_nan=False))
     else:
         print("\n".join(text))
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with each float that is not finite as a string: JSON has no NaN nor Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+@contextlib.contextmanager
+def _about(path: Path | str) -> Iterator[None]:
+    """An OSError that names no file is about `path`: say so ("Permission denied" alone names nothing)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
 
 
 # -- ls -------------------------------------------------------------------------------------------
@@ -53,7 +86,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not folder.is_dir():
         what = "is a file; `xlakit ckpt inspect` reads one checkpoint" if folder.exists() else "does not exist"
         raise FileNotFoundError(2, f"{folder} {what}; ls lists a CheckpointManager folder", str(folder))
-    found = steps.scan(folder)
+    with _about(folder):
+        found = steps.scan(folder)
     records = [s.record for s in sorted(found.committed.values(), key=lambda s: s.step)]
     policy = retention.Retention(best_metric=records[-1].get("best_metric"),
                                  best_mode=records[-1].get("best_mode", "min")) if records else retention.Retention()
@@ -86,6 +120,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
 # -- inspect --------------------------------------------------------------------------------------
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    with _about(args.path):
+        return _inspect(args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
     from xlakit.checkpoint import describe
 
     path = Path(args.path)
@@ -171,17 +210,18 @@ class _Bar:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import integrity
+    from xlakit.checkpoint import describe, integrity
 
     path = Path(args.path)
     try:
-        kind, ranges = integrity.plan(path)
-        bar = _Bar() if sys.stderr.isatty() else None
-        try:
-            checked = integrity.check(ranges, bar)
-        finally:
-            if bar is not None:
-                bar.close()
+        with _about(path):
+            kind = describe.kind_of(path)
+            if kind.kind == describe.FOLDER and not kind.unfinished:
+                raise CheckpointFormatError(f"{path} is not a checkpoint: {kind.note}")
+            kind, ranges = integrity.plan(path)
+            if not ranges:
+                return _nothing_committed(args, path)
+            checked = _check_with_progress(ranges)
     except integrity.NothingToVerify as e:
         _emit(args, {"path": str(path), "status": "no-checksums", "message": str(e)}, [str(e)])
         return NOTHING
@@ -194,44 +234,167 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return OK
 
 
+def _check_with_progress(ranges: list) -> int:
+    from xlakit.checkpoint import integrity
+
+    bar = _Bar() if sys.stderr.isatty() else None
+    try:
+        return integrity.check(ranges, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _nothing_committed(args: argparse.Namespace, path: Path) -> int:
+    """A manager folder without a committed step: nothing was verified, so never "OK"."""
+    from xlakit.checkpoint import steps
+
+    pending = sorted(steps.scan(path).pending)
+    message = (f"{path} holds no committed step, so there is nothing to verify"
+               + (f"; step(s) {', '.join(map(str, pending))} never committed (interrupted saves)" if pending else "")
+               + f". `xlakit ckpt ls {path}` lists them.")
+    _emit(args, {"path": str(path), "status": "no-committed-step", "interrupted": pending, "message": message},
+          [message])
+    return NOTHING
+
+
 # -- diff -----------------------------------------------------------------------------------------
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from xlakit.checkpoint import tensors
 
-    a, _ = tensors.read_state(Path(args.a))
-    b, _ = tensors.read_state(Path(args.b))
-    result = tensors.compare(a, b)
+    with _about(args.a):
+        a, _ = tensors.read_state(Path(args.a))
+    with _about(args.b):
+        b, _ = tensors.read_state(Path(args.b))
+    result = compare(a, b)
     text = [f"only in A: {n}" for n in result["only_in_a"]] + [f"only in B: {n}" for n in result["only_in_b"]]
+    text += [f"structure differs: {s['name']}: {s['a']} vs {s['b']}" for s in result["structure_different"]]
     text += [f"dtype/shape: {m['name']}: {m['a']} vs {m['b']}" for m in result["mismatched"]]
-    text += [f"differs: {d['name']}: {d['differing']} of {d['elements']} element(s), max abs difference "
-             f"{d['max_abs_diff']:g}" for d in result["different"]]
+    text += [_difference_line(d) for d in result["different"]]
     text += [f"value differs: {v['name']}: {v['a']!r} vs {v['b']!r}" for v in result["values_different"]]
     text.append("identical" if result["identical"] else
-                f"{len(result['different']) + len(result['mismatched'])} tensor(s) differ, {result['same']} equal")
+                f"{len(result['different']) + len(result['mismatched'])} tensor(s) differ, {result['same']} equal"
+                f"; {len(result['structure_different'])} structure and {len(result['values_different'])} "
+                f"value difference(s)")
     _emit(args, {"a": args.a, "b": args.b, **result}, text)
     return OK if result["identical"] else DIFFERENT
+
+
+def _difference_line(d: dict) -> str:
+    nan = (f" ({d['nan_vs_number']} where a NaN stands against a number)" if d["nan_vs_number"] else "")
+    return (f"differs: {d['name']}: {d['differing']} of {d['elements']} element(s), max abs difference "
+            f"{d['max_abs_diff']:g}{nan}")
+
+
+def compare(a: Any, b: Any) -> dict:
+    """What differs between two states: names on one side only, the containers leading to a name,
+    dtypes/shapes, elements, values."""
+    from xlakit.checkpoint import describe
+
+    ta, va = describe.flatten(a)
+    tb, vb = describe.flatten(b)
+    ra, rb = describe.routes(a), describe.routes(b)
+    out: dict[str, Any] = {
+        "only_in_a": sorted(set(ta) - set(tb)), "only_in_b": sorted(set(tb) - set(ta)),
+        "structure_different": [{"name": n, "a": ra[n], "b": rb[n]} for n in sorted(set(ra) & set(rb))
+                                if ra[n] != rb[n]],
+        "mismatched": [], "different": [], "same": 0, "values_different": []}
+    for name in sorted(set(ta) & set(tb)):
+        x, y = ta[name], tb[name]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            out["mismatched"].append({"name": name, "a": _signature(x), "b": _signature(y)})
+        elif (diff := tensor_difference(x, y)) is None:
+            out["same"] += 1
+        else:
+            out["different"].append({"name": name, **diff})
+    absent = "<absent>"
+    for name in sorted(set(va) | set(vb)):
+        x, y = va.get(name, absent), vb.get(name, absent)
+        if not _same_value(x, y):
+            out["values_different"].append({"name": name, "a": describe.jsonable(x), "b": describe.jsonable(y)})
+    out["identical"] = not any(out[k] for k in ("only_in_a", "only_in_b", "structure_different", "mismatched",
+                                                  "different", "values_different"))
+    return out
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if type(x) is not type(y):  # 1, 1.0 and True are different values in a checkpoint
+        return False
+    if isinstance(x, float) and math.isnan(x) and math.isnan(y):
+        return True
+    return bool(x == y)
+
+
+_CHUNK_BYTES = 4 << 20
+
+
+def tensor_difference(a, b) -> dict | None:
+    """None when `a` and `b` hold the same elements (bit for bit, or NaN in both); else how many
+    elements differ, how many of them are a NaN against a number, and the largest |a - b| (NaN
+    when a NaN stands against a number). Read in chunks; any dtype (float8 is widened first)."""
+    import torch
+
+    differing, nan_vs_number, worst = 0, 0, 0.0
+    flat_a, flat_b = a.detach().reshape(-1), b.detach().reshape(-1)
+    step = max(_CHUNK_BYTES // max(a.element_size(), 1), 1)
+    for start in range(0, flat_a.numel(), step):
+        x, y = flat_a[start:start + step], flat_b[start:start + step]
+        rows = (_element_bytes(x) != _element_bytes(y)).any(dim=1)
+        if not bool(rows.any()):
+            continue
+        wide = torch.complex128 if x.is_complex() else torch.float64
+        x, y = x.to(wide)[rows], y.to(wide)[rows]  # widened before indexing: float8 has no indexing
+        nan_x, nan_y = torch.isnan(x), torch.isnan(y)
+        numbers = ~nan_x & ~nan_y
+        differing += int((nan_x ^ nan_y).sum()) + int(numbers.sum())
+        nan_vs_number += int((nan_x ^ nan_y).sum())
+        if bool(numbers.any()):
+            worst = max(worst, float((x[numbers] - y[numbers]).abs().max()))
+    if not differing:
+        return None
+    return {"differing": differing, "elements": flat_a.numel(), "nan_vs_number": nan_vs_number,
+            "max_abs_diff": math.nan if nan_vs_number else worst}
+
+
+def _element_bytes(t):
+    """The elements of a flat tensor as rows of raw bytes: equal rows are bitwise equal elements."""
+    import torch
+
+    flat = t.contiguous()
+    return flat.view(torch.uint8).reshape(flat.numel(), t.element_size())
+
+
+def _signature(t) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
 # -- convert --------------------------------------------------------------------------------------
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import describe, tensors
+    from xlakit.checkpoint import tensors
 
     out = Path(args.out)
     if out.exists() and not args.force:
         raise FileExistsError(17, f"{out} exists; pass --force to replace it", str(out))
-    state, kind = tensors.read_state(Path(args.path))
-    if args.to == "safetensors":
-        result = tensors.write_safetensors(state, out)
-    else:
-        from xlakit import checkpoint
-
-        checkpoint.save(state, out)
-        result = {"tensors": len(describe.flatten(state)[0]), "bytes": out.stat().st_size}
+    with _about(args.path):
+        state, kind = tensors.read_state(Path(args.path))
+    with _about(out):
+        result = _write(state, out, args.to)
     _emit(args, {"source": args.path, "source_kind": kind.kind, "to": args.to, "out": str(out), **result},
           [f"wrote {out} ({args.to}): {result['tensors']} tensor(s), {_size(result['bytes'])}"])
     return OK
+
+
+def _write(state: Any, out: Path, to: str) -> dict:
+    from xlakit.checkpoint import describe, tensors
+
+    if to == "safetensors":
+        return tensors.write_safetensors(state, out)  # refuses a state whose names collide
+    from xlakit import checkpoint
+
+    checkpoint.save(state, out)  # keeps the state's structure: names cannot collide here
+    return {"tensors": describe.tensor_count(state), "bytes": out.stat().st_size}
 
 
 # -- the parser -----------------------------------------------------------------------------------
@@ -242,13 +405,17 @@ def _guarded(func):
         try:
             return func(args)
         except (XlakitError, OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-            if isinstance(e, OSError) and e.strerror:
-                message = e.strerror  # xlakit's own messages name the path already
-            else:
-                message = str(e) if isinstance(e, XlakitError) else f"{type(e).__name__}: {e}"
-            print(f"xlakit ckpt {args.ckpt_command}: {message}", file=sys.stderr)
+            print(f"xlakit ckpt {args.ckpt_command}: {_error_message(e)}", file=sys.stderr)
             return ERROR
     return run
+
+
+def _error_message(e: Exception) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        if e.filename is None or str(e.filename) in e.strerror:  # xlakit's own messages name the path
+            return e.strerror
+        return f"{e.filename}: {e.strerror}"
+    return str(e) if isinstance(e, XlakitError) else f"{type(e).__name__}: {e}"
 
 
 def add_parser(subparsers) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import enum
-import errno
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -38,8 +38,9 @@ from lightning.pytorch.plugins.io import XLACheckpointIO
 
 from xlakit.checkpoint import archive, paths
 from xlakit.checkpoint.options import LoadOptions, SaveOptions, _bool
-from xlakit.errors import (CheckpointCorruptError, CheckpointFormatError, CheckpointSerializationError,
-                           CheckpointWriteError)
+from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointSerializationError
+
+log = logging.getLogger(__name__)
 
 _SCALARS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.Size, torch.device)
 
@@ -149,23 +150,25 @@ class XlakitCheckpointIO(XLACheckpointIO):
                         f"torch.device or a string); Lightning then moves the state where the model is")
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        """Delete a checkpoint this plugin wrote; anything else is refused and left in place."""
+        """Delete a checkpoint this plugin wrote; anything else is left in place, with a warning.
+
+        Lightning removes checkpoints as it rotates them (`ModelCheckpoint(save_top_k=...)`); a run
+        resumed with this plugin may rotate out files another CheckpointIO wrote. Those are not
+        deleted (xlakit deletes only what it knows it wrote) and training goes on.
+        """
         target = Path(path)
         if self._pending is not None and self._pending.path == target:
             self._finish_pending()
         if not target.exists():
             return
         if not target.is_file():
-            raise CheckpointWriteError(errno.EISDIR, f"not removing {target}: it is not a file, and "
-                                       f"XlakitCheckpointIO writes (and removes) one file per checkpoint")
+            _keep(target, "it is not a file, and XlakitCheckpointIO writes (and removes) one file per checkpoint")
+            return
         try:
             archive.read_index(str(target))
         except (CheckpointFormatError, CheckpointCorruptError) as e:
-            err = CheckpointWriteError(errno.EPERM, f"not removing {target}: it is not a checkpoint "
-                                       f"xlakit wrote ({str(e).splitlines()[0]})")
-            err.add_note("Only files with xlakit's checksum record are removed; delete it yourself if "
-                         "it is not needed.")
-            raise err from None
+            _keep(target, f"it is not a checkpoint xlakit wrote ({str(e).splitlines()[0]})")
+            return
         os.unlink(target)
         paths.remove_stale_temps(target.parent, stem=target.name)
         paths.fsync_dir(target.parent)
@@ -178,6 +181,10 @@ class XlakitCheckpointIO(XLACheckpointIO):
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+
+def _keep(target: Path, why: str) -> None:
+    log.warning("XlakitCheckpointIO: not removing %s: %s. Delete it yourself if it is not needed.", target, why)
 
 
 def _to(value: Any, device: torch.device) -> Any:

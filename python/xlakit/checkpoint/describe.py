@@ -6,17 +6,26 @@ format of its commit record), a manager step folder, a manager folder. The
 tensor listing of a file comes from torch's weights-only unpickler over a
 memory map (`mmap=True`): shapes, dtypes and storages, without touching the
 data; for a DCP folder from DCP's metadata file.
+
+`flatten` names each tensor and value by its path (`model/layers.0.weight`).
+Those names are not enough to tell two states apart (a list and a dict keyed
+"0" give the same names), so `routes` gives each name the containers and key
+types that lead to it; and a state in which two entries get the same name
+(`{"a/b": x, "a": {"b": y}}`) is refused rather than shown with one missing.
 """
 
 from __future__ import annotations
 
 import errno
+import pickle
+import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from xlakit.checkpoint import archive, folders, steps
-from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
+from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError, XlakitError
 
 XLAKIT_FILE, TORCH_FILE, SHARDED, DCP, STEP, MANAGER, FOLDER = (
     "xlakit-file", "torch-file", "sharded", "dcp", "step", "manager", "folder")
@@ -32,6 +41,7 @@ class Kind:
     path: Path
     record: dict | None = None
     note: str = ""
+    unfinished: bool = False  # a folder holding the files of a save that never committed
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,7 @@ def kind_of(path: Path) -> Kind:
     if not path.exists():
         raise FileNotFoundError(errno.ENOENT, f"no such file or folder: {path}", str(path))
     if path.is_file():
+        _refuse_safetensors(path)
         with open(path, "rb") as f:
             head = f.read(4)
         if head == _ZIP_MAGIC:
@@ -80,7 +91,30 @@ def kind_of(path: Path) -> Kind:
     found = steps.scan(path)
     if found.committed or found.pending or found.trash:
         return Kind(MANAGER, path)
-    return Kind(FOLDER, path, note=folders.describe_folder(path))
+    return Kind(FOLDER, path, note=folders.describe_folder(path), unfinished=_holds_save_files(path))
+
+
+def _holds_save_files(folder: Path) -> bool:
+    """Whether a folder without a commit record holds what a DCP or sharded save writes."""
+    return any(p.name == ".metadata" or p.suffix == ".distcp" or p.name.startswith("shard-")
+               for p in folder.iterdir())
+
+
+def _refuse_safetensors(path: Path) -> None:
+    """Refuse a safetensors file by its header: 8 bytes of little-endian JSON length, then `{`.
+
+    Checked before anything else: its first byte can be 0x80, which would pass for a pickle.
+    """
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        return
+    (header_bytes,) = struct.unpack("<Q", head[:8])
+    if header_bytes <= path.stat().st_size - 8:
+        raise CheckpointFormatError(
+            f"{path} is a safetensors file (a {header_bytes}-byte JSON header), not a checkpoint that "
+            f"`xlakit ckpt` reads (xlakit.save, torch.save, sharded and DCP folders); read it with "
+            f"safetensors.torch.load_file")
 
 
 def step_checkpoint(kind: Kind) -> Kind:
@@ -97,33 +131,85 @@ def load_mapped(path: Path) -> Any:
 
     with open(path, "rb") as f:
         zipped = f.read(4) == _ZIP_MAGIC  # torch maps only its zip format
-    return checkpoint.load(path, verify=False, mmap=zipped)
+    try:
+        return checkpoint.load(path, verify=False, mmap=zipped)
+    except (XlakitError, OSError) as e:
+        if isinstance(e.__cause__, pickle.UnpicklingError):
+            raise _pickled_code_refused(path, e.__cause__) from e
+        raise
+    except Exception as e:  # torch's unpickler meets damage with any error (IndexError, AssertionError, ...)
+        raise CheckpointCorruptError(f"{path} cannot be read: torch's unpickler failed with "
+                                     f"{type(e).__name__}: {str(e)[:200]}; the file is damaged or was "
+                                     f"not written by torch.save") from e
+
+
+def _pickled_code_refused(path: Path, cause: pickle.UnpicklingError) -> CheckpointFormatError:
+    """The refusal of a weights-only load, without torch's advice to retry running pickled code."""
+    reason = next((line.strip() for line in str(cause).splitlines() if "Unsupported" in line), "")
+    return CheckpointFormatError(f"{path} holds pickled objects other than tensors, numbers, strings and "
+                                 f"containers; `xlakit ckpt` never runs pickled code, so it cannot read "
+                                 f"this file{': ' + reason.split('. ')[0] if reason else ''}")
 
 
 def flatten(value: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
-    """(tensors, other values) of a nested state, named by their paths (`model/layers.0.weight`)."""
+    """(tensors, other values) of a nested state, named by their paths (`model/layers.0.weight`).
+
+    Empty containers are values. Raises `CheckpointFormatError` when two entries get the same name.
+    """
     import torch
 
     tensors: dict[str, Any] = {}
     values: dict[str, Any] = {}
+    routes: dict[str, str] = {}
 
-    def walk(v: Any, path: str) -> None:
-        if isinstance(v, torch.Tensor):
-            tensors[path] = v
-        elif isinstance(v, dict):
-            for k, item in v.items():
-                walk(item, f"{path}/{k}" if path else str(k))
-        elif isinstance(v, (list, tuple)):
-            for i, item in enumerate(v):
-                walk(item, f"{path}/{i}" if path else str(i))
-        else:
-            values[path or "(state)"] = v
+    def leaf(name: str, route: str, v: Any) -> None:
+        if name in routes:
+            raise CheckpointFormatError(
+                f"two entries of the state have the same name {name!r} ({routes[name]} and {route}): a key "
+                f"holds '/', the separator of names, or a key is both a number and a string; rename the "
+                f"key so that every tensor and value has a name of its own")
+        routes[name] = route
+        (tensors if isinstance(v, torch.Tensor) else values)[name] = v
 
-    try:
-        walk(value, prefix)
-    finally:
-        del walk  # a closure that calls itself is a cycle: it would hold the tensors until a gc
+    _walk(value, prefix, leaf)
     return tensors, values
+
+
+def routes(value: Any) -> dict[str, str]:
+    """Each name `flatten` gives, with the containers and keys that lead to it, e.g. `['layers'][0]`
+    for a list and `['layers']['0']` for a dict: states with the same names can differ here."""
+    out: dict[str, str] = {}
+    _walk(value, "", lambda name, route, v: out.setdefault(name, route))
+    return out
+
+
+def tensor_count(value: Any) -> int:
+    import torch
+
+    count = 0
+
+    def leaf(name: str, route: str, v: Any) -> None:
+        nonlocal count
+        count += isinstance(v, torch.Tensor)
+
+    _walk(value, "", leaf)
+    return count
+
+
+def _walk(value: Any, prefix: str, leaf: Callable[[str, str, Any], None]) -> None:
+    """Call `leaf(name, route, value)` for every tensor, value and empty container of a state."""
+    import torch
+
+    pending = [(value, prefix, "")]
+    while pending:  # a stack, not a recursive closure: that would be a cycle holding every tensor
+        v, name, route = pending.pop()
+        if isinstance(v, (dict, list, tuple)) and len(v) and not isinstance(v, torch.Tensor):
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, item in reversed(list(items)):
+                step = f"[{k!r}]" if isinstance(v, dict) else f"[{k}]" if isinstance(v, list) else f"({k})"
+                pending.append((item, f"{name}/{k}" if name else str(k), route + step))
+        else:
+            leaf(name or "(state)", route or "(state)", v)
 
 
 def tensor_infos(tensors: dict[str, Any]) -> list[TensorInfo]:
@@ -147,6 +233,8 @@ def jsonable(value: Any) -> Any:
         return value
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
     return repr(value)
 
 

@@ -267,7 +267,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         a, _ = tensors.read_state(Path(args.a))
     with _about(args.b):
         b, _ = tensors.read_state(Path(args.b))
-    result = compare(a, b)
+    result = tensors.compare(a, b)
     text = [f"only in A: {n}" for n in result["only_in_a"]] + [f"only in B: {n}" for n in result["only_in_b"]]
     text += [f"structure differs: {s['name']}: {s['a']} vs {s['b']}" for s in result["structure_different"]]
     text += [f"dtype/shape: {m['name']}: {m['a']} vs {m['b']}" for m in result["mismatched"]]
@@ -285,88 +285,6 @@ def _difference_line(d: dict) -> str:
     nan = (f" ({d['nan_vs_number']} where a NaN stands against a number)" if d["nan_vs_number"] else "")
     return (f"differs: {d['name']}: {d['differing']} of {d['elements']} element(s), max abs difference "
             f"{d['max_abs_diff']:g}{nan}")
-
-
-def compare(a: Any, b: Any) -> dict:
-    """What differs between two states: names on one side only, the containers leading to a name,
-    dtypes/shapes, elements, values."""
-    from xlakit.checkpoint import describe
-
-    ta, va = describe.flatten(a)
-    tb, vb = describe.flatten(b)
-    ra, rb = describe.routes(a), describe.routes(b)
-    out: dict[str, Any] = {
-        "only_in_a": sorted(set(ta) - set(tb)), "only_in_b": sorted(set(tb) - set(ta)),
-        "structure_different": [{"name": n, "a": ra[n], "b": rb[n]} for n in sorted(set(ra) & set(rb))
-                                if ra[n] != rb[n]],
-        "mismatched": [], "different": [], "same": 0, "values_different": []}
-    for name in sorted(set(ta) & set(tb)):
-        x, y = ta[name], tb[name]
-        if x.dtype != y.dtype or x.shape != y.shape:
-            out["mismatched"].append({"name": name, "a": _signature(x), "b": _signature(y)})
-        elif (diff := tensor_difference(x, y)) is None:
-            out["same"] += 1
-        else:
-            out["different"].append({"name": name, **diff})
-    absent = "<absent>"
-    for name in sorted(set(va) | set(vb)):
-        x, y = va.get(name, absent), vb.get(name, absent)
-        if not _same_value(x, y):
-            out["values_different"].append({"name": name, "a": describe.jsonable(x), "b": describe.jsonable(y)})
-    out["identical"] = not any(out[k] for k in ("only_in_a", "only_in_b", "structure_different", "mismatched",
-                                                  "different", "values_different"))
-    return out
-
-
-def _same_value(x: Any, y: Any) -> bool:
-    if type(x) is not type(y):  # 1, 1.0 and True are different values in a checkpoint
-        return False
-    if isinstance(x, float) and math.isnan(x) and math.isnan(y):
-        return True
-    return bool(x == y)
-
-
-_CHUNK_BYTES = 4 << 20
-
-
-def tensor_difference(a, b) -> dict | None:
-    """None when `a` and `b` hold the same elements (bit for bit, or NaN in both); else how many
-    elements differ, how many of them are a NaN against a number, and the largest |a - b| (NaN
-    when a NaN stands against a number). Read in chunks; any dtype (float8 is widened first)."""
-    import torch
-
-    differing, nan_vs_number, worst = 0, 0, 0.0
-    flat_a, flat_b = a.detach().reshape(-1), b.detach().reshape(-1)
-    step = max(_CHUNK_BYTES // max(a.element_size(), 1), 1)
-    for start in range(0, flat_a.numel(), step):
-        x, y = flat_a[start:start + step], flat_b[start:start + step]
-        rows = (_element_bytes(x) != _element_bytes(y)).any(dim=1)
-        if not bool(rows.any()):
-            continue
-        wide = torch.complex128 if x.is_complex() else torch.float64
-        x, y = x.to(wide)[rows], y.to(wide)[rows]  # widened before indexing: float8 has no indexing
-        nan_x, nan_y = torch.isnan(x), torch.isnan(y)
-        numbers = ~nan_x & ~nan_y
-        differing += int((nan_x ^ nan_y).sum()) + int(numbers.sum())
-        nan_vs_number += int((nan_x ^ nan_y).sum())
-        if bool(numbers.any()):
-            worst = max(worst, float((x[numbers] - y[numbers]).abs().max()))
-    if not differing:
-        return None
-    return {"differing": differing, "elements": flat_a.numel(), "nan_vs_number": nan_vs_number,
-            "max_abs_diff": math.nan if nan_vs_number else worst}
-
-
-def _element_bytes(t):
-    """The elements of a flat tensor as rows of raw bytes: equal rows are bitwise equal elements."""
-    import torch
-
-    flat = t.contiguous()
-    return flat.view(torch.uint8).reshape(flat.numel(), t.element_size())
-
-
-def _signature(t) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
 # -- convert --------------------------------------------------------------------------------------

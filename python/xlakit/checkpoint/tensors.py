@@ -16,6 +16,7 @@ Tensors that shared a storage are written once each, as safetensors wants.
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import struct
 import warnings
@@ -83,56 +84,73 @@ def _read_dcp(path: Path) -> dict[str, Any]:
 
 # -- comparing ---------------------------------------------------------------------------------
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as rows of raw bytes (NaNs compare by their bits)."""
-    flat = t.detach().reshape(-1).contiguous()
-    return flat.view(torch.uint8).reshape(flat.numel(), t.element_size())
-
-
-def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict | None:
-    """None when `a` and `b` are bitwise equal; else how many elements differ and by how much at most."""
-    differing, worst = 0, 0.0
-    flat_a, flat_b = a.detach().reshape(-1), b.detach().reshape(-1)
-    step = max(_CHUNK // max(a.element_size(), 1), 1)
-    for start in range(0, flat_a.numel(), step):
-        x, y = flat_a[start:start + step], flat_b[start:start + step]
-        rows = (_bits(x) != _bits(y)).any(dim=1)
-        count = int(rows.sum())
-        if not count:
-            continue
-        differing += count
-        wide = torch.complex128 if x.is_complex() else torch.float64
-        delta = (x[rows].to(wide) - y[rows].to(wide)).abs()
-        both_nan = torch.isnan(x[rows].to(wide)) & torch.isnan(y[rows].to(wide))
-        worst = max(worst, float(delta.masked_fill(both_nan, 0).max()))
-    if not differing:
-        return None
-    return {"differing": differing, "elements": flat_a.numel(), "max_abs_diff": worst}
-
-
 def compare(a: Any, b: Any) -> dict:
-    """What differs between two states: names on one side only, dtypes/shapes, values."""
+    """What differs between two states: names on one side only, the containers leading to a name,
+    dtypes/shapes, elements, values."""
     ta, va = describe.flatten(a)
     tb, vb = describe.flatten(b)
-    out = {"only_in_a": sorted(set(ta) - set(tb)), "only_in_b": sorted(set(tb) - set(ta)),
-           "mismatched": [], "different": [], "same": 0, "values_different": []}
+    ra, rb = describe.routes(a), describe.routes(b)
+    out: dict[str, Any] = {
+        "only_in_a": sorted(set(ta) - set(tb)), "only_in_b": sorted(set(tb) - set(ta)),
+        "structure_different": [{"name": n, "a": ra[n], "b": rb[n]} for n in sorted(set(ra) & set(rb))
+                                if ra[n] != rb[n]],
+        "mismatched": [], "different": [], "same": 0, "values_different": []}
     for name in sorted(set(ta) & set(tb)):
         x, y = ta[name], tb[name]
         if x.dtype != y.dtype or x.shape != y.shape:
             out["mismatched"].append({"name": name, "a": _sig(x), "b": _sig(y)})
-            continue
-        diff = tensor_difference(x, y)
-        if diff is None:
+        elif (diff := tensor_difference(x, y)) is None:
             out["same"] += 1
         else:
             out["different"].append({"name": name, **diff})
+    absent = "<absent>"
     for name in sorted(set(va) | set(vb)):
-        if va.get(name, "<absent>") != vb.get(name, "<absent>"):
-            out["values_different"].append({"name": name, "a": describe.jsonable(va.get(name, "<absent>")),
-                                             "b": describe.jsonable(vb.get(name, "<absent>"))})
-    out["identical"] = not any(out[k] for k in ("only_in_a", "only_in_b", "mismatched", "different",
-                                                  "values_different"))
+        x, y = va.get(name, absent), vb.get(name, absent)
+        if not _same_value(x, y):
+            out["values_different"].append({"name": name, "a": describe.jsonable(x), "b": describe.jsonable(y)})
+    out["identical"] = not any(out[k] for k in ("only_in_a", "only_in_b", "structure_different", "mismatched",
+                                                  "different", "values_different"))
     return out
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if type(x) is not type(y):  # 1, 1.0 and True are different values in a checkpoint
+        return False
+    if isinstance(x, float) and math.isnan(x) and math.isnan(y):
+        return True
+    return bool(x == y)
+
+
+def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict | None:
+    """None when `a` and `b` hold the same elements (bit for bit, or NaN in both); else how many
+    elements differ, how many of them are a NaN against a number, and the largest |a - b| (NaN
+    when a NaN stands against a number). Read in chunks; any dtype (float8 is widened first)."""
+    differing, nan_vs_number, worst = 0, 0, 0.0
+    flat_a, flat_b = a.detach().reshape(-1), b.detach().reshape(-1)
+    step = max(_CHUNK // max(a.element_size(), 1), 1)
+    for start in range(0, flat_a.numel(), step):
+        x, y = flat_a[start:start + step], flat_b[start:start + step]
+        rows = (_element_bytes(x) != _element_bytes(y)).any(dim=1)
+        if not bool(rows.any()):
+            continue
+        wide = torch.complex128 if x.is_complex() else torch.float64
+        x, y = x.to(wide)[rows], y.to(wide)[rows]  # widened before indexing: float8 has no indexing
+        nan_x, nan_y = torch.isnan(x), torch.isnan(y)
+        numbers = ~nan_x & ~nan_y
+        differing += int((nan_x ^ nan_y).sum()) + int(numbers.sum())
+        nan_vs_number += int((nan_x ^ nan_y).sum())
+        if bool(numbers.any()):
+            worst = max(worst, float((x[numbers] - y[numbers]).abs().max()))
+    if not differing:
+        return None
+    return {"differing": differing, "elements": flat_a.numel(), "nan_vs_number": nan_vs_number,
+            "max_abs_diff": math.nan if nan_vs_number else worst}
+
+
+def _element_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The elements of a flat tensor as rows of raw bytes: equal rows are bitwise equal elements."""
+    flat = t.contiguous()
+    return flat.view(torch.uint8).reshape(flat.numel(), t.element_size())
 
 
 def _sig(t: torch.Tensor) -> str:

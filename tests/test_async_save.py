@@ -81,6 +81,24 @@ def test_next_save_refuses_while_one_is_still_writing(tmp_path, monkeypatch):
     assert torch.equal(xlakit.load(tmp_path / "a.pt")["w"], torch.ones(4))
 
 
+def test_loads_and_restores_go_on_while_a_save_writes(tmp_path, monkeypatch):
+    # Regression: xlakit.restore was refused ("a new save would compete with it") while an
+    # asynchronous save of another file was writing.
+    xlakit.save({"w": torch.full((4,), 7.0)}, tmp_path / "old.pt")
+    gate = threading.Event()
+    _gate_write(monkeypatch, lambda: gate.wait(30))
+    handle = xlakit.save({"w": torch.ones(4)}, tmp_path / "a.pt", asynchronous=True)
+    try:
+        template = {"w": torch.zeros(4)}
+        xlakit.restore(tmp_path / "old.pt", template)
+        assert torch.equal(template["w"], torch.full((4,), 7.0))
+        assert torch.equal(xlakit.load(tmp_path / "old.pt")["w"], torch.full((4,), 7.0))
+        assert not handle.done()
+    finally:
+        gate.set()
+    handle.result(timeout=30)
+
+
 def test_background_write_keeps_the_deadline(tmp_path, monkeypatch):
     gate = threading.Event()
     _gate_write(monkeypatch, lambda: gate.wait(2.0))  # a disk that stalls past the deadline

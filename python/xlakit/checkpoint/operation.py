@@ -431,10 +431,13 @@ def live_operations() -> list[Operation]:
         return list(_live)
 
 
-def check_idle(*, wait_s: float = BUSY_WAIT_S, exclude: Operation | None = None) -> None:
+def check_idle(*, wait_s: float = BUSY_WAIT_S, exclude: Operation | None = None,
+               writing_ok: bool = False) -> None:
     """Before a new save: wait briefly for cancelled workers; refuse if work is still running.
 
-    `exclude` is the operation asking (when it checks from its own worker).
+    `exclude` is the operation asking (when it checks from its own worker). With
+    `writing_ok` (a restore), an asynchronous save that is writing its file is no
+    obstacle: only a cancelled worker stuck in the runtime is.
 
     Raises:
         CheckpointBusyError: an asynchronous save is still writing, or a cancelled
@@ -445,7 +448,7 @@ def check_idle(*, wait_s: float = BUSY_WAIT_S, exclude: Operation | None = None)
     for op in others:
         if op.cancelled:
             op.done.wait(max(end - time.monotonic(), 0.0))
-    busy = [op for op in others if not op.done.is_set()]
+    busy = [op for op in others if not op.done.is_set() and not (writing_ok and not op.cancelled)]
     if not busy:
         return
     op = busy[0]

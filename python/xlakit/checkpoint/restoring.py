@@ -58,7 +58,7 @@ def restore(path: Path, template: Any, opts: LoadOptions) -> Any:
     """See `xlakit.restore`."""
     if not path.is_file():
         raise FileNotFoundError(2, f"no checkpoint at {path}", str(path))
-    check_idle()  # a stuck transfer of an earlier save must not be queued behind
+    check_idle(writing_ok=True)  # a stuck transfer of an earlier save must not be queued behind
     op = Operation("restore", path, Watch.of(opts), bytes_total=path.stat().st_size, untouched=PARTLY)
     return op.run(lambda op: _restore(op, path, template, opts))
 

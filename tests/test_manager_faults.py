@@ -8,7 +8,6 @@ the next save ran. Moments are random; the seed is in every failure message.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import time
@@ -19,6 +18,7 @@ import torch
 
 from tests.manager_worker import GRACE_S, POLICY, loss
 from tests.ranks import Job
+from tests.test_manager import names
 from xlakit.checkpoint import steps
 from xlakit.checkpoint.manager import CheckpointManager
 
@@ -80,7 +80,7 @@ def test_sigkill_at_random_moments_never_loses_the_last_committed_step(tmp_path,
     if latest >= 7:
         expected.add(7)  # the best loss
     assert mgr.all_steps() == sorted(expected), (seed, latest)
-    assert sorted(os.listdir(folder)) == sorted(map(str, expected)), seed
+    assert names(folder) == sorted(map(str, expected)), seed
 
 
 @pytest.mark.parametrize("scenario,fixed", [
@@ -119,7 +119,7 @@ def test_ranks_agree_on_retention_and_each_restores(tmp_path, layout):
         assert results[r]["exit"] == 0, results[r]["stderr"]
         assert results[r]["seen"] == [[1], [1, 2], [2, 3], [3, 4], [4, 5]], results[r]
         assert results[r]["restored"] == [5, r, 5.0], results[r]
-    assert sorted(os.listdir(tmp_path)) == ["4", "5"]
+    assert names(tmp_path) == ["4", "5"]
 
 
 def test_an_asynchronous_failure_on_one_rank_is_raised_by_the_next_call_everywhere(tmp_path):
@@ -131,4 +131,4 @@ def test_an_asynchronous_failure_on_one_rank_is_raised_by_the_next_call_everywhe
         if r != 2:
             assert out["next_call"]["rank_named"] == 2, out
         assert out["steps"] == [1, 4], out
-    assert sorted(os.listdir(tmp_path)) == ["1", "4"]
+    assert names(tmp_path) == ["1", "4"]

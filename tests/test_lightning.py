@@ -124,9 +124,11 @@ def test_safe_conversions_keep_values_and_drop_types():
     class Mode(enum.Enum):
         FAST = "fast"
 
-    hp = pl.utilities.parsing.AttributeDict(lr=0.1, mode=Mode.FAST, ns=argparse.Namespace(a=1))
+    hp = pl.utilities.parsing.AttributeDict(lr=0.1, mode=Mode.FAST, ns=argparse.Namespace(a=1),
+                                            tags=frozenset({"x"}))
     out = xlakit.lightning.weights_only_state({"hyper_parameters": hp})
-    assert out == {"hyper_parameters": {"lr": 0.1, "mode": "fast", "ns": {"a": 1}}}
+    assert out == {"hyper_parameters": {"lr": 0.1, "mode": "fast", "ns": {"a": 1}, "tags": {"x"}}}
+    assert type(out["hyper_parameters"]["tags"]) is set  # torch.load(weights_only=True) reads no frozenset
     assert type(out["hyper_parameters"]) is dict
 
 

@@ -68,8 +68,9 @@ def weights_only_state(value: Any, path: str = "") -> Any:
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         raise _refuse(path, value, "a named tuple is rebuilt by its class, which a weights-only load refuses")
     for kind in (list, tuple, set, frozenset):
-        if isinstance(value, kind):
-            return kind(weights_only_state(item, f"{path}/{i}") for i, item in enumerate(value))
+        if isinstance(value, kind):  # a frozenset becomes a set: torch.load(weights_only=True) reads no frozenset
+            return (set if kind is frozenset else kind)(
+                weights_only_state(item, f"{path}/{i}") for i, item in enumerate(value))
     raise _refuse(path, value, "a weights-only checkpoint holds tensors, numbers, strings and containers")
 
 

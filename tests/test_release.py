@@ -8,6 +8,7 @@ happened to run; a resume that loaded 2 GiB kept the previous 2 GiB alive, and
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -46,6 +47,10 @@ def test_a_saved_state_is_released_after_the_save(tmp_path, asynchronous):
     if asynchronous:
         result.result()
     del state, result
+    # result() returns when the write is done; the background thread's frames go a moment later.
+    deadline = time.monotonic() + 5
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert all(r() is None for r in refs)
 
 

@@ -167,6 +167,7 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
     def never_started() -> None:
         handle._error = CheckpointAsyncError(f"the asynchronous save of {job.final} was interrupted "
                                              f"before its write began; nothing was written")
+        second.done.set()  # no worker will: the write is over before it began
         handle._finished.set()
 
     with _lock:
@@ -175,18 +176,9 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
         start_thread(owner, "xlakit-async-save", never_started=never_started)
     except BaseException as e:  # Ctrl-C while starting the write: the caller saw it, so no commit
         handle._seen = True  # and nothing of this save speaks again at the next one
-        _note_cancelled(e, second)
+        second.abandon(e)
         raise
     return handle
-
-
-def _note_cancelled(e: BaseException, op: Operation) -> None:
-    if op.cancel(f"{type(e).__name__} in the caller") != COMMIT:
-        e.add_note(f"The asynchronous save of {op.path} was cancelled as it started: nothing will be "
-                   f"committed and {op.untouched}.")
-    else:
-        e.add_note(f"The asynchronous save of {op.path} had already committed: the checkpoint there is "
-                   f"the new one.")
 
 
 def save_file(obj: Any, final: Path, opts: SaveOptions) -> SaveHandle:

@@ -156,6 +156,14 @@ def flatten(value: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any
 
     Empty containers are values. Raises `CheckpointFormatError` when two entries get the same name.
     """
+    tensors, values, _ = flatten_routed(value, prefix)
+    return tensors, values
+
+
+def flatten_routed(value: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """`flatten`'s (tensors, values), and each name's route: the containers and keys that lead to
+    it, e.g. `['layers'][0]` for a list and `['layers']['0']` for a dict (states with the same
+    names can differ there)."""
     import torch
 
     tensors: dict[str, Any] = {}
@@ -172,15 +180,7 @@ def flatten(value: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any
         (tensors if isinstance(v, torch.Tensor) else values)[name] = v
 
     _walk(value, prefix, leaf)
-    return tensors, values
-
-
-def routes(value: Any) -> dict[str, str]:
-    """Each name `flatten` gives, with the containers and keys that lead to it, e.g. `['layers'][0]`
-    for a list and `['layers']['0']` for a dict: states with the same names can differ here."""
-    out: dict[str, str] = {}
-    _walk(value, "", lambda name, route, v: out.setdefault(name, route))
-    return out
+    return tensors, values, routes
 
 
 def tensor_count(value: Any) -> int:

@@ -209,7 +209,7 @@ def _fills_storage(t: Target, index: dict) -> bool:
     s = t.source
     dst = t.tensor
     return (dst.device.type == "cpu" and dst.is_contiguous() and s.offset == 0 and s.contiguous
-            and not (s.conj or s.neg or dst.is_conj() or dst.is_neg()) and dst.numel() > 0
+            and not (s.conj or s.neg or dst.is_conj() or dst.is_neg())
             and dst.numel() * dst.element_size() == index["storages"]["nbytes"][s.storage])
 
 

@@ -87,9 +87,8 @@ def _read_dcp(path: Path) -> dict[str, Any]:
 def compare(a: Any, b: Any) -> dict:
     """What differs between two states: names on one side only, the containers leading to a name,
     dtypes/shapes, elements, values."""
-    ta, va = describe.flatten(a)
-    tb, vb = describe.flatten(b)
-    ra, rb = describe.routes(a), describe.routes(b)
+    ta, va, ra = describe.flatten_routed(a)
+    tb, vb, rb = describe.flatten_routed(b)
     out: dict[str, Any] = {
         "only_in_a": sorted(set(ta) - set(tb)), "only_in_b": sorted(set(tb) - set(ta)),
         "structure_different": [{"name": n, "a": ra[n], "b": rb[n]} for n in sorted(set(ra) & set(rb))

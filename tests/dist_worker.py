@@ -39,7 +39,7 @@ def _misbehave(kind: str) -> None:
     from xlakit.checkpoint import transfer
 
     backend = _Dies() if kind == "dies" else fakes.FakeHungDevice()
-    transfer.backend_for = lambda device_type, sample: backend
+    transfer.backend_for = lambda device_type, sample, **_: backend
 
 
 def _error(e: BaseException) -> dict:

@@ -58,7 +58,7 @@ class FakeHungDevice(HostTransfer):
 def install(monkeypatch, backend: HostTransfer) -> None:
     from xlakit.checkpoint import transfer
 
-    monkeypatch.setattr(transfer, "backend_for", lambda device_type, sample: backend)
+    monkeypatch.setattr(transfer, "backend_for", lambda device_type, sample, **_: backend)
 
 
 class FakePatchedXLAC:

@@ -90,7 +90,7 @@ def run(scenario: str, folder: Path) -> dict:
                 def to_host(self, tensors, *, timeout_s):
                     os._exit(17)
 
-            transfer.backend_for = lambda device_type, sample: Dies()
+            transfer.backend_for = lambda device_type, sample, **_: Dies()
         out["save2"] = outcome(lambda: xlakit.save(state(2), target, layout="sharded", timeout_s=DEADLINE_S))
         return out
     elif scenario == "absent-rank":
@@ -111,7 +111,7 @@ def run(scenario: str, folder: Path) -> dict:
             from xlakit.checkpoint import transfer
 
             slow = fakes.FakeSlowDevice(delay_s=0.5)
-            transfer.backend_for = lambda device_type, sample: slow
+            transfer.backend_for = lambda device_type, sample, **_: slow
         parts = {**state(2), **{f"p{i}": torch.full((1024,), float(i)) for i in range(12)}}
         say(event="saving-2")
         try:

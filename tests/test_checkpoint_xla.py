@@ -123,7 +123,7 @@ def test_transfer_batches_respect_max_inflight_bytes(xla, tmp_path, monkeypatch)
             seen.append(sum(t.numel() * t.element_size() for t in tensors))
             return self.inner.to_host(tensors, timeout_s=timeout_s)
 
-    monkeypatch.setattr(transfer, "backend_for", lambda d, s: Spy(real(d, s)))
+    monkeypatch.setattr(transfer, "backend_for", lambda d, s, **kw: Spy(real(d, s, **kw)))
     state = _pending_state(torch_xla, 4, 44)
     cap = 3 * 44 * 44 * 4
     xlakit.save(state, tmp_path / "c.pt", max_inflight_bytes=cap)

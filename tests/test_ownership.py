@@ -109,7 +109,7 @@ EXIT_SCRIPT = """
         from tests import fakes
         from xlakit.checkpoint import transfer
         hung = fakes.FakeHungDevice()
-        transfer.backend_for = lambda device_type, sample: hung
+        transfer.backend_for = lambda device_type, sample, **_: hung
         xlakit.save({"w": torch.ones(1000)}, path, timeout_s=1.0)
     elif how == "write-timeout":
         xlakit.save({"w": torch.ones(256 << 20)}, path, timeout_s=0.3, max_inflight_bytes=8 << 20)

@@ -7,8 +7,11 @@ built-in default. Getters parse and validate, naming the variable on error.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
+
+from xlakit.errors import ConfigurationError
 
 MiB = 1 << 20
 
@@ -56,30 +59,59 @@ DEFAULTS: dict[str, float | int | str] = {
 }
 
 
+TRANSFER_BACKENDS = ("auto", "patched", "dlpack", "stock")
+_FLAG_VALUES = {"1": True, "TRUE": True, "YES": True, "ON": True, "Y": True,
+                "0": False, "FALSE": False, "NO": False, "OFF": False, "N": False}
+
+
+def _bad(name: str, raw: str, expected: str) -> ConfigurationError:
+    """An environment default that cannot be used: the variable, its value, and the fix."""
+    err = ConfigurationError(f"environment variable {name}={raw!r}: expected {expected}")
+    err.add_note(f"Fix or unset {name} (unset, the default is {DEFAULTS[name]!r}); an explicit argument "
+                 f"overrides it.")
+    return err
+
+
 def get_float(name: str) -> float:
+    """A positive number of seconds from `name` (its default when unset or empty)."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return float(DEFAULTS[name])
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r}: expected a positive number")
+        raise _bad(name, raw, "a positive number of seconds") from None
+    if math.isnan(value) or value <= 0:
+        raise _bad(name, raw, "a positive number of seconds")
     return value
 
 
 def get_int(name: str) -> int:
+    """A positive whole number from `name` (its default when unset or empty)."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return int(DEFAULTS[name])
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a whole number") from None
+        raise _bad(name, raw, "a positive whole number (e.g. 268435456)") from None
     if value <= 0:
-        raise ValueError(f"{name}={raw!r}: expected a positive number")
+        raise _bad(name, raw, "a positive whole number")
     return value
+
+
+def get_choice(name: str, choices: tuple[str, ...]) -> str:
+    """One of `choices` from `name` (its default when unset or empty)."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return str(DEFAULTS[name])
+    if raw not in choices:
+        raise _bad(name, raw, f"one of {', '.join(choices)}")
+    return raw
+
+
+def get_transfer_backend() -> str:
+    return get_choice(TRANSFER_BACKEND, TRANSFER_BACKENDS)
 
 
 def get_cache_key() -> bytes | None:
@@ -88,7 +120,7 @@ def get_cache_key() -> bytes | None:
     if not raw:
         return None
     if len(raw) < MIN_CACHE_KEY_CHARS:
-        raise ValueError(f"{CACHE_KEY} holds {len(raw)} characters, expected a secret of at least "
+        raise ConfigurationError(f"{CACHE_KEY} holds {len(raw)} characters, expected a secret of at least "
                          f"{MIN_CACHE_KEY_CHARS} (e.g. the output of `openssl rand -hex 32`)")
     return raw.encode()
 
@@ -121,5 +153,22 @@ def is_true(raw: str | None) -> bool:
     return (raw or "").strip().upper() in ("1", "TRUE", "YES", "ON", "Y")
 
 
-def get_flag(name: str) -> bool:
+def xla_flag(name: str) -> bool:
+    """One of torch_xla's own flags, read as torch_xla reads it (anything else than a true word is off)."""
     return is_true(os.environ.get(name))
+
+
+def get_flag(name: str) -> bool:
+    """An xlakit switch: 1/true/yes/on/y or 0/false/no/off/n (any case); unset or empty is off.
+
+    Stricter than torch_xla's own flags (`is_true`): a typo such as `ture` must not
+    silently turn a safety setting off.
+    """
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return False
+    value = _FLAG_VALUES.get(raw.strip().upper())
+    if value is None:
+        raise ConfigurationError(f"environment variable {name}={raw!r}: expected 1/true/yes/on or 0/false/no/off "
+                         f"(fix or unset {name})")
+    return value

@@ -155,7 +155,7 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
     """
     # Read before torch_xla is imported: its import fills in PJRT_DEVICE and XLA_FLAGS defaults.
     env = {k: os.environ.get(k) for k in _knobs.CONTRACT_ENV}
-    name, why = _pins.choose_profile(profile)
+    name, why = _pins.choose_profile(profile, pins)
     build = _features.build_info()
     violations = contract.contract_violations(pins=pins)
     m: dict[str, Any] = {

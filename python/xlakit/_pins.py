@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from xlakit import _knobs
-from xlakit.errors import PinsError
+from xlakit.errors import ConfigurationError, PinsError
 
 BAKED_NAME = "_pins.toml"
 TPU_PROFILE = "tpu"
@@ -91,12 +91,16 @@ def newest_pinned(dist: str, profile_name: str, path: str | os.PathLike | None =
     return max(versions, key=release)
 
 
-def choose_profile(name: str | None = None) -> tuple[str, str]:
-    """The profile to check against and why it was chosen."""
+def choose_profile(name: str | None = None, path: str | os.PathLike | None = None) -> tuple[str, str]:
+    """The profile to check against and why it was chosen; a profile named by the environment must exist."""
     if name:
         return name, "given explicitly"
     env = os.environ.get(_knobs.PROFILE)
     if env:
+        known = sorted(load(path).get("profiles", {}))
+        if env not in known:
+            raise ConfigurationError(f"environment variable {_knobs.PROFILE}={env!r}: expected a profile of "
+                                     f"{path or baked_path()}: {', '.join(known) or 'none'} (fix or unset it)")
         return env, f"from {_knobs.PROFILE}"
     device = (os.environ.get(_knobs.PJRT_DEVICE) or "").upper()
     if device.startswith("TPU"):

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from xlakit import _features, _knobs, cache_trust
-from xlakit.errors import CacheFolderTrustError, CompileCacheError
+from xlakit.errors import CacheFolderTrustError, CompileCacheError, ConfigurationError
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,11 @@ def folder_report(path: str | os.PathLike | None = None) -> dict[str, Any]:
     if not path:
         return {"path": None, "folder": None, "authenticated": False,
                 "why": f"no persistent cache ({_knobs.XLA_PERSISTENT_CACHE_PATH} unset)"}
-    shared = _knobs.get_flag(_knobs.CACHE_TRUST_SHARED) or Path(path).resolve() in _shared_accepted
+    try:
+        shared = _knobs.get_flag(_knobs.CACHE_TRUST_SHARED) or Path(path).resolve() in _shared_accepted
+    except ConfigurationError as e:  # whether a group may write the folder is then unknown
+        return {"path": str(path), "folder": "untrusted", "authenticated": False, "problem": str(e),
+                "fix": f"set {_knobs.CACHE_TRUST_SHARED} to 1 or 0, or unset it"}
     verdict = cache_trust.judge(path, trust_shared=shared)
     out: dict[str, Any] = {"path": str(path), "folder": verdict.state}
     if not verdict.trusted:
@@ -248,7 +252,7 @@ def cache_stats() -> dict[str, Any]:
 
     stats: dict[str, Any] = {
         "path": os.environ.get(_knobs.XLA_PERSISTENT_CACHE_PATH) or None,
-        "readonly": _knobs.get_flag(_knobs.XLA_PERSISTENT_CACHE_READ_ONLY),
+        "readonly": _knobs.xla_flag(_knobs.XLA_PERSISTENT_CACHE_READ_ONLY),
     }
     for name, counter in COUNTERS.items():
         stats[name] = met.counter_value(counter) or 0

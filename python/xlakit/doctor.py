@@ -144,7 +144,7 @@ def probe_contract() -> Probe:
     if problems:
         return Probe("contract", "fail", "; ".join(problems), "change the run's environment as each item says")
     args = os.environ.get(_knobs.LIBTPU_INIT_ARGS)
-    spmd = (f"SPMD on with {_knobs.XLA_NO_SPECIAL_SCALARS}=1" if _knobs.get_flag(_knobs.XLA_USE_SPMD)
+    spmd = (f"SPMD on with {_knobs.XLA_NO_SPECIAL_SCALARS}=1" if _knobs.xla_flag(_knobs.XLA_USE_SPMD)
             else "SPMD off")
     flags = f"{_knobs.LIBTPU_INIT_ARGS} has no removed flag" if args else f"{_knobs.LIBTPU_INIT_ARGS} unset"
     return Probe("contract", "ok", f"holds ({flags}; {spmd})")

@@ -99,6 +99,11 @@ class CheckpointPeerError(CheckpointError, RuntimeError):
         self.rank = rank
 
 
+class ConfigurationError(XlakitError, ValueError):
+    """An xlakit environment variable (`XLAKIT_*`) holds a value that cannot be used; the message
+    names the variable and its value."""
+
+
 class RuntimeFeatureError(XlakitError, NotImplementedError):
     """The running torch_xla lacks what was asked (stock build, unsupported platform)."""
 

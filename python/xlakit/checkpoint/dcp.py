@@ -44,6 +44,12 @@ def device_tensors(state: dict) -> list[torch.Tensor]:
     return [t for t in dcp_plan.tensors(state) if t.device.type != "cpu"]
 
 
+def check_transfer(device: list[torch.Tensor], opts: SaveOptions) -> None:
+    """Refuse a transfer backend this build lacks, before anything is written."""
+    if any(t.device.type == "xla" for t in device):
+        transfer.check_backend(opts.transfer_backend)
+
+
 def check_parent(final: Path) -> None:
     if not final.parent.is_dir():
         raise paths.write_error(FileNotFoundError(2, "No such file or directory"), final, stage="open")
@@ -73,6 +79,7 @@ def save(state: dict, final: Path, opts: SaveOptions) -> None:
     """`xlakit.dcp_save` in a single process."""
     operation.check_idle()
     device = device_tensors(state)
+    check_transfer(device, opts)
     op = Operation("dcp save", final, Watch.of(opts),
                    bytes_total=sum(t.numel() * t.element_size() for t in device))
 
@@ -99,7 +106,7 @@ def write_folder(op: Operation, state: dict, device: list[torch.Tensor], folder:
     """
     if device:
         op.enter("sync")
-        transfer.backend_for(device[0].device.type, device[0]).prepare(device)
+        transfer.backend_for(device[0].device.type, device[0], mode=opts.transfer_backend).prepare(device)
     op.enter("plan")
     writer = _Writer(op, folder)
     _run_dcp(dcp.save, state, group, storage_writer=writer, planner=dcp_plan.SavePlanner(op, opts))

@@ -86,7 +86,8 @@ class SavePlanner(DefaultSavePlanner):
                     self.staged[(name, tuple(s.start for s in idx))] = data
         if plain:
             entries = [StorageEntry(i, n, self.state_dict[n]) for i, n in enumerate(plain)]
-            backend = transfer.backend_for(entries[0].device_type, entries[0].tensor)
+            backend = transfer.backend_for(entries[0].device_type, entries[0].tensor,
+                                              mode=self.opts.transfer_backend)
             left = max(self.op.remaining(), 0.001)
             for name, host in zip(plain, transfer.batch_to_host(backend, entries, timeout_s=left)):
                 self.staged[(name, (0,) * host.dim())] = host

@@ -31,7 +31,7 @@ from xlakit.checkpoint import dcp, folders, operation, paths
 from xlakit.checkpoint.agreement import Coordination
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
-from xlakit.errors import CheckpointError, CheckpointPeerError, CheckpointTimeoutError
+from xlakit.errors import CheckpointError, CheckpointPeerError, CheckpointTimeoutError, RuntimeFeatureError
 
 # A rank failing in these stages was waiting on the others (DCP's collectives).
 _WAITING_STAGES = ("group", "plan", "finish")
@@ -55,10 +55,11 @@ def save(state: dict, final: Path, opts: SaveOptions) -> None:
         prepared, error = {}, None
         try:
             operation.check_idle(exclude=op)
+            dcp.check_transfer(device, opts)
             dcp.check_parent(final)
             if coord.rank == 0:
                 prepared["folder"] = dcp.new_folder(op, final).name
-        except (CheckpointError, OSError) as e:
+        except (CheckpointError, RuntimeFeatureError, OSError) as e:
             error = e
         coord.agree(op, prepared, error)
         tmp = final.parent / coord.proposals[0]["folder"]

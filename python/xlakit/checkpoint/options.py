@@ -97,6 +97,10 @@ class SaveOptions:
         compute_crc32: also fill in the zip CRC32 fields. Off by default: torch.load
             never checks them, xlakit's xxh3 checksums cover every byte, and they
             cost ~0.4 s per GB; turn on for generic zip tools (`unzip -t`).
+        transfer_backend: how XLA tensors reach the host: "auto" (the best this build
+            has), "patched" (xlakit's deadline-bounded binding; needs the patched
+            torch_xla), "dlpack" (zero-copy export, CPU PJRT client) or "stock"
+            (`_xla_get_cpu_tensors`). Default `XLAKIT_TRANSFER_BACKEND`, else "auto".
     """
 
     timeout_s: float = field(default_factory=lambda: _knobs.get_float(_knobs.SAVE_TIMEOUT_S))
@@ -109,6 +113,7 @@ class SaveOptions:
     asynchronous: bool = False
     layout: str = "single"
     writer_rank: int = 0
+    transfer_backend: str = field(default_factory=_knobs.get_transfer_backend)
 
     def __post_init__(self) -> None:
         _seconds("timeout_s", self.timeout_s)
@@ -120,6 +125,7 @@ class SaveOptions:
         _bool("asynchronous", self.asynchronous)
         _choice("layout", self.layout, SAVE_LAYOUTS)
         _count("writer_rank", self.writer_rank, minimum=0)
+        _choice("transfer_backend", self.transfer_backend, _knobs.TRANSFER_BACKENDS)
         if self.writer_rank != 0 and self.layout != "replicated":
             raise ValueError(f"writer_rank={self.writer_rank} applies to layout='replicated' only "
                              f"(layout is {self.layout!r}); drop it or use layout='replicated'")

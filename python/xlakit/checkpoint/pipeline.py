@@ -55,16 +55,20 @@ def prepare(obj: Any, final: Path, opts: SaveOptions, *, check_target: bool = Tr
     if check_target:
         paths.check_target(final)
     plan = state.plan(obj)
+    if any(s.device_type == "xla" for s in plan.storages):
+        transfer.check_backend(opts.transfer_backend)
     return FileSave(final, opts, plan, pickled.pickle_state(obj, plan), structure.encode(obj, plan))
 
 
 # -- sync and transfer --------------------------------------------------------------------------
 
-def stage_groups(storages: list[StorageEntry]) -> list[tuple[list[StorageEntry], transfer.HostTransfer]]:
+def stage_groups(storages: list[StorageEntry], opts: SaveOptions
+                 ) -> list[tuple[list[StorageEntry], transfer.HostTransfer]]:
     """The storages grouped by device type, each group with its transfer backend."""
     groups = [list(g) for _, g in itertools.groupby(
         sorted(storages, key=lambda e: e.device_type), key=lambda e: e.device_type)]
-    return [(g, transfer.backend_for(g[0].device_type, g[0].tensor)) for g in groups]
+    return [(g, transfer.backend_for(g[0].device_type, g[0].tensor, mode=opts.transfer_backend))
+            for g in groups]
 
 
 def device_batches(op: Operation, plan: Plan, opts: SaveOptions) -> Iterator[
@@ -74,7 +78,7 @@ def device_batches(op: Operation, plan: Plan, opts: SaveOptions) -> Iterator[
     The consumer drops each batch's host tensors before asking for the next, so
     at most one batch (`max_inflight_bytes`) is held at a time.
     """
-    groups = stage_groups(plan.storages)
+    groups = stage_groups(plan.storages, opts)
     for group, backend in groups:
         op.enter("sync")
         backend.prepare([e.tensor for e in group])

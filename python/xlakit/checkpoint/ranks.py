@@ -29,7 +29,7 @@ from xlakit.checkpoint import archive, background, folders, loading, operation, 
 from xlakit.checkpoint.agreement import Coordination
 from xlakit.checkpoint.operation import Operation, Watch, remove_path
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
-from xlakit.errors import CheckpointError, CheckpointIncompleteError, CheckpointPeerError
+from xlakit.errors import CheckpointError, CheckpointIncompleteError, CheckpointPeerError, RuntimeFeatureError
 
 SHARD_PREFIX = "shard-"
 _SHARD_NAME = re.compile(r"shard-\d{5}-of-\d{5}\.\d{8}T\d{6}-[0-9a-f]{6}\.pt")
@@ -65,7 +65,7 @@ class CoordinatedSave:
                 raise ValueError(f"writer_rank={opts.writer_rank} is not a rank of this job "
                                  f"(0..{self.world - 1})")
             self.job = self._prepare(obj)
-        except (CheckpointError, OSError, ValueError, TypeError) as e:
+        except (CheckpointError, RuntimeFeatureError, OSError, ValueError, TypeError) as e:
             self.error = e  # published with the proposal, so every rank learns it at once
 
     def _prepare(self, obj: Any) -> pipeline.FileSave | None:

@@ -19,6 +19,7 @@ One backend per device type, chosen once per save:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from xlakit import _features, _knobs
 from xlakit.checkpoint import spmd
 from xlakit.checkpoint.state import StorageEntry
-from xlakit.errors import CheckpointTimeoutError
+from xlakit.errors import CheckpointTimeoutError, RuntimeFeatureError
 
 log = logging.getLogger("xlakit")
 
@@ -128,12 +129,32 @@ def _dlpack_view(t: torch.Tensor) -> torch.Tensor:
     return host.contiguous()
 
 
-def _xla_mode(sample: torch.Tensor) -> str:
-    forced = _knobs.get_str(_knobs.TRANSFER_BACKEND)
-    if forced != "auto":
-        if forced not in ("patched", "dlpack", "stock"):
-            raise ValueError(f"{_knobs.TRANSFER_BACKEND}={forced!r}: expected auto, patched, dlpack or stock")
-        return forced
+def available_backends() -> list[str]:
+    """The `transfer_backend` values this torch_xla build can run."""
+    return ["auto", *(["patched"] if _features.has_binding(_features.TRANSFER_TO_HOST) else []),
+            "dlpack", "stock"]
+
+
+def check_backend(mode: str) -> None:
+    """Refuse, before anything is written, a backend this build does not have."""
+    if mode != "patched" or _features.has_binding(_features.TRANSFER_TO_HOST):
+        return
+    source = (f"set by {_knobs.TRANSFER_BACKEND}" if os.environ.get(_knobs.TRANSFER_BACKEND) == mode
+              else "passed as an option")
+    err = RuntimeFeatureError(
+        f"transfer_backend='patched' ({source}) needs xlakit's patched torch_xla build, whose "
+        f"{_features.TRANSFER_TO_HOST} binding this torch_xla does not have "
+        f"({_features.xla_import_error() or 'a stock build'}); nothing was written. Transfer backends "
+        f"this build has: {', '.join(available_backends())}")
+    err.add_note(f"Use transfer_backend='auto' (or unset {_knobs.TRANSFER_BACKEND}) to take the best one "
+                 f"available, or install the xlakit wheels for the patched binding.")
+    raise err
+
+
+def _xla_mode(sample: torch.Tensor, mode: str) -> str:
+    if mode != "auto":
+        check_backend(mode)
+        return mode
     if _features.has_binding(_features.TRANSFER_TO_HOST):
         return "patched"
     import torch_xla.core.xla_model as xm
@@ -146,10 +167,13 @@ def _xla_mode(sample: torch.Tensor) -> str:
     return "dlpack" if xm.xla_device_hw(sample.device) == "CPU" else "stock"
 
 
-def backend_for(device_type: str, sample: torch.Tensor) -> HostTransfer:
-    """The transfer backend for tensors of `device_type` (tests replace this function)."""
+def backend_for(device_type: str, sample: torch.Tensor, *, mode: str = "auto") -> HostTransfer:
+    """The transfer backend for tensors of `device_type` (tests replace this function).
+
+    `mode` is the save's `transfer_backend`; it chooses among the XLA backends.
+    """
     if device_type == "xla":
-        return XlaTransfer(_xla_mode(sample))
+        return XlaTransfer(_xla_mode(sample, mode))
     if device_type == "cpu":
         return HostTransfer()
     return DeviceTransfer()

@@ -243,3 +243,69 @@ def test_damage_to_the_index_is_a_checkpoint_error_never_a_raw_one(tmp_path):
                 call()
             except xlakit.CheckpointError:
                 pass
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<Q", struct.pack("<d", x))[0]
+
+
+def _float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<Q", bits))[0]
+
+
+def _float_bits(x):
+    """Every float of `x` as its 64 bits (dict keys and complex parts included)."""
+    if isinstance(x, float):
+        return hex(_bits(x))
+    if isinstance(x, complex):
+        return (_float_bits(x.real), _float_bits(x.imag))
+    if isinstance(x, dict):
+        out = {_float_bits(k): _float_bits(v) for k, v in x.items() if not isinstance(v, torch.Tensor)}
+        return out | ({"attrs": _float_bits(vars(x))} if getattr(x, "__dict__", None) else {})
+    if isinstance(x, (list, tuple)):
+        return [_float_bits(v) for v in x]
+    return x
+
+
+def test_python_floats_keep_their_bits_as_through_torch_load(tmp_path):
+    # Regression: the structure record is JSON, whose NaN reads back as the canonical NaN: a NaN
+    # with a payload, a negative NaN or a signalling NaN lost its bits through xlakit.load.
+    from collections import OrderedDict
+
+    metrics = OrderedDict(loss=_float(0x7FF8000000000001))
+    metrics._metadata = {"scale": _float(0xFFF8000000000000)}
+    state = {"payload": _float(0x7FF8000000000123), "signalling": _float(0x7FF0000000000001),
+             "negative_zero": -0.0, "canonical": float("nan"), "inf": float("-inf"),
+             "complex": complex(_float(0x7FF800000000BEEF), -0.0), "list": [_float(0xFFF80000000000AA), 1.5],
+             "metrics": metrics, _float(0x7FF8000000000777): "nan key", "w": torch.ones(2)}
+    path = tmp_path / "c.pt"
+    xlakit.save(state, path)
+    expected = _float_bits(state)
+    assert _float_bits(torch.load(path, weights_only=True)) == expected
+    assert _float_bits(xlakit.load(path)) == expected
+    # restore() matches keys, and a NaN key equals nothing: its state holds the rest.
+    del state[next(k for k in state if isinstance(k, float))]
+    xlakit.save(state, path)
+    template = dict(state, w=torch.zeros(2))
+    assert _float_bits(xlakit.restore(path, template)) == _float_bits(state)
+
+
+def test_nan_bits_leave_the_structure_readable_by_earlier_readers(tmp_path):
+    # The bits are an extra key of the record's root: a reader that ignores it (every xlakit before
+    # it) reads canonical NaNs and everything else as before; a state without such NaNs adds no key.
+    from xlakit.checkpoint import structure
+
+    state = {"x": _float(0x7FF8000000000123), "y": [1.25, -0.0], "w": torch.ones(2)}
+    plan = state_plan(state)
+    record = json.loads(structure.encode(state, plan))
+    assert record.pop("nan_bits") == ["7ff8000000000123"] and set(record) == {"dtypes", "state"}
+    earlier = structure.decode(json.dumps(record).encode(), structure.spec, "old reader")
+    assert _bits(earlier["x"]) == _bits(float("nan")) and _float_bits(earlier["y"]) == _float_bits([1.25, -0.0])
+    plain = {"x": float("nan"), "w": torch.ones(2)}
+    assert set(json.loads(structure.encode(plain, state_plan(plain)))) == {"dtypes", "state"}
+
+
+def state_plan(state):
+    from xlakit.checkpoint import state as plan_module
+
+    return plan_module.plan(state)

@@ -16,12 +16,20 @@ its row in the index, `dtype` an entry of the root's dtype table, `flags` a
 bit mask (requires_grad, Parameter, conj, neg). The root is
 `{"dtypes": [...], "state": node}`. The plan (`state.plan`) has already
 refused everything else.
+
+Floats keep their bits as torch.load keeps them: JSON round-trips every float
+but a NaN, which it writes as `NaN` and reads back as the canonical one. When
+the state holds a NaN with other bits (a payload, the sign, a signalling NaN),
+the root gains `"nan_bits"`: the 64 bits of every NaN, as 16 hex digits, in the
+order the NaNs appear in the document. Readers before it ignore the key and
+read canonical NaNs, as they always did; the format version is unchanged.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +42,16 @@ from xlakit.errors import CheckpointCorruptError
 
 _CONTAINER_TAGS = {dict: "d", OrderedDict: "o", list: "l", tuple: "u", set: "s", frozenset: "f"}
 _MUTABLE = (dict, OrderedDict, list, set)
+_NAN_BITS = "nan_bits"
+_CANONICAL_NAN = "7ff8000000000000"  # what JSON's NaN reads back as
+
+
+def _float_bits(v: float) -> str:
+    return struct.pack(">d", v).hex()
+
+
+def _float_of(bits: str) -> float:
+    return struct.unpack(">d", bytes.fromhex(bits))[0]
 
 
 REQUIRES_GRAD, PARAMETER, CONJ, NEG = 1, 2, 4, 8
@@ -66,11 +84,19 @@ def encode(state: object, plan: Plan) -> bytes:
     """The structure of `state` (already planned) as compact JSON bytes."""
     memo: dict[int, int] = {}
     dtypes: dict[torch.dtype, int] = {}
+    nans: list[str] = []  # the bits of every NaN, in document order
+
+    def flt(v: float) -> float:
+        if v != v:
+            nans.append(_float_bits(v))
+        return v
 
     def enc(v: object) -> object:
         t = type(v)
-        if v is None or t is bool or t is str or t is int or t is float:
+        if v is None or t is bool or t is str or t is int:
             return v
+        if t is float:
+            return flt(v)
         if isinstance(v, torch.Tensor):
             if id(v) in memo:
                 return ["r", memo[id(v)]]
@@ -95,7 +121,7 @@ def encode(state: object, plan: Plan) -> bytes:
         if t is bytes:
             return ["b", base64.b64encode(v).decode()]
         if t is complex:
-            return ["c", v.real, v.imag]
+            return ["c", flt(v.real), flt(v.imag)]
         if t is torch.dtype:
             return ["dt", str(v).removeprefix("torch.")]
         if t is torch.Size:
@@ -109,7 +135,10 @@ def encode(state: object, plan: Plan) -> bytes:
     finally:
         del enc  # it refers to itself (and to `plan`'s tensors): no cycle outlives the call
     names = [str(d).removeprefix("torch.") for d in sorted(dtypes, key=dtypes.get)]
-    return json.dumps({"dtypes": names, "state": node}, separators=(",", ":")).encode()
+    root: dict[str, Any] = {"dtypes": names, "state": node}
+    if any(bits != _CANONICAL_NAN for bits in nans):
+        root[_NAN_BITS] = nans
+    return json.dumps(root, separators=(",", ":")).encode()
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -128,10 +157,21 @@ def decode(data: bytes, tensor: Callable[..., Any], where: str, *, storages: Any
         CheckpointCorruptError: the record is not a structure this reader made.
     """
     memo: list[Any] = []
+    parsed_nans: list[float] = []  # each NaN the parser made, in document order
+    exact: dict[int, float] = {}  # id of such a NaN -> the float with its recorded bits
+
+    def constant(name: str) -> float:
+        value = float(name)  # NaN, Infinity, -Infinity; a new object each time
+        if value != value:
+            parsed_nans.append(value)
+        return value
+
+    def fix(v: Any) -> Any:
+        return exact.get(id(v), v) if type(v) is float else v
 
     def dec(node: Any) -> Any:
         if type(node) is not list:
-            return node
+            return fix(node) if exact else node
         tag = node[0]
         if tag == "t":
             ndim = (len(node) - 5) // 2
@@ -167,7 +207,7 @@ def decode(data: bytes, tensor: Callable[..., Any], where: str, *, storages: Any
         if tag == "b":
             return base64.b64decode(node[1])
         if tag == "c":
-            return complex(node[1], node[2])
+            return complex(fix(node[1]), fix(node[2]))
         if tag == "dt":
             return _dtype(node[1])
         if tag == "z":
@@ -177,8 +217,13 @@ def decode(data: bytes, tensor: Callable[..., Any], where: str, *, storages: Any
         raise ValueError(f"unknown node tag {tag!r}")
 
     try:
-        root = json.loads(data)
+        root = json.loads(data, parse_constant=constant)
         dtypes = [_dtype(name) for name in root["dtypes"]]
+        bits = root.get(_NAN_BITS)
+        if bits is not None:
+            if not isinstance(bits, list) or len(bits) != len(parsed_nans):
+                raise ValueError(f"{len(parsed_nans)} NaNs but {_NAN_BITS} of {len(bits)}")
+            exact.update((id(v), _float_of(b)) for v, b in zip(parsed_nans, bits))
         return dec(root["state"])
     except (ValueError, TypeError, IndexError, KeyError) as e:
         raise CheckpointCorruptError(f"{where}: the structure record is not one xlakit wrote ({e})") from e
@@ -186,7 +231,7 @@ def decode(data: bytes, tensor: Callable[..., Any], where: str, *, storages: Any
         # `dec` refers to itself through its closure: left alone, that cycle (and `memo`, which
         # holds every object made) would keep the whole loaded state alive until a garbage collection.
         memo.clear()
-        del dec
+        del dec, fix
 
 
 def spec(storage: int, offset: int, size: tuple, stride: tuple, dtype: torch.dtype, flags: int) -> TensorSpec:

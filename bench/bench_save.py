@@ -7,6 +7,10 @@ writes vary several-fold. Baselines are run as users run them: plain
 `torch.save` and `xm.save` do not fsync, xlakit does (its numbers include
 durability). The raw row writes the same number of bytes from a reused
 buffer and fsyncs: the disk's limit on this machine, now.
+
+`many` (100,000 small CPU tensors) measures the per-tensor cost of a save
+against `torch.save`'s; its methods run in `--rounds` interleaved rounds (see
+measure.py), best kept, so both face the same load on a shared machine.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import workloads  # noqa: E402
-from measure import MiB, PeakRss, compiles as _compiles, fresh_process, rss as _rss  # noqa: E402
+from measure import MiB, PeakRss, best_of_rounds, compiles as _compiles, fresh_process, rss as _rss  # noqa: E402
 
-METHODS = ("torch.save", "sync+cpu", "xm.save", "xlakit.save", "raw write+fsync")
+METHODS = {"pending": ("torch.save", "sync+cpu", "xm.save", "xlakit.save", "raw write+fsync"),
+           "synced": ("torch.save", "sync+cpu", "xm.save", "xlakit.save", "raw write+fsync"),
+           "many": ("torch.save", "xlakit.save", "raw write+fsync")}
 
 
 def _sync_then_cpu(state, path):
@@ -75,6 +81,7 @@ def run_one(workload: str, method: str, folder: str, max_inflight_bytes: int, re
 
     import xlakit
 
+    on_xla = workload != "many"
     state = workloads.BUILDERS[workload]()
     nbytes = workloads.nbytes(state)
     path = os.path.join(folder, f"{workload}-{method.replace(' ', '_').replace('+', '_')}.pt")
@@ -85,7 +92,7 @@ def run_one(workload: str, method: str, folder: str, max_inflight_bytes: int, re
         "xlakit.save": lambda: xlakit.save(state, path, max_inflight_bytes=max_inflight_bytes),
         "raw write+fsync": lambda: _raw_write(nbytes, path),
     }[method]
-    compiles, base = _compiles(), _rss()
+    compiles, base = (_compiles() if on_xla else 0), _rss()
     walls, peak, file_bytes = [], 0, 0
     # A pending state is pending only once; a synced one is saved `repeat` times (best kept)
     # because this VM's page cache makes single writes vary by 5x.
@@ -98,7 +105,7 @@ def run_one(workload: str, method: str, folder: str, max_inflight_bytes: int, re
         file_bytes = os.path.getsize(path)
         os.unlink(path)
     return {"workload": workload, "method": method, "bytes": nbytes, "wall_s": min(walls),
-            "walls_s": walls, "compiles": _compiles() - compiles, "peak_rss_increase": peak,
+            "walls_s": walls, "compiles": (_compiles() if on_xla else 0) - compiles, "peak_rss_increase": peak,
             "file_bytes": file_bytes}
 
 
@@ -131,13 +138,18 @@ def _table(rows: list[dict], max_inflight_bytes: int) -> str:
         lines.append(f"{w}: xlakit peak RSS increase {x['peak_rss_increase'] / MiB:.0f} MiB "
                      f"(max_inflight_bytes {max_inflight_bytes / MiB:.0f} MiB, bound x1.25 = "
                      f"{1.25 * max_inflight_bytes / MiB:.0f} MiB)")
+    x, t = by.get(("many", "xlakit.save")), by.get(("many", "torch.save"))
+    if x and t:
+        lines.append(f"many: xlakit.save takes {x['wall_s'] / t['wall_s']:.2f}x the time of torch.save "
+                     f"(target <= 1; best of {x.get('rounds', 1)} interleaved rounds x {len(x['walls_s']) // max(x.get('rounds', 1), 1)} saves each)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", default="pending,synced")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--workloads", default="pending,synced,many")
+    p.add_argument("--methods", help="comma-separated (default: every method of each workload)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the `many` workload (best kept)")
     p.add_argument("--max-inflight-bytes", type=int, default=256 * MiB)
     p.add_argument("--folder", help="where files are written (default: a temporary folder)")
     p.add_argument("--repeat", type=int, default=3, help="saves per row of the synced state (best kept)")
@@ -148,11 +160,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(*args.one, args.folder, args.max_inflight_bytes, args.repeat)))
         return 0
     rows = []
+    def said(row: dict) -> None:
+        print(f"  measured {row['workload']}/{row['method']}: {row['wall_s']:.2f} s", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
         for w in args.workloads.split(","):
-            for m in args.methods.split(","):
+            methods = args.methods.split(",") if args.methods else list(METHODS[w])
+            if w == "many":  # the ratio is the result: interleaved rounds, best kept
+                rows += best_of_rounds(lambda m: _measure(w, m, folder, args.max_inflight_bytes, 2),
+                                       methods, args.rounds, on_row=said)
+                continue
+            for m in methods:
                 rows.append(_measure(w, m, folder, args.max_inflight_bytes, args.repeat))
-                print(f"  measured {w}/{m}: {rows[-1]['wall_s']:.2f} s", file=sys.stderr, flush=True)
+                said(rows[-1])
     print(_table(rows, args.max_inflight_bytes))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -1,4 +1,10 @@
-"""What every benchmark row measures: wall time, peak RSS increase, compiles; one fresh process per row."""
+"""What every benchmark row measures: wall time, peak RSS increase, compiles; one fresh process per row.
+
+Rows compared with each other (a method and its baseline) are measured in rounds: each round runs
+every method once, each in a fresh process, and a row keeps its best wall time over the rounds.
+On a machine shared with other work the load changes within seconds; interleaving the methods
+exposes each to the same load, so their ratio holds where the absolute times do not.
+"""
 
 from __future__ import annotations
 
@@ -52,3 +58,19 @@ def fresh_process(script: str, args: list[str], timeout_s: float = 1800) -> dict
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(args)} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def best_of_rounds(measure, methods: list[str], rounds: int, on_row=None) -> list[dict]:
+    """`measure(method)` for every method, `rounds` times interleaved; per method the row with the
+    best wall time, all wall times in `walls_s`."""
+    best: dict[str, dict] = {}
+    walls: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(rounds):
+        for m in methods:
+            row = measure(m)
+            walls[m] += row["walls_s"]
+            if m not in best or row["wall_s"] < best[m]["wall_s"]:
+                best[m] = row
+            if on_row is not None:
+                on_row(row)
+    return [dict(best[m], walls_s=walls[m], rounds=rounds) for m in methods]

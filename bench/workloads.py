@@ -3,6 +3,8 @@
 `pending`: a 16-layer Linear(1024, 1024) model with AdamW whose last step has
 not run yet (every tensor is lazy IR: the state a training loop checkpoints).
 `synced`: ~2 GiB of materialised device tensors (32 x 64 MiB).
+`many`: 100,000 CPU tensors of 64 floats (26 MiB): optimizer states and per-parameter buffers of a
+large model, where the per-tensor work of a save is what it costs.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def synced(total_mib: int = 2048, tensor_mib: int = 64) -> dict:
     return {"model": state}
 
 
+def many(count: int = 100_000, numel: int = 64) -> dict:
+    torch.manual_seed(0)
+    return {f"block{i // 100}.t{i % 100}": torch.randn(numel) for i in range(count)}
+
+
 def nbytes(state) -> int:
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
@@ -49,4 +56,4 @@ def nbytes(state) -> int:
     return 0
 
 
-BUILDERS = {"pending": pending, "synced": synced}
+BUILDERS = {"pending": pending, "synced": synced, "many": many}

@@ -55,6 +55,38 @@ class FakeHungDevice(HostTransfer):
         return super().to_host(tensors, timeout_s=timeout_s)
 
 
+class FakeFullDisk:
+    """A full disk: every storage write (small records and chunked ones) fails with ENOSPC.
+
+    `with FakeFullDisk() as disk:` installs it (in this process) and puts the real writer
+    back; `disk.failed` is set once a write failed.
+    """
+
+    METHODS = ("write_storage", "write_small_storages")  # every way a storage reaches the file
+
+    def __init__(self) -> None:
+        self.failed = threading.Event()
+        self._real: dict = {}
+
+    def _full(self, *args, **kwargs):
+        self.failed.set()
+        raise OSError(28, "No space left on device")
+
+    def __enter__(self) -> "FakeFullDisk":
+        from xlakit.checkpoint import archive
+
+        for name in self.METHODS:
+            self._real[name] = getattr(archive.ArchiveWriter, name)
+            setattr(archive.ArchiveWriter, name, lambda writer, *a, **k: self._full())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from xlakit.checkpoint import archive
+
+        for name, real in self._real.items():
+            setattr(archive.ArchiveWriter, name, real)
+
+
 def install(monkeypatch, backend: HostTransfer) -> None:
     from xlakit.checkpoint import transfer
 

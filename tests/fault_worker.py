@@ -128,17 +128,14 @@ def run(scenario: str, folder: Path) -> dict:
             out[f"version-{layout}"] = versions(where, layout)
         return out
     elif scenario == "async-failure":
-        from xlakit.checkpoint import archive
+        from tests import fakes
 
-        real = archive.ArchiveWriter.write_storage
+        disk = fakes.FakeFullDisk()
         if RANK == 2:  # this rank's background write hits a full disk (a fake one)
-            def full(self, entry, view, on_chunk=None):
-                raise OSError(28, "No space left on device")
-
-            archive.ArchiveWriter.write_storage = full
+            disk.__enter__()
         handle = xlakit.save(state(6), target, layout="sharded", asynchronous=True, timeout_s=DEADLINE_S)
         out["async"] = outcome(lambda: handle.result(timeout=60))
-        archive.ArchiveWriter.write_storage = real
+        disk.__exit__(None, None, None)
     out["version_now"] = versions(target, "sharded")
     return out
 

@@ -134,17 +134,14 @@ def ranks_retention(folder: Path, layout: str) -> dict:
 
 
 def async_failure(folder: Path) -> dict:
-    from xlakit.checkpoint import archive
+    from tests import fakes
 
     mgr = xlakit.CheckpointManager(folder, layout="sharded", asynchronous=True, max_to_keep=2)
     mgr.save(1, state(1, mib=1))
     mgr.wait()
-    real = archive.ArchiveWriter.write_storage
+    disk = fakes.FakeFullDisk()
     if RANK == 2:  # a fake full disk on this rank only
-        def full(self, entry, view, on_chunk=None):
-            raise OSError(28, "No space left on device")
-
-        archive.ArchiveWriter.write_storage = full
+        disk.__enter__()
     mgr.save(2, state(2, mib=1))  # returns once staged; the failure comes behind it
     out = {}
     try:
@@ -152,7 +149,7 @@ def async_failure(folder: Path) -> dict:
         out["next_call"] = {"ok": True}
     except xlakit.CheckpointError as e:
         out["next_call"] = {"ok": False, "error": type(e).__name__, "rank_named": getattr(e, "rank", None)}
-    archive.ArchiveWriter.write_storage = real
+    disk.__exit__(None, None, None)
     mgr.save(4, state(4, mib=1))
     mgr.wait()
     out["steps"] = mgr.all_steps()

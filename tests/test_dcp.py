@@ -142,6 +142,55 @@ def test_next_save_removes_temporaries_of_dead_processes(tmp_path):
     assert _temps(tmp_path) == []
 
 
+def _dead_pid() -> str:
+    return subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_folders_moved_aside_by_dead_processes_are_cleaned_or_put_back(tmp_path, monkeypatch):
+    # Regression: without an atomic exchange the previous folder is moved aside to
+    # `.ckpt.<random>.xlakit-old`; a process killed before removing it left it forever (its name did
+    # not say whose it was), and one killed between the two renames left no checkpoint at the name.
+    monkeypatch.setattr(paths, "exchange", lambda a, b: False)  # a file system without RENAME_EXCHANGE
+    final = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), final)
+    kept = paths.replace_folder  # the aside a live save makes is named with its host and pid
+
+    def killed_after_the_first_rename(tmp, final):
+        aside = paths.temp_path(final, paths.ASIDE_SUFFIX)
+        os.rename(final, aside)
+        raise KeyboardInterrupt  # stands for the kill: nothing after the first rename runs
+
+    monkeypatch.setattr(paths, "replace_folder", killed_after_the_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        xlakit.dcp_save(_state(2.0), final)
+    monkeypatch.setattr(paths, "replace_folder", kept)
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.endswith(paths.ASIDE_SUFFIX)]
+    assert not final.exists() and paths.parse_temp(aside.name, paths.ASIDE_SUFFIX)[1:] == (paths.host(), os.getpid())
+    # As left by a dead process (its new folder too): the aside is the last committed checkpoint
+    # and comes back.
+    pid = _dead_pid()
+    for left in tmp_path.iterdir():
+        left.rename(left.with_name(left.name.replace(f".{os.getpid()}.", f".{pid}.")))
+    dead = aside.with_name(aside.name.replace(f".{os.getpid()}.", f".{pid}."))
+    assert paths.recover_asides(final) == [dead] and not dead.exists()
+    state = _template()
+    xlakit.dcp_load(state, final)
+    _assert_loaded(state, 1.0)
+    # An aside next to a newer checkpoint is removed by the next save; another host's is left alone.
+    older = tmp_path / f".ckpt.{paths.host()}.{_dead_pid()}.0badcafe{paths.ASIDE_SUFFIX}"
+    elsewhere = tmp_path / f".ckpt.otherhost.1.0badcafe{paths.ASIDE_SUFFIX}"
+    for folder in (older, elsewhere):
+        folder.mkdir()
+        (folder / folders.COMMIT_RECORD).write_text("{}")
+    xlakit.dcp_save(_state(3.0), final)
+    assert not older.exists() and elsewhere.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", elsewhere.name])
+    state = _template()
+    xlakit.dcp_load(state, final)
+    _assert_loaded(state, 3.0)
+
+
 @pytest.mark.xla
 def test_hung_transfer_times_out_and_keeps_previous(tmp_path, monkeypatch):
     import torch_xla

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import struct
 import zipfile
 
@@ -309,3 +310,110 @@ def state_plan(state):
     from xlakit.checkpoint import state as plan_module
 
     return plan_module.plan(state)
+
+
+class _Marker:
+    """A storage (`entry`, `dtype`) or a Parameter's plain tensor (`ref`), as the reference pickles them."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+class _ReferencePickler(pickle.Pickler):
+    """How the pickle was written before xlakit emitted it itself: Python's C pickler with a
+    persistent_id for storages and a reducer_override for tensors, as torch.save pickles."""
+
+    def __init__(self, file, plan):
+        super().__init__(file, protocol=2)
+        self._plan = plan
+        self._legacy = torch.storage._dtype_to_storage_type_map()
+
+    def persistent_id(self, obj):
+        if type(obj) is not _Marker or not hasattr(obj, "entry"):
+            return None
+        legacy = self._legacy.get(obj.dtype)
+        if legacy is not None:
+            return ("storage", getattr(torch, legacy), obj.entry.key, "cpu", obj.entry.nbytes // obj.dtype.itemsize)
+        return ("storage", torch.UntypedStorage, obj.entry.key, "cpu", obj.entry.nbytes)
+
+    def _rebuild(self, ref, requires_grad):
+        meta = torch._utils.get_tensor_metadata(ref.tensor) if not ref.tensor.is_xla else {}
+        storage = _Marker(entry=ref.storage, dtype=ref.dtype)
+        if self._legacy.get(ref.dtype) is not None:
+            return torch._utils._rebuild_tensor_v2, (storage, ref.offset, ref.size, ref.stride, requires_grad,
+                                                     None) + ((meta,) if meta else ())
+        return torch._utils._rebuild_tensor_v3, (storage, ref.offset, ref.size, ref.stride, requires_grad, None,
+                                                 ref.dtype) + ((meta,) if meta else ())
+
+    def reducer_override(self, obj):
+        if type(obj) is _Marker:
+            return self._rebuild(obj.ref, False)
+        if isinstance(obj, torch.Tensor):
+            ref = self._plan.tensors[id(obj)]
+            if type(obj) is torch.nn.Parameter:
+                return torch._utils._rebuild_parameter, (_Marker(ref=ref), obj.requires_grad, None)
+            return self._rebuild(ref, obj.requires_grad)
+        return NotImplemented
+
+
+def _states_for_the_pickle():
+    from collections import OrderedDict
+
+    base = torch.arange(12.0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    shared = [1, 2.5, "x"]
+    yield {"model": model.state_dict(), "opt": opt.state_dict(), "base": base, "view": base[3:9].view(2, 3),
+           "again": base, "p": torch.nn.Parameter(torch.ones(2)), "q": torch.nn.Parameter(torch.ones(2), False),
+           "conj": torch.randn(2, dtype=torch.complex64).conj(), "neg": torch.randn(2, dtype=torch.complex64).conj().imag,
+           "numbers": (1, -0.0, float("nan"), 2 ** 70, -2 ** 40, -5, 300, 70000, True, None, 1 + 2j, b"\x00\xff", b""),
+           "torch": [torch.float16, torch.Size([2, 3]), torch.device("cpu")], 3: "int key", "shared": [shared, shared],
+           "set": {1, 2}, "empty": {}, "el": [], "et": (), "one": {"a": 1}, "onel": [5], "grad": torch.ones(2, requires_grad=True),
+           "f8": torch.zeros(3, dtype=torch.float8_e4m3fn), "u16": torch.zeros(3, dtype=torch.uint16),
+           "scalar": torch.tensor(3.0), "expand": torch.ones(1).expand(5), "storage": "storage", "5": "cpu",
+           "tuples": ((1, 2, 3, 4, 5), (1,), ((1, 2), [(3,)])), "text": "h\u00e9\U0001f600\udc80"}
+    for n in (2, 999, 1000, 1001, 2000):  # the pickler's batches of 1000 items
+        yield {str(i): torch.ones(1) for i in range(n)}
+        yield [torch.ones(1) for _ in range(n)]
+        yield {"od": OrderedDict((str(i), i) for i in range(n)), "d": {i: i for i in range(n)}}
+    yield {f"t{i}": torch.randn(3) for i in range(600)}  # memo indices past 255
+
+
+def test_the_pickle_is_byte_for_byte_what_the_c_pickler_writes():
+    # xlakit emits the pickle itself (100,000 tensors cost the C pickler's Python callbacks more than
+    # all of torch.save); torch.load and earlier readers see exactly the bytes they always saw.
+    from xlakit.checkpoint import pickled
+
+    for state in _states_for_the_pickle():
+        plan = state_plan(state)
+        reference = io.BytesIO()
+        _ReferencePickler(reference, plan).dump(state)
+        assert pickled.pickle_state(state, plan) == reference.getvalue()
+
+
+def test_saving_restoring_and_loading_many_tensors_runs_no_cycle_collection(tmp_path):
+    # Regression (speed): Python's cycle collector ran again and again over the per-tensor objects of a
+    # synchronous save, load or restore: a quarter of their time with 100,000 small tensors.
+    import gc
+
+    state = {f"t{i}": torch.full((2,), float(i)) for i in range(20_000)}
+    runs = []
+
+    def count(phase, info):
+        if phase == "start":
+            runs.append(info["generation"])
+
+    path = tmp_path / "c.pt"
+    template = {k: torch.zeros(2) for k in state}
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        xlakit.save(state, path)
+        loaded = xlakit.load(path)
+        xlakit.restore(path, template)
+    finally:
+        gc.callbacks.remove(count)
+    assert len(runs) <= 6 and gc.isenabled(), runs  # a few as each call ends (the counts it left); 799 before
+    assert torch.equal(loaded["t19999"], state["t19999"]) and torch.equal(template["t7"], state["t7"])

@@ -13,6 +13,7 @@ pl = pytest.importorskip("lightning.pytorch", reason="lightning is a test depend
 import xlakit  # noqa: E402
 import xlakit.lightning  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from tests import fakes  # noqa: E402
 from xlakit.checkpoint import archive, background  # noqa: E402
 
 EPOCHS = 4
@@ -173,20 +174,10 @@ def test_an_asynchronous_failure_is_raised_by_the_next_save(tmp_path):
     folder.mkdir()
     io.save_checkpoint({"w": torch.ones(1 << 20)}, folder / "a.ckpt")
     io.teardown()
-    real = archive.ArchiveWriter.write_storage
-    failed = []
-
-    def full(self, entry, view, on_chunk=None):  # a fake full disk
-        failed.append(True)
-        raise OSError(28, "No space left on device")
-
-    archive.ArchiveWriter.write_storage = full
-    try:
+    with fakes.FakeFullDisk() as disk:
         io.save_checkpoint({"w": torch.ones(1 << 20)}, folder / "b.ckpt")
         background._pending._finished.wait(30)
-    finally:
-        archive.ArchiveWriter.write_storage = real
-    assert failed
+    assert disk.failed.is_set()
     with pytest.raises(xlakit.CheckpointWriteError, match="No space"):
         io.save_checkpoint({"w": torch.ones(2)}, folder / "c.ckpt")
     assert sorted(os.listdir(folder)) == ["a.ckpt"]

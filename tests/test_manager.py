@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import xlakit
+from tests import fakes
 from xlakit.checkpoint import archive, paths, steps
 from xlakit.checkpoint.manager import CheckpointManager
 
@@ -223,11 +224,12 @@ def _full_disk(monkeypatch) -> threading.Event:
     """A fake full disk: every storage write fails with ENOSPC; the event is set once one did."""
     failed = threading.Event()
 
-    def full(self, entry, view, on_chunk=None):
+    def full(*args, **kwargs):
         failed.set()
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(archive.ArchiveWriter, "write_storage", full)
+    for name in fakes.FakeFullDisk.METHODS:
+        monkeypatch.setattr(archive.ArchiveWriter, name, full)
     return failed
 
 

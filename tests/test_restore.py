@@ -147,8 +147,7 @@ def test_a_wrong_index_offset_never_makes_a_good_file_corrupt(tmp_path, monkeypa
     real = archive.ArchiveWriter.finish
 
     def shifted(self):  # a fake writer bug: every storage's recorded offset is 64 bytes off
-        for rec in self._storages.values():
-            rec["offset"] += 64
+        self._offsets = [offset + 64 for offset in self._offsets]
         return real(self)
 
     monkeypatch.setattr(archive.ArchiveWriter, "finish", shifted)

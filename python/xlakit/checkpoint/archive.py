@@ -46,33 +46,46 @@ FORMAT_VERSION = 2  # 1: storages keyed by tensor, no offsets; 2: shared storage
 HASH = "xxh3_64"
 ALIGNMENT = 64
 CHUNK_BYTES = 1 << 20
-_SMALL_RECORD = 64 << 10  # storages up to this size are copied whole and written in one call
+SMALL_RECORD = 64 << 10  # storages up to this size are copied whole and written in one call
 _TORCH_FILE_VERSION = b"3\n"
 _U32 = 0xFFFFFFFF
 _U16 = 0xFFFF
 _FLAGS = 0x0808  # data descriptor follows the data; UTF-8 names (as torch's writer)
 
 
+_hexdigest = xxhash.xxh3_64_hexdigest
+_string_at = ctypes.string_at
+
+
 def digest(view: memoryview | bytes) -> str:
-    return xxhash.xxh3_64_hexdigest(view)
+    return _hexdigest(view)
+
+
+def host_view(host, nbytes: int) -> memoryview:
+    """A zero-copy byte view of the first `nbytes` bytes of a contiguous CPU tensor or storage."""
+    if nbytes == 0:
+        return memoryview(bytearray())  # writable like the others: a restore reads into it
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(host.data_ptr())).cast("B")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype)."""
-    n = tensor.numel() * tensor.element_size()
-    if n == 0:
-        return memoryview(bytearray())  # writable like the others: a restore reads into it
-    return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
+    return host_view(tensor, tensor.numel() * tensor.element_size())
+
+
+def host_copy(host, nbytes: int) -> bytes:
+    """A private copy of the first `nbytes` bytes of a contiguous CPU tensor or storage (one C call)."""
+    return ctypes.string_at(host.data_ptr(), nbytes) if nbytes else b""
 
 
 # -- the zip ----------------------------------------------------------------------------------
 
-@dataclass
-class _Record:
-    name: bytes
-    header_offset: int
-    size: int
-    crc: int
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_DESCRIPTOR = struct.Struct("<IIII")
+_DESCRIPTOR64 = struct.Struct("<IIQQ")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+# The extra field that pads a local header so the data starts 64-byte aligned, by padding length.
+_PAD_FIELDS = [b"FB" + struct.pack("<H", n) + b"Z" * n for n in range(ALIGNMENT)]
 
 
 class ArchiveWriter:
@@ -86,47 +99,39 @@ class ArchiveWriter:
         self._file = file
         self._crc = compute_crc32
         self._pos = 0
-        self._records: list[_Record] = []
+        self._records: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc32
         self._buffer = bytearray(CHUNK_BYTES)
         self._pickle: dict = {}
         self._structure: dict = {}
-        self._storages: dict[str, dict] = {}
+        # The storages written, as columns in write order (the index wants them by key).
+        self._keys: list[int] = []
+        self._offsets: list[int] = []
+        self._sizes: list[int] = []
+        self._digests: list[str] = []
+        self._paths: list[list[str]] = []
+        self._heads: dict[tuple[int, int], tuple[bytes, bytes]] = {}  # local headers by name length, padding
 
     def _put(self, data) -> None:
         self._file.write(data)
         self._pos += len(data)
 
-    def _begin(self, name: str) -> int:
-        """Write a local header whose data starts 64-byte aligned; the data's offset."""
-        raw = f"{ARCHIVE}/{name}".encode()
+    def _local_header(self, raw: bytes) -> bytes:
+        """A local header whose data starts 64-byte aligned; the record is registered."""
         pad = -(self._pos + 30 + len(raw) + 4) % ALIGNMENT
-        extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        self._records.append(_Record(raw, self._pos, 0, 0))
-        self._put(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw),
-                              len(extra)) + raw + extra)
-        return self._pos
-
-    def _end(self, size: int, crc: int) -> None:
-        rec = self._records[-1]
-        rec.size, rec.crc = size, crc
-        if size >= _U32:
-            self._put(struct.pack("<IIQQ", 0x08074B50, crc, size, size))
-        else:
-            self._put(struct.pack("<IIII", 0x08074B50, crc, size, size))
+        return _LOCAL.pack(0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw), 4 + pad) + raw + _PAD_FIELDS[pad]
 
     def _small(self, name: str, data: bytes) -> tuple[int, str]:
-        """A record from bytes already private to the writer, in one write."""
+        """A record from bytes already private to the writer, in one write; (data offset, digest)."""
         raw = f"{ARCHIVE}/{name}".encode()
         header_at = self._pos
-        pad = -(header_at + 30 + len(raw) + 4) % ALIGNMENT
+        head = self._local_header(raw)
         crc = zlib.crc32(data) if self._crc else 0
         n = len(data)
-        self._records.append(_Record(raw, header_at, n, crc))
-        descriptor = (struct.pack("<IIQQ", 0x08074B50, crc, n, n) if n >= _U32
-                      else struct.pack("<IIII", 0x08074B50, crc, n, n))
-        self._put(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw), 4 + pad)
-                  + raw + b"FB" + struct.pack("<H", pad) + b"Z" * pad + data + descriptor)
-        return header_at + 30 + len(raw) + 4 + pad, digest(data)
+        self._records.append((raw, header_at, n, crc))
+        descriptor = (_DESCRIPTOR64.pack(0x08074B50, crc, n, n) if n >= _U32
+                      else _DESCRIPTOR.pack(0x08074B50, crc, n, n))
+        self._put(head + data + descriptor)
+        return header_at + len(head), digest(data)
 
     def write_header(self, pickled: bytes, structure: bytes) -> None:
         """The pickle (for torch.load), torch's format records, the structure (for xlakit)."""
@@ -138,6 +143,59 @@ class ArchiveWriter:
         offset, structure_digest = self._small(STRUCTURE_RECORD, structure)
         self._structure = {"nbytes": len(structure), "offset": offset, HASH: structure_digest}
 
+    def write_small_storage(self, entry: StorageEntry, data: bytes) -> None:
+        """One storage of at most `SMALL_RECORD` bytes, from a private copy of them (`host_copy`)."""
+        offset, storage_digest = self._small(f"data/{entry.index}", data)
+        self._row(entry, offset, len(data), storage_digest)
+
+    def _row(self, entry: StorageEntry, offset: int, nbytes: int, storage_digest: str) -> None:
+        self._keys.append(entry.index)
+        self._offsets.append(offset)
+        self._sizes.append(nbytes)
+        self._digests.append(storage_digest)
+        self._paths.append(entry.paths)
+
+    def write_small_storages(self, entries: list[StorageEntry], hosts: list,
+                             on_chunk: Callable[[int, str], None]) -> None:
+        """Storages of at most `SMALL_RECORD` bytes each, from contiguous CPU tensors or storages.
+
+        Each is copied once into a private bytes object (one C call), hashed from it and written
+        from it, header, data and descriptor together; `on_chunk(nbytes, path)` runs after every
+        `CHUNK_BYTES` or so (progress; it may raise to stop). The hot path of a save of many small
+        tensors, hence the locals.
+        """
+        write, records, crc32 = self._file.write, self._records.append, self._crc
+        keys, offsets, sizes, digests, paths = (self._keys.append, self._offsets.append, self._sizes.append,
+                                                self._digests.append, self._paths.append)
+        heads, pos, pending = self._heads, self._pos, 0
+        for entry, host in zip(entries, hosts):
+            n = entry.nbytes
+            data = _string_at(host.data_ptr(), n) if n else b""
+            raw = b"archive/data/%d" % entry.index
+            pad = -(pos + 34 + len(raw)) % ALIGNMENT
+            head = heads.get((len(raw), pad))
+            if head is None:
+                head = heads[len(raw), pad] = (_LOCAL.pack(0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw),
+                                                           4 + pad), _PAD_FIELDS[pad])
+            crc = zlib.crc32(data) if crc32 else 0
+            chunk = b"".join((head[0], raw, head[1], data, _DESCRIPTOR.pack(0x08074B50, crc, n, n)))
+            write(chunk)
+            records((raw, pos, n, crc))
+            keys(entry.index)
+            offsets(pos + 34 + len(raw) + pad)
+            sizes(n)
+            digests(_hexdigest(data))
+            paths(entry.paths)
+            pos += len(chunk)
+            pending += n
+            if pending >= CHUNK_BYTES:
+                self._pos = pos
+                on_chunk(pending, entry.path)
+                pending = 0
+        self._pos = pos
+        if pending:
+            on_chunk(pending, entries[-1].path)
+
     def write_storage(self, entry: StorageEntry, view: memoryview,
                       on_chunk: Callable[[int], None] = lambda n: None) -> None:
         """Write one storage's bytes; each chunk is copied once, then hashed and written.
@@ -145,14 +203,15 @@ class ArchiveWriter:
         `on_chunk(nbytes)` runs after each chunk (progress; it may raise to stop).
         """
         n = len(view)
-        if n <= _SMALL_RECORD:  # header, bytes and descriptor in one write; the bytes copied once
-            data = bytes(view)
-            offset, storage_digest = self._small(f"data/{entry.key}", data)
-            self._storages[entry.key] = {"nbytes": n, "offset": offset, HASH: storage_digest,
-                                         "paths": entry.paths}
+        if n <= SMALL_RECORD:  # header, bytes and descriptor in one write; the bytes copied once
+            self.write_small_storage(entry, bytes(view))
             on_chunk(n)
             return
-        offset = self._begin(f"data/{entry.key}")
+        raw = f"{ARCHIVE}/data/{entry.index}".encode()
+        header_at = self._pos
+        head = self._local_header(raw)
+        self._put(head)
+        offset = self._pos
         hasher, crc, buf = xxhash.xxh3_64(), 0, memoryview(self._buffer)
         for start in range(0, n, CHUNK_BYTES):
             m = min(CHUNK_BYTES, n - start)
@@ -163,17 +222,23 @@ class ArchiveWriter:
                 crc = zlib.crc32(chunk, crc)
             self._put(chunk)
             on_chunk(m)
-        self._end(n, crc)
-        self._storages[entry.key] = {"nbytes": n, "offset": offset, HASH: hasher.hexdigest(),
-                                     "paths": entry.paths}
+        self._records.append((raw, header_at, n, crc))
+        self._put(_DESCRIPTOR64.pack(0x08074B50, crc, n, n) if n >= _U32
+                  else _DESCRIPTOR.pack(0x08074B50, crc, n, n))
+        self._row(entry, offset, n, hasher.hexdigest())
 
     def finish(self) -> None:
         # Storages as columns, in key order (key i at row i): parsed several times faster
         # than one object per storage, which matters with 100,000 tensors.
-        rows = [self._storages[k] for k in sorted(self._storages, key=int)]
-        columns = {name: [r[name] for r in rows] for name in ("offset", "nbytes", HASH)}
-        columns["path"] = [r["paths"][0] for r in rows]
-        columns["more_paths"] = {str(i): r["paths"][1:] for i, r in enumerate(rows) if len(r["paths"]) > 1}
+        keys = self._keys
+        if keys != list(range(len(keys))):  # written in another order than their keys (device groups)
+            order = sorted(range(len(keys)), key=keys.__getitem__)
+            for name in ("_keys", "_offsets", "_sizes", "_digests", "_paths"):
+                column = getattr(self, name)
+                setattr(self, name, [column[i] for i in order])
+        columns = {"offset": self._offsets, "nbytes": self._sizes, HASH: self._digests,
+                   "path": [p[0] for p in self._paths],
+                   "more_paths": {str(i): p[1:] for i, p in enumerate(self._paths) if len(p) > 1}}
         index = {"format": FORMAT, "version": FORMAT_VERSION, "hash": HASH, "pickle": self._pickle,
                  "structure": self._structure, "storages": columns}
         blob = json.dumps(index, sort_keys=True).encode()
@@ -184,20 +249,24 @@ class ArchiveWriter:
 
     def _central_directory(self, comment: bytes) -> None:
         start = self._pos
-        for r in self._records:
-            big = [v for v in (r.size, r.size, r.header_offset) if v >= _U32]
-            extra = struct.pack("<HH", 1, 8 * len(big)) + b"".join(struct.pack("<Q", v) for v in big) \
-                if big else b""
-            size32 = _U32 if r.size >= _U32 else r.size
-            off32 = _U32 if r.header_offset >= _U32 else r.header_offset
-            self._put(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, _FLAGS, 0, 0, 0, r.crc,
-                                  size32, size32, len(r.name), len(extra), 0, 0, 0, 0, off32)
-                      + r.name + extra)
+        pack = _CENTRAL.pack
+        parts = [pack(0x02014B50, 0, 0, _FLAGS, 0, 0, 0, crc, size, size, len(name), 0, 0, 0, 0, 0, offset) + name
+                 if size < _U32 and offset < _U32 else _central_zip64(name, offset, size, crc)
+                 for name, offset, size, crc in self._records]
+        self._put(b"".join(parts))
         size, count, end = self._pos - start, len(self._records), self._pos
         self._put(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 45, 0, 0, count, count, size, start))
         self._put(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
         self._put(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, _U16), min(count, _U16),
                               min(size, _U32), min(start, _U32), len(comment)) + comment)
+
+
+def _central_zip64(name: bytes, offset: int, size: int, crc: int) -> bytes:
+    """A central directory entry whose size or offset needs zip64's extra field."""
+    big = [v for v in (size, size, offset) if v >= _U32]
+    extra = struct.pack("<HH", 1, 8 * len(big)) + b"".join(struct.pack("<Q", v) for v in big)
+    return _CENTRAL.pack(0x02014B50, 0, 0, _FLAGS, 0, 0, 0, crc, min(size, _U32), min(size, _U32), len(name),
+                         len(extra), 0, 0, 0, 0, min(offset, _U32)) + name + extra
 
 
 # -- reading the index ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ raises one nobody asked for (`CheckpointAsyncError`). Ctrl-C while waiting in
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -132,10 +133,11 @@ def stage(op: Operation, job: pipeline.FileSave) -> Staged:
             if backend.returns_mutable_views:
                 viewed.append(e)
             op.advance(e.nbytes)
+    if viewed:
+        op.enter("stage", viewed[0].path)
     for e, dst in zip(viewed, _arena_views(viewed)):
-        op.enter("stage", e.path)
-        src = staged[e.index]
-        dst.copy_(src.reshape(-1).view(torch.uint8))
+        if e.nbytes:  # contiguous host bytes (a CPU storage or tensor) into the arena
+            ctypes.memmove(dst.data_ptr(), staged[e.index].data_ptr(), e.nbytes)
         staged[e.index] = dst
     storages = job.plan.storages
     return [(storages, [staged[e.index] for e in storages], None)] if storages else []

@@ -58,6 +58,7 @@ def check_parent(final: Path) -> None:
 def new_folder(op: Operation, final: Path) -> Path:
     """Check `final` may be replaced, clear dead processes' leftovers, make the temporary folder."""
     check_parent(final)
+    paths.recover_asides(final)  # first: the final name may get its checkpoint back
     folders.check_replaceable(final)
     paths.remove_stale_temps(final.parent, stem=final.name)
     tmp = op.own(paths.temp_path(final))

@@ -28,17 +28,18 @@ import torch
 import xxhash
 
 from xlakit.checkpoint import archive, structure
-from xlakit.checkpoint.operation import Operation, Watch
+from xlakit.checkpoint.operation import Operation, Watch, collection_paused
 from xlakit.checkpoint.options import LoadOptions
 from xlakit.errors import CheckpointCorruptError, CheckpointFormatError
 
 log = logging.getLogger("xlakit")
 
 NOTHING_CHANGED = "nothing on disk was changed"
-_SMALL = 64 << 10  # records below this are read through the window
+SMALL = 64 << 10  # records below this are read through the window
 _WINDOW = 4 << 20
 _from_buffer = torch.UntypedStorage.from_buffer
 _hexdigest = xxhash.xxh3_64_hexdigest  # archive.digest, without a Python call around it
+_memmove = ctypes.memmove
 
 
 def load_file(final: Path, opts: LoadOptions) -> Any:
@@ -47,7 +48,8 @@ def load_file(final: Path, opts: LoadOptions) -> Any:
         raise FileNotFoundError(2, f"no checkpoint at {final}", str(final))
     op = Operation("load", final, Watch.of(opts), bytes_total=final.stat().st_size,
                    untouched=NOTHING_CHANGED)
-    return op.run(lambda op: read_file(op, final, opts))
+    with collection_paused():
+        return op.run(lambda op: read_file(op, final, opts))
 
 
 def read_file(op: Operation, path: Path, opts: LoadOptions) -> Any:
@@ -100,11 +102,12 @@ class RecordReader:
         self._window = bytearray(_WINDOW)
         self._view = memoryview(self._window)
         self._start = self._end = 0
+        self._address: int | None = None  # of the window, once asked for
 
     def read_into(self, offset: int, dst: memoryview, what: str, tensor: str | None) -> None:
         """Fill `dst` with the `len(dst)` bytes at `offset`."""
         n = len(dst)
-        if n < _SMALL:
+        if n < SMALL:
             at = self.window(offset, n, what, tensor)
             dst[:] = self._view[at:at + n]
             return
@@ -126,10 +129,24 @@ class RecordReader:
                 raise self._truncated(offset, n, what, tensor)
         return offset - self._start
 
+    def read_small_to(self, offset: int, n: int, address: int, tensor: str, expected: str | None,
+                      row: int) -> None:
+        """Copy the `n` (0 < n < SMALL) bytes at `offset` (record `data/<row>`) to memory at `address`
+        (a template tensor's); with `expected`, the bytes as read (those copied) are checked."""
+        at = offset - self._start
+        if at < 0 or offset + n > self._end:
+            at = self.window(offset, n, f"tensor {tensor!r}", tensor)
+        if self._address is None:
+            self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._window))
+        _memmove(address, self._address + at, n)
+        if expected is not None and _hexdigest(self._view[at:at + n]) != expected:
+            dst = memoryview((ctypes.c_ubyte * n).from_address(address)).cast("B")
+            check_record(self.path, dst, expected, f"tensor {tensor!r}", f"data/{row}", tensor)
+
     def storage(self, record: str, offset: int, n: int, tensor: str, expected: str | None
                 ) -> torch.UntypedStorage:
         """A new storage holding record `record`; with `expected`, its bytes as read are checked."""
-        if 0 < n < _SMALL:  # the hot path with many small tensors: one C call to copy, one to hash
+        if 0 < n < SMALL:  # the hot path with many small tensors: one C call to copy, one to hash
             at = offset - self._start
             if at < 0 or offset + n > self._end:
                 at = self.window(offset, n, f"tensor {tensor!r}", tensor)
@@ -187,11 +204,11 @@ def read_storages(op: Operation, reader: RecordReader, index: dict, rows: list[i
     for row in sorted(rows, key=offsets.__getitem__):
         n = sizes[row]
         name = paths[row]
-        if n >= _SMALL:
+        if n >= SMALL:
             op.enter("read", name)
         out[row] = reader.storage(f"data/{row}", offsets[row], n, name, digests[row] if verify else None)
         pending += n
-        if pending >= _SMALL:
+        if pending >= SMALL:
             op.advance(pending)
             pending = 0
     op.advance(pending)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -404,6 +405,24 @@ def start_thread(target: Callable[[], None], name: str, *, never_started: Callab
         if not began.wait(_START_WAIT_S):
             never_started()
         raise
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cycle collector off while a synchronous operation's caller waits for it.
+
+    With many tensors a save, load or restore allocates several objects per tensor, none of
+    them cyclic garbage, and the collector's passes over them cost a quarter of the work.
+    Whatever happens, it is on again after (if it was on before). Not for an asynchronous
+    save's background phase: the training loop runs meanwhile.
+    """
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _note(e: BaseException, note: str) -> None:

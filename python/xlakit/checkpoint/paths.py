@@ -11,6 +11,13 @@ would pass the file system's 255-byte limit). The cleanup removes only names
 of exactly that shape whose host is this one and whose process is dead:
 never a temporary another live process, or another host, is still writing,
 and never a file xlakit did not name.
+
+Where a folder cannot be exchanged atomically, the previous one is moved
+aside first, to `.<stem>.<host>.<pid>.<random>.xlakit-old`, and removed once
+the new one is in place. A process that died between those steps left the
+aside: the next save to that name (`recover_asides`) removes it when the
+final name holds a checkpoint again, and otherwise renames it back, since it
+then is the last committed checkpoint.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("xlakit")
 
 TMP_SUFFIX = ".xlakit-tmp"
+ASIDE_SUFFIX = ".xlakit-old"
 _NAME_MAX = 255
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -56,16 +64,16 @@ def temp_stem(name: str) -> str:
     return raw[:room - len(tag)].decode(errors="ignore") + tag
 
 
-def temp_path(final: Path) -> Path:
+def temp_path(final: Path, suffix: str = TMP_SUFFIX) -> Path:
     return final.with_name(f".{temp_stem(final.name)}.{host()}.{os.getpid()}."
-                           f"{secrets.token_hex(4)}{TMP_SUFFIX}")
+                           f"{secrets.token_hex(4)}{suffix}")
 
 
-def parse_temp(name: str) -> tuple[str, str, int] | None:
-    """(stem, host, pid) of a temporary name xlakit made, or None for any other name."""
-    if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
+def parse_temp(name: str, suffix: str = TMP_SUFFIX) -> tuple[str, str, int] | None:
+    """(stem, host, pid) of a temporary (or, with ASIDE_SUFFIX, aside) name xlakit made; None for any other."""
+    if not (name.startswith(".") and name.endswith(suffix)):
         return None
-    parts = name[1:-len(TMP_SUFFIX)].rsplit(".", 3)
+    parts = name[1:-len(suffix)].rsplit(".", 3)
     if len(parts) != 4 or not parts[2].isdigit() or len(parts[3]) != 8:
         return None
     try:
@@ -93,7 +101,7 @@ def remove_stale_temps(folder: Path, *, stem: str | None = None, stem_prefix: st
         stem_prefix: only temporaries whose final name starts with this (e.g. every
             shard of a sharded folder, whatever save it belonged to).
     """
-    me, removed = host(), []
+    removed = []
     want = temp_stem(stem) if stem is not None else None
     try:
         names = os.listdir(folder)
@@ -108,13 +116,49 @@ def remove_stale_temps(folder: Path, *, stem: str | None = None, stem_prefix: st
             continue
         if stem_prefix is not None and not their_stem.startswith(stem_prefix):
             continue
-        if their_host != me or pid == os.getpid() or pid_alive(pid):
+        if not _dead_here(their_host, pid):
             continue
         remove_path(folder / name)
         removed.append(folder / name)
     if removed:
         log.info("xlakit: removed %d temporary file(s) of interrupted saves in %s", len(removed), folder)
     return removed
+
+
+def _dead_here(host_: str, pid: int) -> bool:
+    """Whether a name's owner is a process of this host that is gone (never this process)."""
+    return host_ == host() and pid != os.getpid() and not pid_alive(pid)
+
+
+def recover_asides(final: Path) -> list[Path]:
+    """Deal with what dead processes moved aside while replacing folder `final`; the asides handled.
+
+    An aside is the previous checkpoint, moved away for the moment between two renames. If the
+    process died in that moment and `final` is missing, the aside is the last committed
+    checkpoint: it is renamed back. Otherwise (`final` holds a newer one) it is removed.
+    """
+    handled = []
+    try:
+        names = os.listdir(final.parent)
+    except OSError:
+        return handled
+    want = temp_stem(final.name)
+    for name in sorted(names):
+        parsed = parse_temp(name, ASIDE_SUFFIX)
+        if parsed is None or parsed[0] != want or not _dead_here(parsed[1], parsed[2]):
+            continue
+        aside = final.parent / name
+        if not os.path.lexists(final):
+            os.rename(aside, final)
+            log.warning("xlakit: %s was missing (a save was killed while replacing it); the previous "
+                        "checkpoint, moved aside to %s, is back in place", final, name)
+        else:
+            remove_path(aside)
+            log.info("xlakit: removed %s, the checkpoint a killed save had moved aside from %s", name, final)
+        handled.append(aside)
+    if handled:
+        fsync_dir(final.parent)
+    return handled
 
 
 def fsync_dir(folder: Path) -> None:
@@ -168,7 +212,7 @@ def replace_folder(tmp: Path, final: Path) -> Path | None:
         return None
     if exchange(tmp, final):
         return tmp
-    aside = final.with_name(f".{temp_stem(final.name)}.{secrets.token_hex(4)}.xlakit-old")
+    aside = temp_path(final, ASIDE_SUFFIX)  # named with its owner, for `recover_asides`
     os.rename(final, aside)
     os.rename(tmp, final)
     return aside

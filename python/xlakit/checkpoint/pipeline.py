@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from xlakit.checkpoint import archive, paths, pickled, state, structure, transfer
+from xlakit.checkpoint import archive, operation, paths, pickled, state, structure, transfer
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import SaveOptions
 from xlakit.checkpoint.state import Plan, StorageEntry
@@ -54,10 +54,11 @@ def prepare(obj: Any, final: Path, opts: SaveOptions, *, check_target: bool = Tr
     """Everything checked before a byte is written: the target, the state's storages, its pickle."""
     if check_target:
         paths.check_target(final)
-    plan = state.plan(obj)
-    if any(s.device_type == "xla" for s in plan.storages):
-        transfer.check_backend(opts.transfer_backend)
-    return FileSave(final, opts, plan, pickled.pickle_state(obj, plan), structure.encode(obj, plan))
+    with operation.collection_paused():
+        plan = state.plan(obj)
+        if any(s.device_type == "xla" for s in plan.storages):
+            transfer.check_backend(opts.transfer_backend)
+        return FileSave(final, opts, plan, pickled.pickle_state(obj, plan), structure.encode(obj, plan))
 
 
 # -- sync and transfer --------------------------------------------------------------------------
@@ -105,9 +106,7 @@ def write(op: Operation, job: FileSave, items: HostItems, *, commit: Commit | No
             writer = archive.ArchiveWriter(f, compute_crc32=job.opts.compute_crc32)
             writer.write_header(job.pickled, job.structure)
             for batch, hosts, *_ in items:
-                for entry, host in zip(batch, hosts):
-                    op.enter("write", entry.path)
-                    writer.write_storage(entry, archive.tensor_bytes(host), on_chunk=op.advance)
+                write_batch(op, writer, batch, hosts)
                 del hosts
             writer.finish()
             op.enter("commit")
@@ -118,6 +117,31 @@ def write(op: Operation, job: FileSave, items: HostItems, *, commit: Commit | No
         if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
             raise
         raise paths.write_error(e, final, stage=op.stage, bytes_done=op.bytes_done) from e
+
+
+def write_batch(op: Operation, writer: archive.ArchiveWriter, batch: list[StorageEntry],
+                hosts: list[Any]) -> None:
+    """Write one batch's storages: runs of small ones together (progress and a check for
+    cancellation every `archive.CHUNK_BYTES`), large ones chunk by chunk."""
+    def progress(nbytes: int, path: str) -> None:
+        op.advance(nbytes)
+        op.tensor = path
+
+    small = archive.SMALL_RECORD
+    start = 0
+    while start < len(batch):
+        end = start
+        while end < len(batch) and batch[end].nbytes <= small:
+            end += 1
+        if end > start:
+            op.enter("write", batch[start].path)
+            writer.write_small_storages(batch[start:end], hosts[start:end], progress)
+        if end < len(batch):
+            entry = batch[end]
+            op.enter("write", entry.path)
+            writer.write_storage(entry, archive.host_view(hosts[end], entry.nbytes), on_chunk=op.advance)
+            end += 1
+        start = end
 
 
 def commit_file(op: Operation, tmp: Path, final: Path) -> None:
@@ -132,6 +156,7 @@ def commit_file(op: Operation, tmp: Path, final: Path) -> None:
 
 def save_file(obj: Any, final: Path, opts: SaveOptions) -> None:
     """Plan on the caller's thread, then sync, transfer, write and commit under one deadline."""
-    job = prepare(obj, final, opts)
-    op = Operation("save", final, Watch.of(opts), bytes_total=job.plan.nbytes)
-    op.run(lambda op: write(op, job, device_batches(op, job.plan, opts)))
+    with operation.collection_paused():  # the caller waits for all of it
+        job = prepare(obj, final, opts)
+        op = Operation("save", final, Watch.of(opts), bytes_total=job.plan.nbytes)
+        op.run(lambda op: write(op, job, device_batches(op, job.plan, opts)))

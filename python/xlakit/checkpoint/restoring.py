@@ -26,7 +26,6 @@ they are loaded to the host whole, then copied the same way.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 
 from xlakit.checkpoint import loading, spmd, structure
 from xlakit.checkpoint.archive import tensor_bytes
-from xlakit.checkpoint.operation import Operation, Watch, check_idle
+from xlakit.checkpoint.operation import Operation, Watch, check_idle, collection_paused
 from xlakit.checkpoint.options import LoadOptions
 from xlakit.checkpoint.structure import TensorSpec
 from xlakit.errors import CheckpointMismatchError
@@ -43,15 +42,22 @@ PARTLY = ("nothing on disk was changed; tensors restored before the failure hold
           "values, the one being read may hold part of them, the rest their previous ones: restore "
           "again from a good checkpoint before using the template")
 _SHOWN = 20  # problems listed in the message (all are in `.problems`)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_MATH_BITS = structure.CONJ | structure.NEG
 
 
-@dataclass(eq=False)
 class Target:
-    """One template tensor and what fills it: a spec (xlakit file) or a host tensor (torch file)."""
+    """One template tensor and what fills it: a spec (xlakit file) or a host tensor (torch file).
 
-    path: str
-    tensor: torch.Tensor
-    source: TensorSpec | torch.Tensor
+    `direct`: a contiguous CPU tensor that a contiguous saved tensor covering its whole storage
+    fills as it is (no conj/neg bits): its record can be read straight into its memory.
+    """
+
+    __slots__ = ("path", "tensor", "source", "direct")
+
+    def __init__(self, path: str, tensor: torch.Tensor, source: TensorSpec | torch.Tensor,
+                 direct: bool = False):
+        self.path, self.tensor, self.source, self.direct = path, tensor, source, direct
 
 
 def restore(path: Path, template: Any, opts: LoadOptions) -> Any:
@@ -60,7 +66,8 @@ def restore(path: Path, template: Any, opts: LoadOptions) -> Any:
         raise FileNotFoundError(2, f"no checkpoint at {path}", str(path))
     check_idle(writing_ok=True)  # a stuck transfer of an earlier save must not be queued behind
     op = Operation("restore", path, Watch.of(opts), bytes_total=path.stat().st_size, untouched=PARTLY)
-    return op.run(lambda op: _restore(op, path, template, opts))
+    with collection_paused():
+        return op.run(lambda op: _restore(op, path, template, opts))
 
 
 def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any:
@@ -71,20 +78,23 @@ def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any
             if opts.verify:
                 loading.verify_file(path, op)
             saved = loading.torch_load(path, False)
-            targets = _match(saved, template, path)
+            targets, restored = _match(saved, template, path)
             op.enter("copy")
             _apply(op, [(t, t.source) for t in targets])
-            return _rebuild(saved, targets)
+            return restored
         reader = loading.RecordReader(f, path)
         layout = loading.read_structure(op, reader, index, opts.verify)
         saved = structure.decode(layout, structure.spec, str(path))
-        targets = _match(saved, template, path)
-        op.bytes_total = sum(index["storages"]["nbytes"][r] for r in {t.source.storage for t in targets})
+        targets, restored = _match(saved, template, path)
+        users: dict[int, int] = {}  # how many template tensors each storage fills
+        for t in targets:
+            users[t.source.storage] = users.get(t.source.storage, 0) + 1
+        op.bytes_total = sum(index["storages"]["nbytes"][r] for r in users)
         arena = Arena()
         filled = 0
         try:
             for batch in _batches(targets, index, opts.max_inflight_bytes):
-                _restore_batch(op, reader, index, batch, opts.verify, arena)
+                _restore_batch(op, reader, index, batch, opts.verify, arena, users)
                 filled += len(batch)
         except Exception as e:
             e.add_note(f"The template is partly restored: {filled} of {len(targets)} tensors hold the "
@@ -92,13 +102,14 @@ def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any
                        f"them) may hold its bytes as read, the rest their previous values. Restore again "
                        f"from a good checkpoint before using it.")
             raise
-        return _rebuild(saved, targets)
+        return restored
 
 
 # -- matching ---------------------------------------------------------------------------------
 
-def _match(saved: Any, template: Any, path: Path) -> list[Target]:
-    """Every (template tensor, saved tensor) pair; raises naming every difference."""
+def _match(saved: Any, template: Any, path: Path) -> tuple[list[Target], Any]:
+    """Every (template tensor, saved tensor) pair, and the restored state: the saved structure with
+    the template's tensors in the tensors' places. Raises naming every difference."""
     targets: list[Target] = []
     problems: list[str] = []
 
@@ -107,7 +118,13 @@ def _match(saved: Any, template: Any, path: Path) -> list[Target]:
             return "a tensor"
         return f"a {type(v).__name__}"
 
-    def walk(s: Any, t: Any, where: str) -> None:
+    def walk(s: Any, t: Any, where: str) -> Any:
+        if (type(s) is TensorSpec and type(t) in _PLAIN and t.is_cpu and s.size == t.shape
+                and s.dtype == t.dtype and t.is_contiguous()):  # the common pair, quickly
+            direct = (s.offset == 0 and not s.flags & _MATH_BITS and not (t.is_conj() or t.is_neg())
+                      and (s.stride == t.stride() or s.contiguous))
+            targets.append(Target(where or "the state", t, s, direct))
+            return t
         name = where or "the state"
         s_tensor = isinstance(s, (TensorSpec, torch.Tensor))
         if s_tensor and isinstance(t, torch.Tensor):
@@ -123,25 +140,31 @@ def _match(saved: Any, template: Any, path: Path) -> list[Target]:
                                 f"expand() or a stride of 0): it cannot hold {list(shape)} values")
             else:
                 targets.append(Target(name, t, s))
-        elif s_tensor or isinstance(t, torch.Tensor):
+            return t
+        if s_tensor or isinstance(t, torch.Tensor):
             problems.append(f"{name}: the checkpoint has {kind(s)}, the template {kind(t)}")
         elif isinstance(s, dict) and isinstance(t, dict):
             for k in t.keys() - s.keys():
                 problems.append(f"{_child(where, k)}: missing from the checkpoint")
             for k in s.keys() - t.keys():
                 problems.append(f"{_child(where, k)}: in the checkpoint, not in the template")
-            for k in s.keys() & t.keys():
-                walk(s[k], t[k], _child(where, k))
+            # In the checkpoint's order, which is (mostly) the file's.
+            out = {k: walk(x, t[k], f"{where}/{k}" if where else str(k)) for k, x in s.items() if k in t}
+            if type(out) is not type(s):
+                out = type(s)(out)
+            for attr, value in getattr(s, "__dict__", {}).items():  # state_dict()'s _metadata
+                setattr(out, attr, value)
+            return out
         elif isinstance(s, (list, tuple)) and isinstance(t, (list, tuple)):
             if len(s) != len(t):
                 problems.append(f"{name}: the checkpoint has {len(s)} items, the template {len(t)}")
-            for i, (x, y) in enumerate(zip(s, t)):
-                walk(x, y, _child(where, i))
+            return type(s)(walk(x, y, _child(where, i)) for i, (x, y) in enumerate(zip(s, t)))
         elif isinstance(s, (dict, list, tuple)) != isinstance(t, (dict, list, tuple)):
             problems.append(f"{name}: the checkpoint has {kind(s)}, the template {kind(t)}")
+        return s
 
     try:
-        walk(saved, template, "")
+        restored = walk(saved, template, "")
     finally:
         del walk  # a closure that calls itself is a cycle: it would hold the tensors until a gc
     if problems:
@@ -155,62 +178,36 @@ def _match(saved: Any, template: Any, path: Path) -> list[Target]:
                      "configuration; an optimizer must have taken a step to have state), or load the "
                      "checkpoint with xlakit.load and pick what you need.")
         raise err
-    return targets
+    return targets, restored
 
 
 def _child(where: str, key: object) -> str:
     return f"{where}/{key}" if where else str(key)
 
 
-def _rebuild(saved: Any, targets: list[Target]) -> Any:
-    """The saved structure with the template's tensors in the tensors' places."""
-    by_source = {id(t.source): t.tensor for t in targets}
-
-    def walk(v: Any) -> Any:
-        if id(v) in by_source:
-            return by_source[id(v)]
-        if isinstance(v, dict):
-            out = type(v)((k, walk(x)) for k, x in v.items())
-            for name, value in getattr(v, "__dict__", {}).items():  # state_dict()'s _metadata
-                setattr(out, name, value)
-            return out
-        if isinstance(v, (list, tuple)):
-            return type(v)(walk(x) for x in v)
-        return v
-
-    try:
-        return walk(saved)
-    finally:
-        del walk  # a closure that calls itself is a cycle: it would hold the tensors until a gc
-
-
 # -- reading and placing ----------------------------------------------------------------------
 
 def _batches(targets: list[Target], index: dict, cap: int) -> list[list[Target]]:
-    """Targets grouped so that each group's storages hold at most `cap` bytes (one big one alone)."""
+    """Targets in file order (sequential reads), grouped so that each group's storages hold at most
+    `cap` bytes (one big one alone); the targets of one storage stay together."""
     sizes, offsets = index["storages"]["nbytes"], index["storages"]["offset"]
-    by_row: dict[int, list[Target]] = {}
+    at = [offsets[t.source.storage] for t in targets]
+    if any(a > b for a, b in zip(at, at[1:])):
+        order = sorted(range(len(targets)), key=at.__getitem__)  # stable: one storage's targets adjacent
+        targets = [targets[i] for i in order]
+    batches, batch, held, last = [], [], 0, None
     for t in targets:
-        by_row.setdefault(t.source.storage, []).append(t)
-    batches, batch, held = [], [], 0
-    for row in sorted(by_row, key=offsets.__getitem__):  # file order: sequential reads
-        if batch and held + sizes[row] > cap:
-            batches.append(batch)
-            batch, held = [], 0
-        batch += by_row[row]
-        held += sizes[row]
+        row = t.source.storage
+        if row != last:
+            if batch and held + sizes[row] > cap:
+                batches.append(batch)
+                batch, held = [], 0
+            held += sizes[row]
+            last = row
+        batch.append(t)
     if batch:
         batches.append(batch)
     return batches
-
-
-def _fills_storage(t: Target, index: dict) -> bool:
-    """A CPU template tensor that can receive its storage's bytes directly."""
-    s = t.source
-    dst = t.tensor
-    return (dst.device.type == "cpu" and dst.is_contiguous() and s.offset == 0 and s.contiguous
-            and not (s.conj or s.neg or dst.is_conj() or dst.is_neg())
-            and dst.numel() * dst.element_size() == index["storages"]["nbytes"][s.storage])
 
 
 class Arena:
@@ -241,29 +238,51 @@ class Arena:
 
 
 def _restore_batch(op: Operation, reader: loading.RecordReader, index: dict, batch: list[Target],
-                   verify: bool, arena: Arena) -> None:
+                   verify: bool, arena: Arena, users: dict[int, int]) -> None:
     cols = index["storages"]
-    users: dict[int, int] = {}
-    for t in batch:
-        users[t.source.storage] = users.get(t.source.storage, 0) + 1
-    direct = {id(t) for t in batch if users[t.source.storage] == 1 and _fills_storage(t, index)}
-    rows = sorted({t.source.storage for t in batch if id(t) not in direct}, key=cols["offset"].__getitem__)
+    sizes = cols["nbytes"]
+    direct = [t for t in batch
+              if t.direct and users[t.source.storage] == 1 and t.tensor.nbytes == sizes[t.source.storage]]
+    chosen = {id(t) for t in direct}
+    rows = sorted({t.source.storage for t in batch if id(t) not in chosen}, key=cols["offset"].__getitem__)
     places, end = {}, 0
     for row in rows:  # each record's place in the arena, 64-byte aligned for every dtype
         places[row] = end
-        end += -(-cols["nbytes"][row] // 64) * 64
+        end += -(-sizes[row] // 64) * 64
     buffer = arena.fit(end, op)
-    for t in batch:
-        if id(t) in direct:  # CPU: the file's bytes go straight into the template's memory
-            _read_record(op, reader, cols, t.source.storage, tensor_bytes(t.tensor), t.path, verify)
+    if direct:  # CPU: the file's bytes go straight into the template's memory
+        _read_direct(op, reader, cols, direct, verify)
     for row in rows:
-        n = cols["nbytes"][row]
+        n = sizes[row]
         _read_record(op, reader, cols, row, tensor_bytes(buffer[places[row]:places[row] + n]),
                      cols["path"][row], verify)
-    hosts = [(t, _host_view(buffer, places[t.source.storage], cols["nbytes"][t.source.storage], t.source))
-             for t in batch if id(t) not in direct]
+    hosts = [(t, _host_view(buffer, places[t.source.storage], sizes[t.source.storage], t.source))
+             for t in batch if id(t) not in chosen]
     op.enter("copy", hosts[0][0].path if hosts else None)
     _apply(op, hosts)
+
+
+def _read_direct(op: Operation, reader: loading.RecordReader, cols: dict, targets: list[Target],
+                 verify: bool) -> None:
+    """Each target's record straight into its memory, checked as read; in file order. Small records
+    come through the reader's window (one copy into place, one hash of the bytes as read)."""
+    offsets, sizes, digests = cols["offset"], cols["nbytes"], cols[loading.archive.HASH]
+    op.enter("read", targets[0].path)
+    pending = 0
+    for t in targets:  # in file order (`_batches`)
+        row = t.source.storage
+        n = sizes[row]
+        if n < loading.SMALL:
+            reader.read_small_to(offsets[row], n, t.tensor.data_ptr(), t.path, digests[row] if verify else None,
+                                 row)
+            pending += n
+            if pending >= loading.SMALL:
+                op.advance(pending)
+                pending = 0
+                op.tensor = t.path
+        else:
+            _read_record(op, reader, cols, row, tensor_bytes(t.tensor), t.path, verify)
+    op.advance(pending)
 
 
 def _read_record(op: Operation, reader: loading.RecordReader, cols: dict, row: int, dst: memoryview,

@@ -32,7 +32,6 @@ import json
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,27 +56,36 @@ def _float_of(bits: str) -> float:
 REQUIRES_GRAD, PARAMETER, CONJ, NEG = 1, 2, 4, 8
 
 
-@dataclass(frozen=True)
 class TensorSpec:
-    """A tensor of the checkpoint as the structure describes it (no data)."""
+    """A tensor of the checkpoint as the structure describes it (no data).
 
-    storage: int  # the storage's row in the index
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    parameter: bool
-    conj: bool
-    neg: bool
+    Made by `decode` with the record's arguments, so it is its own tensor function.
+    """
+
+    __slots__ = ("storage", "offset", "size", "stride", "dtype", "flags")
+
+    def __init__(self, storage: int, offset: int, size: tuple[int, ...], stride: tuple[int, ...],
+                 dtype: torch.dtype, flags: int):
+        self.storage = storage  # the storage's row in the index
+        self.offset, self.size, self.stride, self.dtype, self.flags = offset, size, stride, dtype, flags
+
+    requires_grad = property(lambda self: bool(self.flags & REQUIRES_GRAD))
+    parameter = property(lambda self: bool(self.flags & PARAMETER))
+    conj = property(lambda self: bool(self.flags & CONJ))
+    neg = property(lambda self: bool(self.flags & NEG))
 
     @property
     def contiguous(self) -> bool:
-        expected, stride = 1, []
-        for n in reversed(self.size):
-            stride.append(expected)
+        expected = 1
+        for n, stride in zip(reversed(self.size), reversed(self.stride)):
+            if n > 1 and stride != expected:
+                return False
             expected *= max(n, 1)
-        return all(n <= 1 or s == e for n, s, e in zip(self.size, self.stride, reversed(stride)))
+        return True
+
+    def __repr__(self) -> str:
+        return (f"TensorSpec(storage={self.storage}, offset={self.offset}, size={self.size}, "
+                f"stride={self.stride}, dtype={self.dtype}, flags={self.flags})")
 
 
 def encode(state: object, plan: Plan) -> bytes:
@@ -91,22 +99,28 @@ def encode(state: object, plan: Plan) -> bytes:
             nans.append(_float_bits(v))
         return v
 
+    tensors = plan.tensors
+
     def enc(v: object) -> object:
         t = type(v)
         if v is None or t is bool or t is str or t is int:
             return v
         if t is float:
             return flt(v)
-        if isinstance(v, torch.Tensor):
+        if t is torch.Tensor or t is torch.nn.Parameter:  # the plan refused other tensor types
             if id(v) in memo:
                 return ["r", memo[id(v)]]
             memo[id(v)] = len(memo)
-            ref = plan.tensors[id(v)]
-            on_host = v.device.type != "xla"
-            flags = (REQUIRES_GRAD * v.requires_grad | PARAMETER * (type(v) is torch.nn.Parameter)
-                     | CONJ * (on_host and v.is_conj()) | NEG * (on_host and v.is_neg()))
-            return ["t", ref.storage.index, ref.offset, dtypes.setdefault(ref.dtype, len(dtypes)), flags,
-                    *ref.size, *ref.stride]
+            ref = tensors[id(v)]
+            flags = REQUIRES_GRAD if v.requires_grad else 0
+            if t is torch.nn.Parameter:
+                flags |= PARAMETER
+            if not v.is_xla and (v.is_conj() or v.is_neg()):
+                flags |= CONJ * v.is_conj() | NEG * v.is_neg()
+            dtype = dtypes.get(ref.dtype)
+            if dtype is None:
+                dtype = dtypes[ref.dtype] = len(dtypes)
+            return ["t", ref.storage.index, ref.offset, dtype, flags, *ref.size, *ref.stride]
         tag = _CONTAINER_TAGS.get(t)
         if tag is not None:
             if t in _MUTABLE:
@@ -114,7 +128,7 @@ def encode(state: object, plan: Plan) -> bytes:
                     return ["r", memo[id(v)]]
                 memo[id(v)] = len(memo)
             if t in (dict, OrderedDict):
-                items = [[enc(k), enc(x)] for k, x in v.items()]
+                items = [[k if type(k) is str else enc(k), enc(x)] for k, x in v.items()]
                 attrs = getattr(v, "__dict__", None)  # state_dict()'s `_metadata`, as pickle keeps it
                 return [tag, items, enc(dict(attrs))] if attrs else [tag, items]
             return [tag, [enc(x) for x in v]]
@@ -234,10 +248,7 @@ def decode(data: bytes, tensor: Callable[..., Any], where: str, *, storages: Any
         del dec, fix
 
 
-def spec(storage: int, offset: int, size: tuple, stride: tuple, dtype: torch.dtype, flags: int) -> TensorSpec:
-    """The `decode` arguments of a tensor as a `TensorSpec`."""
-    return TensorSpec(storage, offset, size, stride, dtype, bool(flags & REQUIRES_GRAD),
-                      bool(flags & PARAMETER), bool(flags & CONJ), bool(flags & NEG))
+spec = TensorSpec  # the `decode` arguments of a tensor as a `TensorSpec`
 
 
 def materialize(storage: torch.UntypedStorage, offset: int, size: tuple, stride: tuple, dtype: torch.dtype,

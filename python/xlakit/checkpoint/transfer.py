@@ -49,6 +49,20 @@ class HostTransfer:
         """Contiguous CPU tensors with the values of `tensors`, in order."""
         return [t.detach().contiguous() for t in tensors]
 
+    def entries_to_host(self, entries: Sequence[StorageEntry], *, timeout_s: float) -> list[HostBytes]:
+        """Each entry's bytes on the host: a contiguous CPU tensor or a CPU storage, in order."""
+        return self.to_host([e.tensor for e in entries], timeout_s=timeout_s)
+
+
+HostBytes = torch.Tensor | torch.UntypedStorage  # contiguous, on the CPU: `data_ptr()` is its first byte
+
+
+class CpuTransfer(HostTransfer):
+    """CPU storages are already on the host: each entry's storage is used as it is."""
+
+    def entries_to_host(self, entries, *, timeout_s):
+        return [e.storage if e.storage is not None else e.tensor.detach().contiguous() for e in entries]
+
 
 def copy_to_host(t: torch.Tensor) -> torch.Tensor:
     """Copy a contiguous device tensor into a new host tensor, never cloning it on its device."""
@@ -175,15 +189,15 @@ def backend_for(device_type: str, sample: torch.Tensor, *, mode: str = "auto") -
     if device_type == "xla":
         return XlaTransfer(_xla_mode(sample, mode))
     if device_type == "cpu":
-        return HostTransfer()
+        return CpuTransfer()
     return DeviceTransfer()
 
 
 def batch_to_host(backend: HostTransfer, batch: Sequence[StorageEntry], *,
-                  timeout_s: float) -> list[torch.Tensor]:
-    """`backend.to_host` for entries; a runtime's own deadline error names the batch's tensors."""
+                  timeout_s: float) -> list[HostBytes]:
+    """`backend.entries_to_host`; a runtime's own deadline error names the batch's tensors."""
     try:
-        return backend.to_host([e.tensor for e in batch], timeout_s=timeout_s)
+        return backend.entries_to_host(batch, timeout_s=timeout_s)
     except CheckpointTimeoutError:
         raise
     except TimeoutError as e:  # the patched binding's DEADLINE_EXCEEDED

@@ -241,6 +241,56 @@ def test_verify_finds_truncation_damaged_folders_and_missing_commits(files, shar
     assert code == 1 and data["tensor"] == "w" and "shard 1: tensor 'w'" in data["message"]
 
 
+def _loads_with_torch(path) -> bool:
+    try:
+        torch.load(path, weights_only=True)
+    except Exception:  # noqa: BLE001 - torch's reader meets damage with any error
+        return False
+    return True
+
+
+@pytest.mark.slow  # a few thousand damaged copies, each read by torch and verified
+def test_verify_never_says_ok_of_a_file_torch_load_refuses(tmp_path, capsys):
+    # Regression: verify hashed the checksummed records only; a flipped byte in a local header's
+    # signature, a central directory entry's method or name, the end records or the byte-order record
+    # made torch.load refuse a file that verify called OK.
+    from xlakit.checkpoint import integrity
+
+    good_path = tmp_path / "c.pt"
+    xlakit.save({"a": torch.arange(10.0), "b": [torch.ones(3), 7]}, good_path)
+    good = good_path.read_bytes()
+    checksummed = {i for r in integrity.plan(good_path)[1] for i in range(r.offset, r.offset + r.nbytes)}
+    bad, refused = tmp_path / "bad.pt", []
+    for pos in sorted(set(range(len(good))) - checksummed):
+        for flip in (0xA5,):  # low and high bits: a digit becomes a non-digit, ASCII non-ASCII
+            data = bytearray(good)
+            data[pos] ^= flip
+            bad.write_bytes(bytes(data))
+            if _loads_with_torch(bad):
+                continue
+            refused.append(pos)
+            code, out, err = ckpt(capsys, "verify", bad)
+            assert code in (1, 2) and "OK" not in out, (pos, flip, out, err)  # damaged, or no checkpoint
+    assert len(refused) > 100  # the damage covered headers, the directory, the end records
+
+
+def test_verify_names_the_damaged_zip_structure(files, capsys):
+    path = files["xlakit"]
+    data = path.read_bytes()
+    local = data.index(b"PK\x03\x04", data.index(b"PK\x03\x04") + 1)  # the second record's local header
+    flip_byte(path, local + 1)
+    code, out, _ = ckpt(capsys, "verify", path)
+    assert code == 1 and "DAMAGED" in out and "the zip structure is damaged" in out
+    assert "lacks its signature" in out and not _loads_with_torch(path)
+    flip_byte(path, local + 1)
+    central = data.index(b"PK\x01\x02")
+    flip_byte(path, central + 10)  # the first entry's compression method
+    code, data_ = ckpt_json(capsys, "verify", path)
+    assert code == 1 and "expected a stored, unencrypted record" in data_["message"]
+    flip_byte(path, central + 10)
+    assert ckpt(capsys, "verify", path)[0] == 0
+
+
 def test_verify_of_a_plain_torch_file_exits_3_saying_there_is_nothing_to_verify(files, capsys):
     code, out, _ = ckpt(capsys, "verify", files["plain"])
     assert code == 3 and "no xlakit checksums" in out and "nothing to verify" in out

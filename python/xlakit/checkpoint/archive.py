@@ -368,6 +368,15 @@ def read_index(path: str) -> tuple[dict, torch._C.PyTorchFileReader]:
     return parse_index(bytes(reader.get_record(CHECKSUMS_RECORD)), path), reader
 
 
+def is_zip(path) -> bool:
+    """A file that starts like a zip archive (torch.save's format since 1.6)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
 def is_legacy_torch_file(path) -> bool:
     """A file in torch.save's pre-1.6 format (`_use_new_zipfile_serialization=False`): a pickle."""
     try:

@@ -8,8 +8,8 @@ read in `CHUNK_BYTES` pieces into one reused buffer and hashed: memory stays
 at one buffer whatever the checkpoint's size. The first range whose digest
 differs is named (the tensor, or the file of a DCP folder).
 
-What it covers: an xlakit file (its pickle, its structure record and every
-storage), a sharded
+What it covers: an xlakit file (its zip structure, as torch's reader uses it,
+then its pickle, its structure record and every storage), a sharded
 folder (every shard named by the commit record, then each shard's own
 checksums), a DCP folder (every file the commit record lists), a manager's
 step folder or every committed step of a manager folder. A plain
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import xxhash
 
-from xlakit.checkpoint import archive, describe
+from xlakit.checkpoint import archive, describe, zip_structure
 from xlakit.checkpoint.archive import HASH
 from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
 
@@ -58,6 +58,8 @@ def _ranges(kind: describe.Kind, prefix: str) -> list[Range]:
     if kind.kind == describe.XLAKIT_FILE:
         return file_ranges(kind.path, prefix)
     if kind.kind == describe.TORCH_FILE:
+        if archive.is_zip(kind.path):  # damage to its zip structure still counts
+            zip_structure.check(kind.path)
         raise NothingToVerify(f"{kind.path} has no xlakit checksums ({kind.note}); there is nothing to "
                               f"verify. `xlakit ckpt inspect` lists what it holds.")
     if kind.kind == describe.SHARDED:
@@ -77,8 +79,13 @@ def _ranges(kind: describe.Kind, prefix: str) -> list[Range]:
 
 
 def file_ranges(path: Path, prefix: str = "") -> list[Range]:
-    """The pickle and every storage of an xlakit file, where the zip itself puts them."""
+    """The pickle and every storage of an xlakit file, where the zip itself puts them; the zip's own
+    structure (which no checksum covers) is checked first, as torch's reader will use it."""
     meta, reader = archive.read_index(str(path))
+    try:
+        zip_structure.check(path)
+    except CheckpointCorruptError as e:
+        raise CheckpointCorruptError(f"{prefix}{e}") from None
     size = path.stat().st_size
     pk = meta["pickle"]
     entries = [("data.pkl", "the pickled structure (data.pkl)", None, pk["nbytes"], pk[HASH], pk.get("offset"))]

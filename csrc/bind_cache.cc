@@ -132,6 +132,24 @@ void BindCache(py::module_& m) {
   m.attr("TEMP_PREFIX") = kTempPrefix;
   m.attr("AUTH_MAGIC") = py::bytes(kAuthMagic, 4);
   m.attr("CACHE_KEY_ENV") = kCacheKeyEnv;
+  m.attr("MIN_CACHE_KEY_BYTES") = kMinCacheKeyBytes;
+
+  m.def(
+      "cache_key_problem",
+      [](py::bytes key) -> std::optional<std::string> {
+        std::string problem = CacheKeyProblem(View(key));
+        if (problem.empty()) return std::nullopt;
+        return problem;
+      },
+      py::arg("key"));
+
+  m.def(
+      "cache_key_id",
+      [](py::bytes key) {
+        std::optional<PyEntryMac> mac = MacFor(key);
+        return CacheKeyId(*mac);
+      },
+      py::arg("key"));
 
   m.def(
       "encode_entry",
@@ -225,14 +243,16 @@ void BindCache(py::module_& m) {
   m.def(
       "cache_key_material",
       [](const std::string& platform_name, const std::string& platform_version,
-         const std::string& patch_series_id) {
+         const std::string& patch_series_id, const std::string& key_id) {
         // The revision is not part of the key material (the series id covers
         // it).
-        return py::bytes(CacheKeyMaterial(RuntimeIdentity{
-            platform_name, platform_version, patch_series_id, ""}));
+        return py::bytes(CacheKeyMaterial(
+            RuntimeIdentity{platform_name, platform_version, patch_series_id,
+                            ""},
+            key_id));
       },
       py::kw_only(), py::arg("platform_name"), py::arg("platform_version"),
-      py::arg("patch_series_id"));
+      py::arg("patch_series_id"), py::arg("key_id") = "");
 
   m.def(
       "temp_file_target",

@@ -293,7 +293,7 @@ def test_a_short_key_is_refused_without_showing_it(keyed, capsys, monkeypatch):
     monkeypatch.setenv("XLAKIT_CACHE_KEY", "hunter2")
     assert main(["cache", "verify", str(keyed)]) == 2
     err = capsys.readouterr().err
-    assert "XLAKIT_CACHE_KEY holds 7 characters, expected a secret of at least 32" in err and "hunter2" not in err
+    assert "XLAKIT_CACHE_KEY holds 7 bytes, expected a secret of at least 32" in err and "hunter2" not in err
 
 
 def test_ls_says_who_can_put_entries_into_the_folder(cache, capsys):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from xlakit import _C
+from xlakit import _C, _knobs, compile_cache
 
 IDENTITY = dict(platform_name="tpu", platform_version="libtpu 0.0.36", patch_series_id="xlakit1:abc")
 
@@ -287,6 +287,37 @@ def test_entries_the_runtime_writes_verify_in_the_tools(openssl_check, tmp_path)
     assert _C.verify_entry(data, key=KEY)["ok"] and _C.verify_entry(data, key=OTHER_KEY)["status"] == "bad_tag"
     assert data[38:] == _C.encode_entry(b"compiled", kind="executable", platform_name="cpu", platform_version="",
                                         torch_xla_revision="", patch_series_id="")
+
+
+@pytest.mark.slow
+def test_the_runtime_refuses_a_key_python_refuses(openssl_check, tmp_path):
+    # Regression: Python refused an XLAKIT_CACHE_KEY shorter than 32 bytes, the runtime's C++ took any
+    # non-empty one and tagged entries under it.
+    short, minimum = b"k" * 31, b"k" * 32
+    (tmp_path / "plain").write_bytes(_entry(b"exe"))
+    (tmp_path / "tagged").write_bytes(_entry(b"exe", key=KEY))
+    for name in ("plain", "tagged"):  # nothing loads under it, and nothing is called bad (erased) for it
+        assert _check(openssl_check, "verify", str(tmp_path / name), key=short) == "key_refused 00"
+    with pytest.raises(subprocess.CalledProcessError):  # and nothing is written under it
+        _check(openssl_check, "encode", str(tmp_path / "e"), "compiled", key=short)
+    assert _check(openssl_check, "verify", str(tmp_path / "plain"), key=minimum) == "unauthenticated 00"
+    with pytest.raises(ValueError, match="holds 31 bytes, expected a secret of at least 32"):
+        with _knobs.override(XLAKIT_CACHE_KEY=short.decode()):
+            _knobs.get_cache_key()
+
+
+def test_the_key_variable_and_its_rule_live_in_the_core():
+    # Regression: _knobs and _C each spelled the variable's name, and the minimum length lived in Python.
+    assert _knobs.CACHE_KEY is _C.CACHE_KEY_ENV and _knobs.MIN_CACHE_KEY_BYTES == _C.MIN_CACHE_KEY_BYTES == 32
+    assert _C.cache_key_problem(b"x" * 31) and _C.cache_key_problem(b"x" * 32) is None
+    assert _C.cache_key_problem(b"") is None  # an empty key is no key
+    key = b"s" * 40
+    assert compile_cache.key_id(key) == hmac.new(key, b"xlakit-cache-key-id", "sha256").hexdigest()[:16]
+    plain = _C.cache_key_material(platform_name="tpu", platform_version="v", patch_series_id="s")
+    keyed = _C.cache_key_material(platform_name="tpu", platform_version="v", patch_series_id="s",
+                                  key_id=compile_cache.key_id(key))
+    assert keyed != plain and plain == _C.cache_key_material(platform_name="tpu", platform_version="v",
+                                                              patch_series_id="s", key_id="")
 
 
 def test_headers_of_authenticated_entries_are_read_without_the_key():

@@ -157,7 +157,7 @@ def test_a_key_gets_its_own_subfolder_named_without_revealing_it(enable_here, mo
 
 def test_a_short_key_is_refused_before_anything_is_made(enable_here, monkeypatch, tmp_path):
     monkeypatch.setenv("XLAKIT_CACHE_KEY", "short")
-    with pytest.raises(xlakit.CompileCacheError, match="holds 5 characters, expected a secret of at least 32"):
+    with pytest.raises(xlakit.CompileCacheError, match="holds 5 bytes, expected a secret of at least 32"):
         enable_here(tmp_path / "cache")
     assert not (tmp_path / "cache").exists()
 

@@ -121,12 +121,14 @@ def test_log_manifest_logs_the_row_and_json(caplog):
 def test_patched_build_info_is_read_from_the_binding(monkeypatch):
     patch_set = f"xlakit{_pins.load(PINS)['xlakit']['patch_level']}"
     build = {"patch_set": patch_set, "patches": ["0001-add-build-info.patch"], "series_sha256": "ab" * 32,
+             "patch_series_id": "xlakit3:" + "cd" * 16,
              "torch_xla_commit": "c04e61c3424142c0eebcc9e59984b9d8fced18c0",
              "xla_commit": "9a9aa0e11e4fcda8d6a9c3267dca6776ddbdb0ca"}
     fake = FakePatchedXLAC(_features.xlac(), _xlakit_build_info=lambda: dict(build))
     monkeypatch.setattr(_features, "xlac", lambda: fake)
     m = xlakit.manifest(profile="tpu", pins=PINS)
-    assert m["patches"] == {k: build[k] for k in ("patch_set", "patches", "series_sha256")}
+    # Regression: the patch series id the runtime checks cache entries against was not reported.
+    assert m["patches"] == {k: build[k] for k in ("patch_set", "patches", "series_sha256", "patch_series_id")}
     assert m["torch_xla"]["commit"] == build["torch_xla_commit"]
     assert m["torch_xla"]["xla_git"] == build["xla_commit"]
     whats = {d["what"] for d in m["drift"]}

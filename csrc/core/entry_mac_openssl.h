@@ -65,11 +65,23 @@ class OpenSslEntryMac : public EntryMac {
 
 // A MAC under the job's key (kCacheKeyEnv), one per entry; nullptr when the
 // variable is unset or empty, and the cache then reads and writes plain
-// entries.
+// entries. A key shorter than kMinCacheKeyBytes, which xlakit's Python side
+// refuses too, gives a RefusedEntryMac: no entry is written or loaded.
 inline std::unique_ptr<EntryMac> NewEntryMacFromEnv() {
   const char* key = std::getenv(kCacheKeyEnv);
   if (key == nullptr || *key == '\0') return nullptr;
+  std::string problem = CacheKeyProblem(key);
+  if (!problem.empty()) return std::make_unique<RefusedEntryMac>(problem);
   return std::make_unique<OpenSslEntryMac>(key);
+}
+
+// What the cache keys of a job with `mac` (NewEntryMacFromEnv) are salted
+// with: "" without a key, the key's CacheKeyId with one, "refused" for a
+// refused key (a namespace no usable key shares).
+inline std::string JobKeyId(std::unique_ptr<EntryMac> mac) {
+  if (mac == nullptr) return "";
+  if (!mac->Refusal().empty()) return "refused";
+  return CacheKeyId(*mac);
 }
 
 }  // namespace xlakit

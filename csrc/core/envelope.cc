@@ -159,6 +159,8 @@ const char* EntryStatusName(EntryStatus status) {
       return "bad_tag";
     case EntryStatus::kTorchXlaRevisionMismatch:
       return "torch_xla_revision_mismatch";
+    case EntryStatus::kKeyRefused:
+      return "key_refused";
   }
   return "unknown";
 }
@@ -328,6 +330,9 @@ std::string EncodeAuthenticatedEntry(const EntryHeader& header,
 
 DecodeResult VerifyCacheEntry(std::string_view data,
                               const RuntimeIdentity* self, EntryMac* mac) {
+  if (mac != nullptr && !mac->Refusal().empty()) {
+    return Fail(EntryStatus::kKeyRefused, mac->Refusal());
+  }
   if (!StartsWith(data, kAuthMagic)) {
     if (mac != nullptr && StartsWith(data, kEnvelopeMagic)) {
       return Unauthenticated();
@@ -364,6 +369,9 @@ DecodeResult VerifyEntryFile(const std::string& path,
     *io_error = std::string(what) + " " + path + ": " + std::strerror(errno);
     return DecodeResult{};
   };
+  if (mac != nullptr && !mac->Refusal().empty()) {
+    return Fail(EntryStatus::kKeyRefused, mac->Refusal());
+  }
   // Never follow a link: the cache writer makes none, and a tool must judge
   // the file in the folder, not whatever it points at.
   Fd file{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
@@ -436,12 +444,44 @@ DecodeResult VerifyEntryFile(const std::string& path,
 }
 
 std::string CacheKeyMaterial(const RuntimeIdentity& self) {
+  return CacheKeyMaterial(self, "");
+}
+
+std::string CacheKeyMaterial(const RuntimeIdentity& self,
+                             std::string_view key_id) {
   // NUL separators keep ("a", "bc") and ("ab", "c") apart.
   std::string out = "xlakit-cache-key-v1";
   for (const std::string* s :
        {&self.platform_name, &self.platform_version, &self.patch_series_id}) {
     out.push_back('\0');
     out.append(*s);
+  }
+  // Only with a key, so a cache without one keeps its keys (and its entries).
+  if (!key_id.empty()) {
+    out += std::string("\0key:", 5);
+    out.append(key_id);
+  }
+  return out;
+}
+
+std::string CacheKeyProblem(std::string_view key) {
+  if (key.empty() || key.size() >= kMinCacheKeyBytes) return "";
+  return std::string(kCacheKeyEnv) + " holds " + std::to_string(key.size()) +
+         " bytes, expected a secret of at least " +
+         std::to_string(kMinCacheKeyBytes) +
+         " (e.g. the output of `openssl rand -hex 32`)";
+}
+
+std::string CacheKeyId(EntryMac& fresh) {
+  fresh.Update("xlakit-cache-key-id");
+  std::string tag = fresh.Tag();
+  if (tag.size() < 8) return "";
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < 8; ++i) {
+    unsigned char c = static_cast<unsigned char>(tag[i]);
+    out.push_back(kHex[c >> 4]);
+    out.push_back(kHex[c & 0xf]);
   }
   return out;
 }

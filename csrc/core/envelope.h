@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace xlakit {
 
@@ -49,6 +50,9 @@ enum class EntryStatus : uint8_t {
   kBadTag,
   // Appended, so the values above keep their numbers.
   kTorchXlaRevisionMismatch,
+  // The runtime's key is refused (too short, CacheKeyProblem): nothing is
+  // loaded under it, and the entry stays for the jobs that can use it.
+  kKeyRefused,
 };
 
 struct EntryHeader {
@@ -125,8 +129,15 @@ inline constexpr char kAuthMagic[4] = {'X', 'L', 'K', 'A'};
 inline constexpr uint16_t kAuthFormatVersion = 1;
 inline constexpr size_t kAuthTagBytes = 32;
 inline constexpr size_t kAuthPrefixBytes = 4 + 2 + kAuthTagBytes;
-// Where a job's key comes from.
+// Where a job's key comes from, and the shortest key accepted: anything shorter
+// is no secret. The one place of both facts (xlakit._C exports them to
+// python/xlakit/_knobs.py).
 inline constexpr char kCacheKeyEnv[] = "XLAKIT_CACHE_KEY";
+inline constexpr size_t kMinCacheKeyBytes = 32;
+
+// "" when `key` may serve as the job's key, else why not: its length, the
+// minimum and how to make one (never the key itself). An empty key is no key.
+std::string CacheKeyProblem(std::string_view key);
 
 // HMAC-SHA256 under the job's key, from a crypto library: BoringSSL in the
 // runtime (core/entry_mac_openssl.h), Python's hmac in xlakit._C. xlakit
@@ -140,6 +151,24 @@ class EntryMac {
   virtual std::string Tag() = 0;
   // Whether `tag` is that tag, compared in constant time.
   virtual bool Matches(std::string_view tag) = 0;
+  // Why this MAC stands for a key that may not be used (RefusedEntryMac);
+  // "" for a usable one.
+  virtual std::string Refusal() const { return ""; }
+};
+
+// Stands for a job key that may not be used (CacheKeyProblem says why): it
+// makes no tag and verifies none, and VerifyCacheEntry answers kKeyRefused,
+// so a caller that does not ask still never writes or loads an entry under it.
+class RefusedEntryMac : public EntryMac {
+ public:
+  explicit RefusedEntryMac(std::string problem) : problem_(std::move(problem)) {}
+  void Update(std::string_view) override {}
+  std::string Tag() override { return ""; }
+  bool Matches(std::string_view) override { return false; }
+  std::string Refusal() const override { return problem_; }
+
+ private:
+  std::string problem_;
 };
 
 // EncodeEntry wrapped with its tag; "" (do not cache) if the MAC failed.
@@ -148,7 +177,8 @@ std::string EncodeAuthenticatedEntry(const EntryHeader& header,
 
 // The check before an entry is loaded. With `mac` (the job has a key) the
 // entry must carry a tag that verifies, else kUnauthenticated or kBadTag (a
-// counted miss; the tag is checked before anything else is parsed). Without
+// counted miss; the tag is checked before anything else is parsed); a refused
+// key (RefusedEntryMac) gives kKeyRefused whatever the entry. Without
 // `mac`, an authenticated entry is judged by its plain entry alone. Then
 // VerifyEntry's checks against `self` (DecodeEntry's when `self` is null).
 // `header.payload_offset` is relative to `data`.
@@ -168,8 +198,17 @@ DecodeResult VerifyEntryFile(const std::string& path,
                              size_t chunk_bytes, std::string* io_error);
 
 // The bytes the cache key is salted with, so an entry for another platform
-// version or patch series is never even looked up.
+// version or patch series is never even looked up. `key_id` (CacheKeyId of the
+// job's key; empty without one) keeps jobs with different keys, or none, apart:
+// each would refuse, and erase, the other's entries.
 std::string CacheKeyMaterial(const RuntimeIdentity& self);
+std::string CacheKeyMaterial(const RuntimeIdentity& self,
+                             std::string_view key_id);
+
+// A name for the job's key that reveals nothing of it: the first 16 hex digits
+// of the MAC (under the key) of a constant. `fresh` is a MAC nothing was fed
+// to yet; "" if the library failed. xlakit's cache folder names use it too.
+std::string CacheKeyId(EntryMac& fresh);
 
 }  // namespace xlakit
 

@@ -48,6 +48,9 @@ LoadedEntry RefuseLoad(const char* reason, const absl::Status& status) {
 absl::StatusOr<std::string> EncodeExecutableEntry(
     const xla::PjRtLoadedExecutable& executable,
     const ::xlakit::RuntimeIdentity& self, ::xlakit::EntryMac* mac) {
+  if (mac != nullptr && !mac->Refusal().empty()) {
+    return absl::FailedPreconditionError(mac->Refusal());
+  }
   absl::StatusOr<std::string> blob = executable.SerializeExecutable();
   if (!blob.ok()) return blob.status();
   ::xlakit::EntryHeader header;
@@ -85,6 +88,11 @@ LoadedEntry LoadExecutableEntry(xla::PjRtClient& client, std::string_view entry,
   // `payload_offset` is relative to `entry`, tag prefix included.
   ::xlakit::DecodeResult decoded =
       ::xlakit::VerifyCacheEntry(entry, &self, mac);
+  if (decoded.status == ::xlakit::EntryStatus::kKeyRefused) {
+    // This job's key is unusable: the entry may be good for every other job.
+    return Refuse(::xlakit::EntryStatusName(decoded.status), decoded.message,
+                  ::xlakit::EntryFate::kKeep);
+  }
   if (decoded.status != ::xlakit::EntryStatus::kOk) {
     // Untagged or badly tagged under the job's key, corrupt, truncated,
     // foreign or another runtime's: never loadable here.

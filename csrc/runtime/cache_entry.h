@@ -36,7 +36,8 @@ namespace xlakit {
 
 // The executable in an envelope, tagged under `mac` when the job has a key
 // (XLAKIT_CACHE_KEY; nullptr: a plain entry). UNIMPLEMENTED where the client
-// cannot serialize executables, INTERNAL when the MAC fails; other errors as
+// cannot serialize executables, FAILED_PRECONDITION for a refused key
+// (RefusedEntryMac), INTERNAL when the MAC fails; other errors as
 // SerializeExecutable returns them.
 absl::StatusOr<std::string> EncodeExecutableEntry(
     const xla::PjRtLoadedExecutable& executable,
@@ -56,7 +57,8 @@ struct LoadedEntry {
 // Never throws or aborts: every refusal comes back as a LoadedEntry without
 // an executable. With `mac` (the job has a key) an entry without a tag that
 // verifies under it is refused (unauthenticated, bad_tag) before the client
-// sees a byte of it: a cache entry is code the job runs.
+// sees a byte of it: a cache entry is code the job runs. A refused key
+// (key_refused) loads nothing and keeps the entry.
 LoadedEntry LoadExecutableEntry(xla::PjRtClient& client, std::string_view entry,
                                 const ::xlakit::RuntimeIdentity& self,
                                 ::xlakit::EntryMac* mac);

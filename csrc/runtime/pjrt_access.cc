@@ -87,7 +87,10 @@ torch::lazy::hash_t PjRtAccess::SaltCompilationEnvHash(
     xla::PjRtClient* client, torch::lazy::hash_t hash) {
   // Upstream returns early with the topology hash, which on some plugins
   // omits the platform version; salting after the fact covers both paths.
-  std::string material = ::xlakit::CacheKeyMaterial(Identity(*client));
+  // The key's id keeps jobs with different keys (or none) from meeting, and
+  // erasing, each other's entries in a folder they share.
+  std::string material = ::xlakit::CacheKeyMaterial(
+      Identity(*client), ::xlakit::JobKeyId(::xlakit::NewEntryMacFromEnv()));
   return torch::lazy::HashCombine(
       hash, torch::lazy::DataHash(material.data(), material.size()));
 }

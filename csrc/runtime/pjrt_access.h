@@ -56,8 +56,9 @@ class PjRtAccess {
   static ComputationClient::ComputationPtr DeserializeComputation(
       PjRtComputationClient& client, const std::string& serialized);
 
-  // Folds platform name, platform version and the patch-series id (which
-  // covers the series, the placed csrc/ and the upstream commits) into the
+  // Folds platform name, platform version, the patch-series id (which
+  // covers the series, the placed csrc/ and the upstream commits) and the id
+  // of the job's key (XLAKIT_CACHE_KEY; none without one) into the
   // compilation-environment hash that is part of every cache key.
   static torch::lazy::hash_t SaltCompilationEnvHash(xla::PjRtClient* client,
                                                     torch::lazy::hash_t hash);

@@ -11,6 +11,7 @@ import math
 import os
 from collections.abc import Iterator
 
+from xlakit import _C
 from xlakit.errors import ConfigurationError
 
 MiB = 1 << 20
@@ -25,10 +26,11 @@ PREEMPTION_GRACE_S = "XLAKIT_PREEMPTION_GRACE_S"  # CheckpointManager: SIGTERM t
 DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
 # Accept a persistent cache folder a group you belong to can write (see cache_trust).
 CACHE_TRUST_SHARED = "XLAKIT_CACHE_TRUST_SHARED"
-# The job's secret for authenticated cache entries; the C++ runtime reads the same variable
-# (kCacheKeyEnv in csrc/core/envelope.h). Never logged.
-CACHE_KEY = "XLAKIT_CACHE_KEY"
-MIN_CACHE_KEY_CHARS = 32
+# The job's secret for authenticated cache entries. The C++ runtime reads it too: its name and the
+# shortest key accepted are facts of csrc/core/envelope.h (kCacheKeyEnv, kMinCacheKeyBytes), taken
+# from there. Never logged.
+CACHE_KEY = _C.CACHE_KEY_ENV
+MIN_CACHE_KEY_BYTES = _C.MIN_CACHE_KEY_BYTES
 
 # torch_xla's and libtpu's own variables, which xlakit reads (never sets behind
 # the user's back) to record and check the run contract.
@@ -115,14 +117,16 @@ def get_transfer_backend() -> str:
 
 
 def get_cache_key() -> bytes | None:
-    """The job's cache key, or None when unset; refuses one too short to be a secret (never shows it)."""
+    """The job's cache key, or None when unset; refuses one too short to be a secret (never shows it),
+    by the rule the C++ runtime applies (`_C.cache_key_problem`)."""
     raw = os.environ.get(CACHE_KEY)
     if not raw:
         return None
-    if len(raw) < MIN_CACHE_KEY_CHARS:
-        raise ConfigurationError(f"{CACHE_KEY} holds {len(raw)} characters, expected a secret of at least "
-                         f"{MIN_CACHE_KEY_CHARS} (e.g. the output of `openssl rand -hex 32`)")
-    return raw.encode()
+    key = os.fsencode(raw)  # the bytes the runtime reads
+    problem = _C.cache_key_problem(key)
+    if problem is not None:
+        raise ConfigurationError(problem)
+    return key
 
 
 def get_str(name: str) -> str:

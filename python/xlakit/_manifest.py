@@ -78,7 +78,9 @@ def _patches(build: dict | None) -> dict[str, Any]:
         return {"patch_set": None, "why_not": f"cannot import torch_xla: {_features.xla_import_error()}"}
     if build is None:
         return {"patch_set": "stock", "why": f"torch_xla has no {_features.BUILD_INFO} binding"}
-    return {k: build.get(k) for k in ("patch_set", "patches", "series_sha256")}
+    # patch_series_id: what the runtime stamps into cache entries and checks them against (the series,
+    # the placed C++ and the upstream commits), as the binary itself reports it.
+    return {k: build.get(k) for k in ("patch_set", "patches", "series_sha256", "patch_series_id")}
 
 
 def _same_commit(found: str | None, pinned: str) -> bool:

@@ -25,14 +25,13 @@ silently recompiling; `xlakit doctor` probes exactly that.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from xlakit import _features, _knobs, cache_trust
+from xlakit import _C, _features, _knobs, cache_trust
 from xlakit.errors import CacheFolderTrustError, CompileCacheError, ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -52,8 +51,9 @@ def _xlac():
 
 
 def key_id(secret: bytes) -> str:
-    """A name for a cache key that reveals nothing of it (an HMAC under the key of a constant)."""
-    return hmac.new(secret, b"xlakit-cache-key-id", "sha256").hexdigest()[:16]
+    """A name for a cache key that reveals nothing of it (an HMAC under the key of a constant), the
+    one the patched runtime salts its cache keys with (`CacheKeyId`, csrc/core/envelope.h)."""
+    return _C.cache_key_id(secret)
 
 
 def cache_key(secret: bytes | None = None) -> dict[str, Any]:

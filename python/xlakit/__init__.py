@@ -38,7 +38,8 @@ from xlakit.memory import MemoryInfo, memory_info
 _LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint", "restore": "xlakit.checkpoint",
          "dcp_save": "xlakit.checkpoint",
          "dcp_load": "xlakit.checkpoint", "wait_until_idle": "xlakit.checkpoint",
-         "SaveHandle": "xlakit.checkpoint.background", "CheckpointManager": "xlakit.checkpoint.manager"}
+         "SaveHandle": "xlakit.checkpoint.background", "CheckpointManager": "xlakit.checkpoint.manager",
+         "ReadOnlyCheckpointManager": "xlakit.checkpoint.readonly"}
 
 
 def __getattr__(name: str):
@@ -62,6 +63,7 @@ __all__ = [
     "Progress",
     "SaveHandle",
     "CheckpointManager",
+    "ReadOnlyCheckpointManager",
     "CacheFolderTrustError",
     "CheckpointAsyncError",
     "CheckpointBusyError",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import itertools
 import logging
 import os
@@ -35,12 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from xlakit import _knobs
-from xlakit.checkpoint import agreement, paths, retention, steps
+from xlakit.checkpoint import agreement, paths, readonly, retention, steps
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
-from xlakit.errors import (CheckpointIncompleteError, CheckpointTimeoutError, CheckpointWriteError,
-                           RuntimeFeatureError)
+from xlakit.errors import CheckpointTimeoutError, CheckpointWriteError
 
 log = logging.getLogger("xlakit")
 _managers = itertools.count()  # managers made by this process: every rank counts the same
@@ -234,40 +232,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._finish_pending()
-        found = steps.scan(self.directory)
-        if step is None:
-            step = found.latest
-            if step is None:
-                raise FileNotFoundError(errno.ENOENT, f"no committed step in {self.directory} "
-                                        f"({found.describe()})", str(self.directory))
-        step = steps.check_step(step)
-        if step not in found.committed:
-            if step in found.pending:
-                raise CheckpointIncompleteError(f"step {step} in {self.directory} was never committed: "
-                                                f"{found.pending[step].problem}; committed: "
-                                                f"{sorted(found.committed)}")
-            raise FileNotFoundError(errno.ENOENT, f"no committed step {step} in {self.directory}; "
-                                    f"committed: {sorted(found.committed)}", str(self.directory / str(step)))
-        chosen = found.committed[step]
-        from xlakit import checkpoint
-
-        if chosen.layout == "dcp":
-            if template is None:
-                raise ValueError(f"step {step} was saved with layout='dcp': a DCP checkpoint loads into "
-                                 f"a template, restore({step}, template=state) with tensors of the "
-                                 f"saved shapes (placed and sharded as wanted now)")
-            checkpoint.dcp_load(template, chosen.checkpoint)
-            return template
-        if template is not None:
-            restore = getattr(checkpoint, "restore", None)
-            if restore is None:
-                raise RuntimeFeatureError("restore(step, template=...) for xlakit.save layouts needs "
-                                          "xlakit.restore, which this xlakit does not have yet; call "
-                                          "restore(step) and model.load_state_dict() instead")
-            return restore(chosen.checkpoint, template)
-        if chosen.layout == "replicated" and self._world > 1:
-            return checkpoint.load(chosen.checkpoint, layout="replicated")
-        return checkpoint.load(chosen.checkpoint)
+        chosen = readonly.choose_step(steps.scan(self.directory), step, self.directory)
+        return readonly.read_step(chosen, template, replicated=self._world > 1)
 
     # -- preemption -------------------------------------------------------------------------------
     def install_preemption_handler(self, *, grace_s: float | None = None) -> None:

@@ -156,7 +156,12 @@ def commit_problem(folder: Path, record: dict) -> str | None:
 
 
 def scan(directory: Path) -> Scan:
-    """Read every entry of a manager folder; nothing is changed."""
+    """Read every entry of a manager folder; nothing is changed.
+
+    Safe against a manager working in the folder meanwhile: a step it commits is found
+    whole or not at all, and one its retention moves away while it is being read is left
+    out, never reported as interrupted or foreign.
+    """
     found = Scan()
     for name in sorted(os.listdir(directory)):
         path = directory / name
@@ -172,12 +177,15 @@ def scan(directory: Path) -> Scan:
         try:
             record = read_record(path)
         except (OSError, ValueError) as e:
-            found.other[name] = f"its {STEP_RECORD} is not a step record ({e})"
+            record, problem = None, f"its {STEP_RECORD} is not a step record ({e})"
+        else:
+            problem = None if record is not None else f"no {STEP_RECORD}: not a step of an xlakit manager"
+        step = StepFolder(int(name), path, record, commit_problem(path, record)) if record is not None else None
+        if (problem or not step.committed) and not os.path.lexists(path):
+            continue  # retention took it (to the trash) while it was read: it is no step, not a broken one
+        if step is None:
+            found.other[name] = problem
             continue
-        if record is None:
-            found.other[name] = f"no {STEP_RECORD}: not a step of an xlakit manager"
-            continue
-        step = StepFolder(int(name), path, record, commit_problem(path, record))
         (found.committed if step.committed else found.pending)[step.step] = step
     return found
 

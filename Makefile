@@ -73,7 +73,7 @@ patches-check:
 # Compile checks against real XLA headers + the real-PJRT cache test; the
 # venv provides the cpu-dev torch headers.
 cxx-check: setup
-	$(XB) cxx-check --torch-xla-git="$(TORCH_XLA_GIT)" --python $(VPY) $(BUILD_ARGS)
+	$(XB) cxx-check --torch-xla-git="$(TORCH_XLA_GIT)" --python "$(abspath $(VPY))" $(BUILD_ARGS)
 
 wheel:
 	$(XB) wheel $(BUILD_ARGS)

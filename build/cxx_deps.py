@@ -208,6 +208,10 @@ def llvm(runner: Runner, cache: Path) -> list[Path]:
 
 
 def torch(runner: Runner, python: str) -> Torch:
+    # Absolute, never resolved: torch_xla's codegen runs it from another folder, and a venv's
+    # interpreter is a symlink whose target knows nothing of the venv.
+    found = shutil.which(python)
+    python = os.path.abspath(found or python)
     probe = ("import json, os, sysconfig, torch, torchgen; print(json.dumps({"
              "'site': os.path.dirname(os.path.dirname(torch.__file__)), "
              "'torchgen': os.path.dirname(os.path.dirname(torchgen.__file__)), "

@@ -117,6 +117,24 @@ def test_dry_run_prints_downloads_compiles_and_skips(tmp_path):
     assert not (tmp_path / "cache" / "downloads").exists()  # a dry run fetches nothing
 
 
+def test_the_codegen_gets_an_absolute_interpreter_when_given_a_relative_one(tmp_path):
+    # Regression: `make cxx-check TORCH_XLA_GIT=...` on a fresh cache failed after 9 s with
+    # FileNotFoundError '.venv/bin/python': the Makefile passed the venv's interpreter relative to the
+    # checkout and torch_xla's codegen runs it from the cache's folder.
+    relative = os.path.relpath(sys.executable, ROOT)
+    assert not os.path.isabs(relative)
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_XLA_GIT", "XLAKIT_TORCH_XLA_GIT")}
+    r = subprocess.run([sys.executable, "build/xlakit_build.py", "cxx-check", "--dry-run", "--cache",
+                        str(tmp_path / "cache"), "--work", str(tmp_path / "work"), "--torch-xla-git",
+                        str(tmp_path / "torch_xla.git"), "--python", relative], capture_output=True, text=True,
+                       env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    (codegen,) = [line for line in r.stdout.splitlines() if "lazy_tensor_generator.py" in line]
+    assert f"&& {os.path.abspath(os.path.join(ROOT, relative))} " in codegen, codegen
+    make = subprocess.run(["make", "-n", "cxx-check", "TORCH_XLA_GIT=x"], capture_output=True, text=True, cwd=ROOT)
+    assert f'--python "{ROOT / ".venv" / "bin" / "python"}"' in make.stdout, make.stdout
+
+
 def test_a_cached_download_with_another_sha256_is_refused(tmp_path):
     pin = pins.cxx_brackets()[0]
     (tmp_path / "downloads").mkdir()

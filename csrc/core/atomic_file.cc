@@ -2,7 +2,9 @@
 #include "atomic_file.h"
 
 #include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -10,7 +12,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <random>
 
 namespace xlakit {
 namespace {
@@ -52,10 +53,21 @@ std::string HostPart() {
 }
 
 std::string RandomHex() {
-  // From the OS on every call (getrandom): cache writes are rare, and a
-  // per-process stream would need a lock.
-  std::random_device rd;
-  uint64_t bits = (static_cast<uint64_t>(rd()) << 32) | rd();
+  // From the OS on every call: cache writes are rare, and a per-process stream
+  // would need a lock. getrandom, not std::random_device, which throws where
+  // the source is unavailable (a seccomp sandbox, an exhausted fd table): the
+  // bits only keep writers' names apart (O_EXCL guards the rest), so the
+  // fallback mixes the clock, the pid and an address instead of failing.
+  uint64_t bits = 0;
+  if (::getrandom(&bits, sizeof(bits), GRND_NONBLOCK) !=
+      static_cast<ssize_t>(sizeof(bits))) {
+    struct timespec now;
+    ::clock_gettime(CLOCK_REALTIME, &now);
+    bits = (static_cast<uint64_t>(now.tv_sec) * 1000000007u) ^
+           static_cast<uint64_t>(now.tv_nsec) ^
+           (static_cast<uint64_t>(::getpid()) << 40) ^
+           reinterpret_cast<uintptr_t>(&now);
+  }
   char buf[kRandomHexDigits + 1];
   std::snprintf(buf, sizeof(buf), "%016llx",
                 static_cast<unsigned long long>(bits));
@@ -166,6 +178,36 @@ std::string WriteFileAtomic(const std::string& path, std::string_view data) {
     ::close(dfd);
   }
   return "";
+}
+
+std::string ReadWholeFile(const std::string& path, std::string* data) {
+  data->clear();
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return Errno("cannot open", path);
+  struct stat st;
+  if (::fstat(fd, &st) == 0 && st.st_size > 0) {
+    data->reserve(static_cast<size_t>(st.st_size));
+  }
+  char buf[1 << 16];
+  while (true) {
+    ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      std::string error = Errno("cannot read", path);
+      ::close(fd);
+      data->clear();
+      return error;
+    }
+    if (n == 0) break;
+    data->append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return "";
+}
+
+std::string RemoveFile(const std::string& path) {
+  if (::unlink(path.c_str()) == 0 || errno == ENOENT) return "";
+  return Errno("cannot remove", path);
 }
 
 }  // namespace xlakit

@@ -1,8 +1,9 @@
-// Atomic file replacement for cache entries: write a temporary file in the
+// Cache entry files: atomic replacement (write a temporary file in the
 // target's directory, fsync it, rename it over the target, fsync the
-// directory. Readers see the old entry or the new one, never a torn one, and
-// a killed writer leaves only a temporary file that `xlakit cache prune`
-// removes. POSIX only; no XLA or torch headers.
+// directory; readers see the old entry or the new one, never a torn one, and a
+// killed writer leaves only a temporary file that `xlakit cache prune`
+// removes), and reading and removing an entry with every failure reported as
+// a message, never thrown. POSIX only; no XLA or torch headers.
 #ifndef XLAKIT_CORE_ATOMIC_FILE_H_
 #define XLAKIT_CORE_ATOMIC_FILE_H_
 
@@ -33,6 +34,17 @@ std::string TempFileTarget(std::string_view name);
 // group read and search it (a cache shared with trust_shared), whatever the
 // umask; the temporary is created O_EXCL | O_NOFOLLOW.
 std::string WriteFileAtomic(const std::string& path, std::string_view data);
+
+// Reads the whole file at `path` into `*data`. Returns "" on success (a file
+// that ends early gives what it holds: the entry's own checks find that),
+// else a message with the path and errno text: the read failed, which says
+// nothing about the entry. Never follows a link.
+std::string ReadWholeFile(const std::string& path, std::string* data);
+
+// Removes the file at `path`; "" on success or when it is already gone, else
+// a message with the path and errno text (a folder the job may not change, a
+// read-only file system).
+std::string RemoveFile(const std::string& path);
 
 }  // namespace xlakit
 

@@ -87,11 +87,34 @@ absl::StatusOr<size_t> ReplicaDims(const xla::OpSharding& sharding,
   return extra;
 }
 
+// More tiles than any device mesh has: a corrupt sharding, refused before a
+// vector of that size is made.
+constexpr int64_t kMaxTiles = int64_t{1} << 24;
+
+// INVALID_ARGUMENT naming `what` unless every dimension is positive and their
+// product at most kMaxTiles: a zero or negative one would size a vector with a
+// negative count (length_error) or divide by zero, a huge one overflow.
+absl::Status CheckTileDims(absl::Span<const int64_t> dims, const char* what) {
+  int64_t product = 1;
+  for (int64_t d : dims) {
+    if (d <= 0 || d > kMaxTiles || product > kMaxTiles / d) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " ", Dims(dims), ": expected positive dimensions whose product "
+          "is at most ", kMaxTiles));
+    }
+    product *= d;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<int64_t>> TileAssignmentDevices(
     const xla::OpSharding& sharding) {
   const auto& tiles = sharding.tile_assignment_dimensions();
+  absl::Status fits = CheckTileDims(
+      std::vector<int64_t>(tiles.begin(), tiles.end()), "tile assignment");
+  if (!fits.ok()) return fits;
   int64_t count = Product(tiles);
   if (sharding.iota_reshape_dims().empty()) {
     if (sharding.tile_assignment_devices_size() != count) {
@@ -105,6 +128,8 @@ absl::StatusOr<std::vector<int64_t>> TileAssignmentDevices(
   // Iota form: iota(prod(reshape)).reshape(reshape).transpose(perm), flat.
   std::vector<int64_t> reshape(sharding.iota_reshape_dims().begin(),
                                sharding.iota_reshape_dims().end());
+  fits = CheckTileDims(reshape, "iota tile assignment reshape");
+  if (!fits.ok()) return fits;
   std::vector<int> perm(sharding.iota_transpose_perm().begin(),
                         sharding.iota_transpose_perm().end());
   if (perm.empty()) {
@@ -151,6 +176,13 @@ absl::StatusOr<std::vector<ShardRegion>> PlanShardAssembly(
         " is not supported; only REPLICATED, UNKNOWN and OTHER (tiled)"));
   }
   const size_t rank = tensor_dims.size();
+  for (int64_t d : tensor_dims) {
+    if (d < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor of shape ", Dims(tensor_dims),
+                       " has a negative dimension"));
+    }
+  }
   absl::StatusOr<size_t> replica_dims = ReplicaDims(sharding, rank);
   if (!replica_dims.ok()) return replica_dims.status();
   absl::StatusOr<std::vector<int64_t>> devices =
@@ -176,6 +208,12 @@ absl::StatusOr<std::vector<ShardRegion>> PlanShardAssembly(
     return absl::InvalidArgumentError(
         absl::StrCat("shards of shape ", Dims(shard_dims),
                      " for a tensor of shape ", Dims(tensor_dims)));
+  }
+  for (int64_t d : shard_dims) {
+    if (d < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shards of shape ", Dims(shard_dims), " have a negative dimension"));
+    }
   }
   for (size_t j = 0; j < rank; ++j) {
     if (shard_dims[j] * data_tiles[j] < tensor_dims[j]) {

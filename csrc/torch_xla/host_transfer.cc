@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "absl/status/status.h"
@@ -21,6 +22,7 @@
 #include "xla/shape_util.h"
 
 #include "torch_xla/csrc/aten_xla_bridge.h"
+#include "torch_xla/csrc/ops/device_data.h"
 #include "torch_xla/csrc/runtime/pjrt_computation_client.h"
 #include "torch_xla/csrc/runtime/runtime.h"
 #include "torch_xla/csrc/runtime/xlakit/core/batch_plan.h"
@@ -72,6 +74,17 @@ absl::Status Expired(std::string_view stage, const std::string& what,
       " ", what, "; ", bytes_done, " bytes were on the host"));
 }
 
+// Whether materialising `t` would run (and maybe compile) a computation: its
+// data is missing or stale and its IR is not plain device data. The rule of
+// XLAGraphExecutor::CollectSyncTensors, which picks the tensors a sync runs.
+bool NeedsExecution(XLATensor& t) {
+  bool stale = t.CurrentDataHandle() == nullptr ||
+               (t.data()->view != nullptr && !t.data()->view->IsUpToDate());
+  if (!stale) return false;
+  torch::lazy::Value ir = t.CurrentIrValue();
+  return ir && DeviceData::Cast(ir.node.get()) == nullptr;
+}
+
 // Placeholders get their buffers when the async execution finishes; there is
 // no future to wait on, so poll with backoff until the deadline.
 bool WaitForData(const runtime::ComputationClient::DataPtr& data,
@@ -97,11 +110,28 @@ absl::StatusOr<std::vector<at::Tensor>> TransferToHost(
   const absl::Time deadline = absl::Now() + absl::Seconds(timeout_s);
   XLA_ASSIGN_OR_RETURN(std::vector<XLATensorPtr> xtensors,
                        bridge::GetXlaTensors(tensors));
-  // One sync for all of them: pending IR becomes one graph, not one each.
-  // wait=true: returns once the graph is scheduled, so GetXlaData() below
-  // finds the data (with wait=false it throws while the async operation is
-  // in flight) and a failed run raises here instead of leaving a
-  // placeholder that is waited on until the deadline.
+  // Never compile here: a compile (or a hung one) cannot be bounded by the
+  // deadline, and would make the copy fail at once with a misleading stage.
+  // The caller materialises pending computations first (xlakit.save does, in
+  // its own "sync" stage).
+  std::vector<std::string> pending;
+  for (size_t i = 0; i < xtensors.size(); ++i) {
+    if (NeedsExecution(*xtensors[i])) {
+      pending.push_back(Describe(tensors[i], i, tensors.size()));
+    }
+  }
+  if (!pending.empty()) {
+    size_t shown = std::min<size_t>(pending.size(), 3);
+    return absl::FailedPreconditionError(absl::StrCat(
+        pending.size(), " of ", tensors.size(),
+        " tensors have pending computations (",
+        absl::StrJoin(pending.begin(), pending.begin() + shown, "; "),
+        pending.size() > shown ? "; ..." : "",
+        "): _xla_transfer_to_host does not compile, so that its deadline "
+        "bounds every wait; run them first (torch_xla.sync()), as "
+        "xlakit.save does"));
+  }
+  // Host-only data is uploaded and device-data IR resolved; nothing compiles.
   XLAGraphExecutor::Get()->SyncTensorsGraph(&xtensors, {}, /*wait=*/true,
                                             /*sync_ltc_data=*/true);
   XLA_ASSIGN_OR_RETURN(runtime::ComputationClient * client,
@@ -115,8 +145,11 @@ absl::StatusOr<std::vector<at::Tensor>> TransferToHost(
   std::vector<at::Tensor> results(tensors.size());
   std::vector<Piece> pieces;
   for (size_t i = 0; i < xtensors.size(); ++i) {
+    // The handle as it is: GetXlaData() would throw on a placeholder whose
+    // execution is still in flight; it is waited for, within the deadline.
+    torch::lazy::BackendDataPtr handle = xtensors[i]->CurrentDataHandle();
     runtime::ComputationClient::DataPtr data =
-        UnwrapXlaData(xtensors[i]->GetXlaData());
+        UnwrapXlaData(handle != nullptr ? handle : xtensors[i]->GetXlaData());
     if (!WaitForData(data, deadline)) {
       return Expired("waiting for", Describe(tensors[i], i, tensors.size()), 0,
                      timeout_s);

@@ -43,15 +43,17 @@ namespace {
   throw py::error_already_set();
 }
 
-runtime::PjRtComputationClient& PjRtClient() {
+// Call without the GIL: the first call creates the client, which can start
+// multi-host coordination and wait for the other hosts.
+absl::StatusOr<runtime::PjRtComputationClient*> PjRtClient() {
   absl::StatusOr<runtime::ComputationClient*> client =
       runtime::GetComputationClient();
-  if (!client.ok()) Raise(client.status());
+  if (!client.ok()) return client.status();
   auto* pjrt = dynamic_cast<runtime::PjRtComputationClient*>(*client);
   if (pjrt == nullptr) {
-    Raise(absl::UnimplementedError("xlakit bindings need the PJRT client"));
+    return absl::UnimplementedError("xlakit bindings need the PJRT client");
   }
-  return *pjrt;
+  return pjrt;
 }
 
 }  // namespace
@@ -60,13 +62,16 @@ void AddXlakitBindings(py::module& m) {
   m.def(
       "_xla_runtime_memory_info",
       [](const std::string& device) {
-        // Raise() needs the GIL: fetch the client before releasing it.
-        runtime::PjRtComputationClient& client = PjRtClient();
         absl::StatusOr<runtime::xlakit::RuntimeMemoryInfo> info;
         {
+          // The client too is fetched without the GIL; Raise() needs it, so
+          // errors are raised once it is held again.
           py::gil_scoped_release nogil;
-          info =
-              runtime::xlakit::PjRtAccess::GetRuntimeMemoryInfo(client, device);
+          absl::StatusOr<runtime::PjRtComputationClient*> client = PjRtClient();
+          info = client.ok() ? runtime::xlakit::PjRtAccess::GetRuntimeMemoryInfo(
+                                   **client, device)
+                             : absl::StatusOr<runtime::xlakit::RuntimeMemoryInfo>(
+                                   client.status());
         }
         if (!info.ok()) Raise(info.status());
         py::dict d;

@@ -201,6 +201,9 @@ bool WriteKeyedEntries(const std::string& dir, xla::PjRtClient& client,
   if (!inner.ok()) return false;
   XLAKIT_CHECK(Write(dir, "tampered",
                      tagged->substr(0, ::xlakit::kAuthPrefixBytes) + *inner));
+  ::xlakit::RefusedEntryMac refused(::xlakit::CacheKeyProblem("short"));
+  auto none = EncodeExecutableEntry(exe, self, &refused);
+  XLAKIT_CHECK_MSG(absl::IsFailedPrecondition(none.status()), none.status());
   std::cout << "process 1: with " << ::xlakit::kCacheKeyEnv << ": tagged entry "
             << tagged->size() << " bytes, tampered and other-key entries\n";
   return true;
@@ -323,6 +326,18 @@ void LoadKeyedEntries(const std::string& dir, xla::PjRtClient& client,
   int misses = ExpectMisses(client, dir, self, /*keyed=*/true, refusals);
   std::cout << "process 2: keyed, " << misses << " of " << refusals.size()
             << " entries without a valid tag counted as misses\n";
+
+  // A job whose key is too short loads nothing (its own tagged entry neither)
+  // and keeps every entry for the jobs that can use it; it writes none.
+  ::xlakit::RefusedEntryMac refused(::xlakit::CacheKeyProblem("short"));
+  for (const char* name : {"good", "tagged"}) {
+    LoadedEntry r = LoadExecutableEntry(client, Read(dir + "/" + name), self,
+                                        &refused);
+    XLAKIT_CHECK_MSG(r.executable == nullptr && r.reason == "key_refused" &&
+                         r.fate == ::xlakit::EntryFate::kKeep,
+                     name << ": " << r.reason << " " << r.detail);
+  }
+  std::cout << "process 2: a refused key loads nothing and keeps every entry\n";
 }
 
 int LoadEntries(const std::string& dir) {

@@ -1,7 +1,8 @@
 // Pure-function tests of xlakit's runtime C++ against real XLA types: the
 // sharded-assembly plan over real OpSharding protos, allocator-stat sums,
 // the fate of refused cache entries, envelope identity checks, the atomic
-// writer's temporary names and file modes, and the runtime's entry MAC.
+// writer's temporary names and file modes, reading and removing entry files,
+// and the runtime's entry MAC, key refusal and key id.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -317,37 +319,157 @@ void AtomicWriteModesIgnoreTheUmask(const std::string& dir) {
   }
 }
 
-// The runtime's MAC (core/entry_mac_openssl.h) over the BoringSSL this
-// binary links: RFC 4231 test case 2, with the key from the environment.
-void EntryMacIsHmacSha256FromTheEnvironment() {
-  const char* saved = std::getenv(::xlakit::kCacheKeyEnv);
-  std::string kept = saved ? saved : "";
-  ::unsetenv(::xlakit::kCacheKeyEnv);
-  XLAKIT_CHECK(::xlakit::NewEntryMacFromEnv() == nullptr);
-  ::setenv(::xlakit::kCacheKeyEnv, "", 1);
-  XLAKIT_CHECK(::xlakit::NewEntryMacFromEnv() == nullptr);
-  ::setenv(::xlakit::kCacheKeyEnv, "Jefe", 1);
-  std::unique_ptr<::xlakit::EntryMac> mac = ::xlakit::NewEntryMacFromEnv();
-  XLAKIT_CHECK(mac != nullptr);
-  if (mac != nullptr) {
-    mac->Update("what do ya want ");
-    mac->Update("for nothing?");
-    std::string tag = mac->Tag();
-    std::string hex;
-    for (unsigned char c : tag) {
-      hex += "0123456789abcdef"[c >> 4];
-      hex += "0123456789abcdef"[c & 15];
+// Sets kCacheKeyEnv for one scope (unset with nullptr), then puts it back.
+class KeyEnv {
+ public:
+  explicit KeyEnv(const char* value) {
+    const char* saved = std::getenv(::xlakit::kCacheKeyEnv);
+    had_ = saved != nullptr;
+    if (had_) saved_ = saved;
+    if (value == nullptr) {
+      ::unsetenv(::xlakit::kCacheKeyEnv);
+    } else {
+      ::setenv(::xlakit::kCacheKeyEnv, value, 1);
     }
+  }
+  ~KeyEnv() {
+    if (had_) {
+      ::setenv(::xlakit::kCacheKeyEnv, saved_.c_str(), 1);
+    } else {
+      ::unsetenv(::xlakit::kCacheKeyEnv);
+    }
+  }
+
+ private:
+  bool had_ = false;
+  std::string saved_;
+};
+
+std::string Hex(const std::string& bytes) {
+  std::string hex;
+  for (unsigned char c : bytes) {
+    hex += "0123456789abcdef"[c >> 4];
+    hex += "0123456789abcdef"[c & 15];
+  }
+  return hex;
+}
+
+// The runtime's MAC (core/entry_mac_openssl.h) over the BoringSSL this
+// binary links: RFC 4231 test case 6, with the key from the environment.
+void EntryMacIsHmacSha256FromTheEnvironment() {
+  {
+    KeyEnv unset(nullptr);
+    XLAKIT_CHECK(::xlakit::NewEntryMacFromEnv() == nullptr);
+  }
+  {
+    KeyEnv empty("");
+    XLAKIT_CHECK(::xlakit::NewEntryMacFromEnv() == nullptr);
+  }
+  KeyEnv rfc(std::string(131, '\xaa').c_str());
+  std::unique_ptr<::xlakit::EntryMac> mac = ::xlakit::NewEntryMacFromEnv();
+  XLAKIT_CHECK(mac != nullptr && mac->Refusal().empty());
+  if (mac != nullptr) {
+    mac->Update("Test Using Larger Than Block-Size ");
+    mac->Update("Key - Hash Key First");
+    std::string hex = Hex(mac->Tag());
     XLAKIT_CHECK_MSG(hex ==
-                         "5bdcc146bf60754e6a042426089575c7"
-                         "5a003f089d2739839dec58b964ec3843",
+                         "60e431591ee0b67f0d8a26aacbf5b77f"
+                         "8e0bc6213728c5140546040f0ee37f54",
                      hex);
   }
-  if (saved != nullptr) {
-    ::setenv(::xlakit::kCacheKeyEnv, kept.c_str(), 1);
-  } else {
-    ::unsetenv(::xlakit::kCacheKeyEnv);
+}
+
+// Regression: Python refused a key shorter than 32 bytes, the runtime took
+// any non-empty one and wrote and loaded entries under it.
+void AShortKeyIsRefusedByTheRuntime() {
+  XLAKIT_CHECK(::xlakit::CacheKeyProblem(std::string(31, 'k')).find(
+                   "holds 31 bytes, expected a secret of at least 32") !=
+               std::string::npos);
+  XLAKIT_CHECK(::xlakit::CacheKeyProblem(std::string(32, 'k')).empty());
+  XLAKIT_CHECK(::xlakit::CacheKeyProblem("").empty());
+  KeyEnv jefe("Jefe");
+  std::unique_ptr<::xlakit::EntryMac> mac = ::xlakit::NewEntryMacFromEnv();
+  XLAKIT_CHECK(mac != nullptr);
+  if (mac == nullptr) return;
+  XLAKIT_CHECK_MSG(mac->Refusal().find("holds 4 bytes") != std::string::npos,
+                   mac->Refusal());
+  XLAKIT_CHECK(mac->Refusal().find("Jefe") == std::string::npos);
+  ::xlakit::EntryHeader h;
+  h.platform_name = "cpu";
+  std::string plain = ::xlakit::EncodeEntry(h, "payload");
+  // Nothing loads under it, a plain entry included, and nothing is written.
+  XLAKIT_CHECK(::xlakit::VerifyCacheEntry(plain, nullptr, mac.get()).status ==
+               ::xlakit::EntryStatus::kKeyRefused);
+  XLAKIT_CHECK(::xlakit::EncodeAuthenticatedEntry(h, "payload", *mac).empty());
+  XLAKIT_CHECK(::xlakit::JobKeyId(std::move(mac)) == "refused");
+}
+
+// Regression: keyed and unkeyed jobs (or two keys) computed the same cache
+// keys, met each other's entries in a shared folder and erased them.
+void TheKeysIdSaltsTheCacheKey() {
+  ::xlakit::RuntimeIdentity self{"cpu", "v", "s", ""};
+  std::string plain = ::xlakit::CacheKeyMaterial(self);
+  XLAKIT_CHECK(::xlakit::CacheKeyMaterial(self, "") == plain);
+  XLAKIT_CHECK(::xlakit::JobKeyId(nullptr).empty());
+  KeyEnv key("xlakit-cxx-check-test-key-0123456789abcdef");
+  std::string id = ::xlakit::JobKeyId(::xlakit::NewEntryMacFromEnv());
+  // Python's compile_cache.key_id: hmac(key, "xlakit-cache-key-id")[:16].
+  XLAKIT_CHECK_MSG(id == "7878d9d8b80aecd2", id);
+  XLAKIT_CHECK(::xlakit::CacheKeyMaterial(self, id) != plain);
+  XLAKIT_CHECK(::xlakit::CacheKeyMaterial(self, id) !=
+               ::xlakit::CacheKeyMaterial(self, "refused"));
+}
+
+// Regression: Get read an entry through an unchecked ifstream (a read error
+// looked like a truncated entry, which was erased) and erased refused entries
+// with the throwing std::filesystem::remove (an entry the job may not delete
+// failed the step). The cache's hooks use these instead, which report.
+void EntryFilesAreReadAndRemovedWithoutThrowing(const std::string& dir) {
+  std::string data = "stale";
+  std::string error = ::xlakit::ReadWholeFile(dir, &data);  // a folder: EISDIR
+  XLAKIT_CHECK_MSG(!error.empty() && data.empty(), error);
+  std::string file = dir + "/entry-read";
+  XLAKIT_CHECK(::xlakit::WriteFileAtomic(file, std::string(100000, 'e')).empty());
+  XLAKIT_CHECK(::xlakit::ReadWholeFile(file, &data).empty());
+  XLAKIT_CHECK(data == std::string(100000, 'e'));
+  std::string link = dir + "/entry-link";
+  XLAKIT_CHECK(::symlink(file.c_str(), link.c_str()) == 0);
+  XLAKIT_CHECK(!::xlakit::ReadWholeFile(link, &data).empty());  // never followed
+  // A "refused entry" the job cannot remove: a non-empty folder at its name.
+  std::string stuck = dir + "/entry-stuck";
+  XLAKIT_CHECK(::mkdir(stuck.c_str(), 0700) == 0);
+  XLAKIT_CHECK(::xlakit::WriteFileAtomic(stuck + "/x", "x").empty());
+  error = ::xlakit::RemoveFile(stuck);
+  XLAKIT_CHECK_MSG(error.find("cannot remove") != std::string::npos, error);
+  XLAKIT_CHECK(::xlakit::RemoveFile(dir + "/no-such-entry").empty());
+  XLAKIT_CHECK(::xlakit::RemoveFile(file).empty());
+  XLAKIT_CHECK(::access(file.c_str(), F_OK) != 0);
+}
+
+// Regression: a tile assignment with a zero, negative or huge dimension sized
+// vectors with a negative count (std::length_error) or divided by zero.
+void TileDimensionsMustBePositive() {
+  for (std::vector<int64_t> tiles :
+       {std::vector<int64_t>{0, 2}, std::vector<int64_t>{2, -1},
+        std::vector<int64_t>{int64_t{1} << 40, int64_t{1} << 40}}) {
+    auto plan = PlanShardAssembly(Tiled(tiles, {0, 1}), std::vector<int64_t>{4, 4},
+                                  Shards({0, 1}, {2, 4}));
+    XLAKIT_CHECK_MSG(absl::IsInvalidArgument(plan.status()), plan.status());
   }
+  xla::OpSharding iota;
+  iota.set_type(xla::OpSharding::OTHER);
+  for (int64_t t : {2, 2}) iota.add_tile_assignment_dimensions(t);
+  for (int64_t r : {4, 0}) iota.add_iota_reshape_dims(r);
+  auto devices = torch_xla::runtime::xlakit::TileAssignmentDevices(iota);
+  XLAKIT_CHECK_MSG(absl::IsInvalidArgument(devices.status()), devices.status());
+  auto negative = PlanShardAssembly(Tiled({2}, {0, 1}), std::vector<int64_t>{-4},
+                                    Shards({0, 1}, {2}));
+  XLAKIT_CHECK(absl::IsInvalidArgument(negative.status()));
+  // Two negative dimensions pass the device count (their product is 2); an
+  // empty tensor passes the cover check; then -2 tiles sized a vector.
+  auto thrown = PlanShardAssembly(Tiled({-2, -1}, {0, 1}, true),
+                                  std::vector<int64_t>{0}, Shards({0, 1}, {0}));
+  XLAKIT_CHECK_MSG(absl::IsInvalidArgument(thrown.status()), thrown.status());
 }
 
 }  // namespace
@@ -368,6 +490,10 @@ int RunUnits(const std::string& dir) {
   TempNamesAreReadBackByTheirTarget();
   AtomicWriteModesIgnoreTheUmask(dir);
   EntryMacIsHmacSha256FromTheEnvironment();
+  AShortKeyIsRefusedByTheRuntime();
+  TheKeysIdSaltsTheCacheKey();
+  EntryFilesAreReadAndRemovedWithoutThrowing(dir);
+  TileDimensionsMustBePositive();
   std::cout << "units: " << (Failures() ? "FAILED" : "ok") << " (" << Failures()
             << " failed checks)\n";
   return Failures() ? 1 : 0;

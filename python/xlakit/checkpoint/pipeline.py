@@ -82,7 +82,7 @@ def device_batches(op: Operation, plan: Plan, opts: SaveOptions) -> Iterator[
     groups = stage_groups(plan.storages, opts)
     for group, backend in groups:
         op.enter("sync")
-        backend.prepare([e.tensor for e in group])
+        backend.prepare(transfer.TensorsOf(group))
     for group, backend in groups:
         for batch in transfer.batches(group, opts.max_inflight_bytes):
             op.enter("transfer", batch[0].path)

@@ -64,6 +64,22 @@ class CpuTransfer(HostTransfer):
         return [e.storage if e.storage is not None else e.tensor.detach().contiguous() for e in entries]
 
 
+class TensorsOf(Sequence):
+    """The entries' tensors, each made when asked for: a CPU storage's uint8 view costs
+    microseconds, and the CPU backend never asks (with 100,000 storages, that adds up)."""
+
+    def __init__(self, entries: Sequence[StorageEntry]):
+        self._entries = entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [e.tensor for e in self._entries[i]]
+        return self._entries[i].tensor
+
+
 def copy_to_host(t: torch.Tensor) -> torch.Tensor:
     """Copy a contiguous device tensor into a new host tensor, never cloning it on its device."""
     host = torch.empty(t.shape, dtype=t.dtype, device="cpu")

@@ -2,15 +2,16 @@
 #include "atomic_file.h"
 
 #include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <random>
 
 namespace xlakit {
 namespace {
@@ -52,10 +53,20 @@ std::string HostPart() {
 }
 
 std::string RandomHex() {
-  // From the OS on every call (getrandom): cache writes are rare, and a
-  // per-process stream would need a lock.
-  std::random_device rd;
-  uint64_t bits = (static_cast<uint64_t>(rd()) << 32) | rd();
+  // From the OS on every call: cache writes are rare, and a per-process
+  // stream would need a lock. getrandom(2) itself, not std::random_device,
+  // which can throw, and in a static libstdc++ needs glibc 2.36
+  // (arc4random): the PJRT wrapper must load on older hosts. Should the
+  // kernel not answer, time, pid and a counter still keep writers apart
+  // together with the host and pid in the name.
+  uint64_t bits = 0;
+  if (getrandom(&bits, sizeof(bits), 0) != static_cast<ssize_t>(sizeof(bits))) {
+    static std::atomic<uint64_t> fallback{0};
+    bits = static_cast<uint64_t>(std::chrono::steady_clock::now()
+                                     .time_since_epoch()
+                                     .count()) ^
+           (static_cast<uint64_t>(::getpid()) << 40) ^ fallback.fetch_add(1);
+  }
   char buf[kRandomHexDigits + 1];
   std::snprintf(buf, sizeof(buf), "%016llx",
                 static_cast<unsigned long long>(bits));

@@ -1,7 +1,8 @@
 """Test configuration: run XLA on the CPU PJRT client, skip hardware we lack.
 
 Markers (declared in pyproject.toml): `xla` needs torch_xla, `cuda` a CUDA
-device, `build` an upstream torch_xla source in XLAKIT_TORCH_XLA_GIT.
+device, `build` an upstream torch_xla source in XLAKIT_TORCH_XLA_GIT, `pjrt`
+jax and the PJRT CPU plugins from PyPI.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def pytest_collection_modifyitems(config, items):
         reasons["xla"] = "torch_xla is not installed (run `make setup`)"
     if "cuda" in {m for item in items for m in item.keywords} and not _has_cuda():
         reasons["cuda"] = "no CUDA device on this machine"
+    missing = [m for m in ("jax", "lammps_jax_pjrt_cpu", "xla_plugins") if importlib.util.find_spec(m) is None]
+    if missing:
+        reasons["pjrt"] = f"{', '.join(missing)} not installed (run `make setup`)"
     if not os.environ.get("XLAKIT_TORCH_XLA_GIT"):
         reasons["build"] = "set XLAKIT_TORCH_XLA_GIT to a torch_xla git URL or local mirror"
     for item in items:

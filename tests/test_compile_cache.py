@@ -82,7 +82,7 @@ def test_enable_places_entries_in_a_keyed_subfolder_of_a_fresh_process(tmp_path)
     assert json.loads((where / compile_cache.KEY_FILE).read_text())["patch_set"] == "stock"
     assert [p for p in where.iterdir() if p.name != compile_cache.KEY_FILE], "no cache entry was written"
     assert out["stats"] == {"path": str(where), "readonly": False, "hits": 0, "misses": 1,
-                            "deserialize_failures": 0}
+                            "deserialize_failures": 0, "via": "torch_xla"}
     assert "install the xlakit wheels" in run.stderr  # stock builds are told their cache will not load
 
 

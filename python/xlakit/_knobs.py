@@ -10,6 +10,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from xlakit import _C
+
 MiB = 1 << 20
 
 SAVE_TIMEOUT_S = "XLAKIT_SAVE_TIMEOUT_S"
@@ -20,8 +22,14 @@ TRANSFER_BACKEND = "XLAKIT_TRANSFER_BACKEND"
 PROFILE = "XLAKIT_PROFILE"  # VERSIONS.toml profile the manifest checks against
 PREEMPTION_GRACE_S = "XLAKIT_PREEMPTION_GRACE_S"  # CheckpointManager: SIGTERM to the last moment to save
 DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
-# Accept a persistent cache folder a group you belong to can write (see cache_trust).
-CACHE_TRUST_SHARED = "XLAKIT_CACHE_TRUST_SHARED"
+# Accept a persistent cache folder a group you belong to can write (see cache_trust); the PJRT
+# wrapping plugin reads it too, so its name comes from the C++ (csrc/pjrt_wrap/env.h).
+CACHE_TRUST_SHARED = _C.CACHE_TRUST_SHARED_ENV
+# The PJRT wrapping plugin (csrc/pjrt_wrap/env.h): the real plugin it loads, its cache folder, and
+# whether it only reads entries.
+PJRT_PLUGIN = _C.PJRT_PLUGIN_ENV
+PJRT_CACHE_DIR = _C.PJRT_CACHE_DIR_ENV
+PJRT_CACHE_READ_ONLY = _C.PJRT_CACHE_READ_ONLY_ENV
 # The job's secret for authenticated cache entries; the C++ runtime reads the same variable
 # (kCacheKeyEnv in csrc/core/envelope.h). Never logged.
 CACHE_KEY = "XLAKIT_CACHE_KEY"

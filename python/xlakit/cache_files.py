@@ -39,8 +39,10 @@ from xlakit.compile_cache import KEY_FILE
 from xlakit.errors import XlakitError
 
 # torch_xla's PersistentCache names a file `ss << key` (torch_xla/csrc/runtime/cache.h), the key being a
-# torch::lazy::hash_t, a 128-bit integer that an ostream writes in decimal.
+# torch::lazy::hash_t, a 128-bit integer that an ostream writes in decimal; xlakit's PJRT wrapper names
+# its entries by a SHA-256 in hex (csrc/pjrt_wrap/compile_cache.h).
 _ENTRY_NAME = re.compile(r"[0-9]{1,39}")
+_WRAPPER_ENTRY_NAME = re.compile(r"[0-9a-f]{64}")
 # A temporary file younger than this may still be written to; a killed writer's is older.
 TEMP_MIN_AGE_S = 15 * 60
 _MAGICS = (_C.ENVELOPE_MAGIC, _C.AUTH_MAGIC)
@@ -73,6 +75,8 @@ class EntryReport:
 
 
 def _is_entry_name(name: str) -> bool:
+    if _WRAPPER_ENTRY_NAME.fullmatch(name):
+        return True
     return _ENTRY_NAME.fullmatch(name) is not None and int(name) < 1 << 128
 
 
@@ -105,7 +109,8 @@ def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str,
                           f"it may still be written (kept until it is {TEMP_MIN_AGE_S} s old)")
         return _plain(name, st, TEMPORARY, "left by a writer that did not finish (killed)")
     if not _is_entry_name(name):
-        return _plain(name, st, OTHER, "not a cache file (torch_xla names entries by a decimal hash); left alone")
+        return _plain(name, st, OTHER, "not a cache file (torch_xla names entries by a decimal hash, xlakit's PJRT "
+                      "wrapper by a SHA-256 in hex); left alone")
     try:
         deep = full or identity or key
         with open(path, "rb") as f:

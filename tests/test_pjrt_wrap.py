@@ -1,0 +1,288 @@
+"""xlakit's PJRT wrapping plugin on real PJRT C API plugins, in fresh processes.
+
+Every hit/miss test runs a real framework on a real plugin from PyPI (no fake
+plugin): jax 0.10 on lammps-jax-pjrt-cpu (XLA's CPU plugin, C API 0.115) and
+stock torch_xla 2.9 on OpenXLA's xla-cpu-pjrt (C API 0.81). A first process
+compiles and writes entries; a second one must load them without compiling,
+with results bit-exact. The one fake is a plugin of another major C API
+version, which no registry ships.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests import pjrt_job
+from xlakit import _C, _pins, cache_files, pjrt_wrap
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = Path(pjrt_job.__file__)
+XLA_CPU_PLUGIN = pjrt_job.xla_cpu_plugin() if importlib.util.find_spec("xla_plugins") else ""
+KEY1, KEY2 = "k" * 40, "q" * 40
+
+pytestmark = [pytest.mark.pjrt, pytest.mark.slow]
+
+
+def job(framework: str, env: dict[str, str] | None = None, *args: str, ok: bool = True,
+        preexec=None) -> dict:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("XLAKIT_")}
+    base.update(PYTHONPATH=str(ROOT), **(env or {}))
+    run = subprocess.run([sys.executable, str(JOB), framework, *args], env=base, capture_output=True, text=True,
+                         timeout=240, preexec_fn=preexec)
+    if not ok:
+        assert run.returncode != 0, run.stdout
+        return {"stderr": run.stderr}
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out["stderr"] = run.stderr
+    return out
+
+
+def cache_env(folder: Path, **extra: str) -> dict[str, str]:
+    return {"XLAKIT_PJRT_CACHE_DIR": str(folder), **extra}
+
+
+def entries(folder: Path) -> dict[str, bytes]:
+    """The wrapper's entries by name, in the order they were written."""
+    found = sorted((p for p in folder.iterdir() if len(p.name) == 64), key=lambda p: p.stat().st_mtime_ns)
+    return {p.name: p.read_bytes() for p in found}
+
+
+def payload(entry: bytes) -> bytes:
+    """The serialized executable inside an entry (plain or authenticated)."""
+    info = _C.verify_entry(entry)
+    return entry[len(entry) - info["payload_length"]:]
+
+
+def plain(entry: bytes) -> bytes:
+    """The plain entry inside an authenticated one: its tag dropped."""
+    return entry[4 + 2 + 32:] if entry.startswith(_C.AUTH_MAGIC) else entry
+
+
+def reencode(entry: bytes, new_payload: bytes, **override: str) -> bytes:
+    info = _C.verify_entry(entry)
+    fields = {k: info[k] or "" for k in ("platform_name", "platform_version", "torch_xla_revision",
+                                         "patch_series_id")}
+    fields.update(override)
+    return _C.encode_entry(new_payload, kind="executable", **fields)
+
+
+def test_jax_restart_hits_bit_exact_and_counted(tmp_path):
+    folder = tmp_path / "cache"
+    first = job("jax", cache_env(folder))
+    c1 = first["status"]["counts"]
+    assert first["status"]["active"] and first["status"]["plugin_api"] == "0.115"
+    assert c1["compiles"] >= 2 and c1["misses"] == c1["compiles"] == c1["writes"] and c1["hits"] == 0
+    assert f"compile cache {folder} (owner-only)" in first["stderr"]
+    written = entries(folder)
+    assert len(written) == c1["writes"]
+    assert {oct(p.stat().st_mode & 0o777) for p in folder.iterdir()} == {"0o600"}
+
+    second = job("jax", cache_env(folder))
+    c2 = second["status"]["counts"]
+    assert c2["hits"] == c2["compiles"] == c1["compiles"]  # the real compile was never called
+    assert c2["misses"] == c2["writes"] == 0 and c2["compile_s"] == 0 and c2["load_s"] > 0
+    assert second["results"] == first["results"]
+    assert entries(folder) == written
+
+    # The cache tools read the wrapper's entries as the runtime does.
+    reports = cache_files.scan(folder, full=True)
+    assert [r.status for r in reports] == ["ok"] * len(written)
+    assert {(r.platform_name, r.patch_series_id) for r in reports} == {("cpu", "pjrt-wrap/1")}
+
+
+def test_bad_entries_are_counted_misses_and_the_job_computes_right(tmp_path):
+    folder = tmp_path / "cache"
+    first = job("jax", cache_env(folder))
+    names = sorted(entries(folder))
+    assert len(names) >= 4
+    corrupt, truncated, other_platform, foreign = names[:4]
+    data = (folder / corrupt).read_bytes()
+    (folder / corrupt).write_bytes(data[:-10] + bytes([data[-10] ^ 1]) + data[-9:])
+    data = (folder / truncated).read_bytes()
+    (folder / truncated).write_bytes(data[: len(data) // 2])
+    data = (folder / other_platform).read_bytes()
+    (folder / other_platform).write_bytes(reencode(data, payload(data), platform_name="tpu"))
+    (folder / foreign).write_bytes(b"not an entry at all")
+
+    second = job("jax", cache_env(folder))
+    refused = second["status"]["refused_entries"]
+    assert refused == {"checksum_mismatch": 1, "truncated": 1, "platform_mismatch": 1, "bad_magic": 1}
+    c = second["status"]["counts"]
+    assert c["misses"] == 4 and c["hits"] == c["compiles"] - 4 and c["writes"] == 4
+    assert second["results"] == first["results"]
+    # Each refused entry was replaced by the new compile's; a third process hits everything.
+    third = job("jax", cache_env(folder))
+    assert third["status"]["counts"]["hits"] == third["status"]["counts"]["compiles"]
+
+
+def test_keyed_entries_refuse_tampering_other_keys_and_untagged(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    first = job("jax", cache_env(a, XLAKIT_CACHE_KEY=KEY1))
+    assert first["status"]["cache"]["authenticated"]
+    signed = entries(a)
+    assert all(e.startswith(_C.AUTH_MAGIC) for e in signed.values())
+    # Another key: other names, so the two jobs never use or replace each other's entries.
+    other = job("jax", cache_env(b, XLAKIT_CACHE_KEY=KEY2))
+    assert other["results"] == first["results"] and not set(entries(b)) & set(signed)
+    # Key-1 entries planted under the names a key-2 job looks up (both jobs compile the same programs in
+    # the same order; serialized executables differ between processes, so the order pairs them): refused.
+    c.mkdir(mode=0o700)
+    for name, entry in zip(entries(b), signed.values(), strict=True):
+        (c / name).write_bytes(entry)
+        (c / name).chmod(0o600)
+    planted = job("jax", cache_env(c, XLAKIT_CACHE_KEY=KEY2))
+    assert planted["status"]["refused_entries"] == {"bad_tag": len(signed)}
+    assert planted["results"] == first["results"]
+
+    # Tampered: another real executable under the old tag, the inner checksum recomputed
+    # (a job without the key would load it); untagged: a plain entry in a keyed job's folder.
+    (tampered, victim), untagged = sorted(signed)[:2], sorted(signed)[2]
+    donor = signed[victim]
+    forged = signed[tampered][:4 + 2 + 32] + reencode(plain(signed[tampered]), payload(donor))
+    (a / tampered).write_bytes(forged)
+    assert _C.verify_entry(plain(forged))["status"] == "ok"
+    (a / untagged).write_bytes(plain(signed[untagged]))
+    again = job("jax", cache_env(a, XLAKIT_CACHE_KEY=KEY1))
+    assert again["status"]["refused_entries"] == {"bad_tag": 1, "unauthenticated": 1}
+    assert again["status"]["counts"]["hits"] == len(signed) - 2
+    assert again["results"] == first["results"]
+
+
+def test_a_changed_program_misses_and_read_only_writes_nothing(tmp_path):
+    folder = tmp_path / "cache"
+    job("jax", cache_env(folder))
+    before = entries(folder)
+    changed = job("jax", cache_env(folder, XLAKIT_PJRT_CACHE_READ_ONLY="1"), "--variant", "1")
+    c = changed["status"]["counts"]
+    assert c["misses"] >= 1 and c["hits"] >= 1 and c["writes"] == 0  # the step changed, the sum did not
+    assert entries(folder) == before
+    reference = job("jax", {}, "--variant", "1")  # no cache at all
+    assert reference["status"]["counts"]["bypassed"] == reference["status"]["counts"]["compiles"]
+    assert changed["results"] == reference["results"]
+
+
+def test_a_folder_others_can_write_is_refused(tmp_path):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o770)
+    out = job("jax", cache_env(folder))
+    cache = out["status"]["cache"]
+    assert not cache["on"] and cache["folder"] == "untrusted"
+    assert "writable by group" in cache["why_off"] and "chmod g-w" in cache["why_off"]
+    assert out["status"]["counts"]["bypassed"] == out["status"]["counts"]["compiles"]
+    assert not list(folder.iterdir())
+    # The same rule, and the same words, as enable_persistent_cache (one implementation).
+    with pytest.raises(Exception, match="writable by group"):
+        from xlakit import compile_cache
+
+        compile_cache._trusted(folder, trust_shared=False)
+
+
+def test_a_full_disk_is_a_counted_write_failure(tmp_path):
+    import resource
+    import signal
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # stays ignored across exec: writes fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    folder = tmp_path / "cache"
+    out = job("jax", cache_env(folder), preexec=small_files)
+    c = out["status"]["counts"]
+    assert c["write_failures"] >= 1 and c["writes"] + c["write_failures"] == c["misses"]
+    assert "cannot write cache entry" in out["stderr"]
+    assert all(p.stat().st_size <= 4096 for p in folder.iterdir())  # no temporary left
+    assert not [p for p in folder.iterdir() if p.name.startswith(_C.TEMP_PREFIX)]
+    assert out["results"] == job("jax", {})["results"]
+
+
+def _fake_plugin(tmp_path: Path, major: int) -> Path:
+    # A stand-in for a plugin of another C API major version (none is published): only its version is read.
+    src = tmp_path / "fake.c"
+    src.write_text(textwrap.dedent(f"""
+        #include <stddef.h>
+        struct version {{ size_t struct_size; void* ext; int major; int minor; }};
+        struct api {{ size_t struct_size; void* ext; struct version v; void* fns[200]; }};
+        static struct api a = {{sizeof(struct api), 0, {{sizeof(struct version), 0, {major}, 3}}, {{0}}}};
+        const struct api* GetPjrtApi(void) {{ return &a; }}
+    """))
+    lib = tmp_path / "libfake_pjrt.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return lib
+
+
+def test_a_plugin_of_another_major_version_or_none_is_refused_with_the_reason(tmp_path):
+    fake = _fake_plugin(tmp_path, major=1)
+    out = job("jax", {"XLAKIT_PJRT_PLUGIN": str(fake)}, ok=False)
+    assert "implements PJRT C API 1.3, and this wrapper was built for 0.80" in out["stderr"]
+    missing = job("jax", {"XLAKIT_PJRT_PLUGIN": str(tmp_path / "nowhere.so")}, ok=False)
+    assert "cannot load the real plugin" in missing["stderr"] and "XLAKIT_PJRT_PLUGIN" in missing["stderr"]
+
+
+def test_torch_xla_restart_hits_through_enable_persistent_cache(tmp_path):
+    root = tmp_path / "cache"
+    first = job("torch_xla", {}, "--enable", str(root))
+    folder = root / "pjrt-xlacpu"
+    s1 = first["status"]
+    assert s1["active"] and s1["plugin_api"] == "0.81" and s1["cache"]["dir"] == str(folder)
+    c1 = s1["counts"]
+    assert c1["misses"] == c1["compiles"] == c1["writes"] >= 2
+    # Stock torch_xla 2.9 passes an 80-byte PJRT_ExecuteOptions, which this plugin refuses; the wrapper pads it.
+    assert c1["execute_options_padded"] >= 1
+    assert first["cache_stats"]["via"] == "pjrt-wrap" and first["cache_stats"]["misses"] == c1["misses"]
+
+    second = job("torch_xla", {}, "--enable", str(root))
+    c2 = second["status"]["counts"]
+    assert c2["hits"] == c2["compiles"] == c1["compiles"] and c2["misses"] == 0
+    assert second["results"] == first["results"]
+    assert second["cache_stats"]["hits"] == c2["hits"]
+
+    # The same entries serve a job that turns the wrapper on through the environment alone.
+    env_only = job("torch_xla", {"XLAKIT_TEST_REAL_PLUGIN": str(pjrt_wrap.library_path()),
+                                 "XLAKIT_PJRT_PLUGIN": XLA_CPU_PLUGIN,
+                                 "XLAKIT_PJRT_CACHE_DIR": str(folder)})
+    assert env_only["status"]["counts"]["hits"] == c1["compiles"]
+    assert env_only["results"] == first["results"]
+
+
+def test_torch_xla_refuses_an_untrusted_folder_before_the_runtime_starts(tmp_path):
+    folder = tmp_path / "open"
+    folder.mkdir()
+    folder.chmod(0o777)
+    out = job("torch_xla", {}, "--enable", str(folder), ok=False)
+    assert "CacheFolderTrustError" in out["stderr"] and "writable by every user" in out["stderr"]
+
+
+def test_status_without_a_runtime_and_the_library_it_reports():
+    s = pjrt_wrap.status()
+    pin = _pins.load()["pjrt_wrap"]["header"]["api_version"]
+    assert s["built"] and not s["loaded"] and not s["active"] and s["built_api"] == pin
+    out = subprocess.run([sys.executable, "-m", "xlakit", "pjrt", "path"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == str(pjrt_wrap.library_path())
+
+
+def test_the_library_exports_two_symbols_and_loads_on_glibc_2_34():
+    # TPU VM images are Ubuntu 22.04 (glibc 2.35): a newer symbol version would not load there.
+    lib = str(pjrt_wrap.library_path())
+    exported = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True, check=True)
+    assert sorted(line.split()[-1] for line in exported.stdout.splitlines()) == [
+        "GetPjrtApi", "xlakit_pjrt_wrap_status"]
+    needed = subprocess.run(["objdump", "-T", lib], capture_output=True, text=True, check=True).stdout
+
+    def newest(prefix: str) -> tuple[int, ...]:
+        import re
+
+        found = {tuple(int(x) for x in v.split(".")) for v in re.findall(prefix + r"_([0-9.]+)\)", needed)}
+        return max(found)
+
+    assert newest("GLIBC") <= (2, 34) and newest("GLIBCXX") <= (3, 4, 21)

@@ -105,7 +105,12 @@ def main() -> None:
 
     out = {"results": [r.hex() for r in results], "status": pjrt_wrap.status()}
     if args.framework == "torch_xla":
+        from xlakit import _manifest, doctor
+
         out["cache_stats"] = compile_cache.cache_stats()
+        m = _manifest.manifest()
+        out["manifest_line"] = _manifest.manifest_line(m)
+        out["doctor"] = doctor.probe_pjrt_wrapper(m["pjrt_wrap"], m["runtime"].get("device_type")).render()
     print(json.dumps(out), flush=True)
     sys.stdout.flush()
 

@@ -112,6 +112,10 @@ def test_bad_entries_are_counted_misses_and_the_job_computes_right(tmp_path):
     data = (folder / other_platform).read_bytes()
     (folder / other_platform).write_bytes(reencode(data, payload(data), platform_name="tpu"))
     (folder / foreign).write_bytes(b"not an entry at all")
+    # `xlakit cache verify` judges them as the wrapper will.
+    verdicts = {r.name: r.status for r in cache_files.scan(folder, full=True)}
+    assert [verdicts[n] for n in (corrupt, truncated, foreign)] == ["checksum_mismatch", "truncated", "foreign"]
+    assert verdicts[other_platform] == "ok"  # without an identity the tool cannot know the platform is wrong
 
     second = job("jax", cache_env(folder))
     refused = second["status"]["refused_entries"]
@@ -245,6 +249,10 @@ def test_torch_xla_restart_hits_through_enable_persistent_cache(tmp_path):
     assert c2["hits"] == c2["compiles"] == c1["compiles"] and c2["misses"] == 0
     assert second["results"] == first["results"]
     assert second["cache_stats"]["hits"] == c2["hits"]
+    # What a run log and `xlakit doctor` say of it.
+    assert f"| pjrt-wrap 0.81 cache {c2['hits']} hits 0 misses" in second["manifest_line"]
+    assert second["doctor"].startswith(f"ok    pjrt wrapper: wrapping {XLA_CPU_PLUGIN} (PJRT C API 0.81; built for 0.80)")
+    assert f"{c2['hits']} hits, 0 misses (0 refused entries)" in second["doctor"]
 
     # The same entries serve a job that turns the wrapper on through the environment alone.
     env_only = job("torch_xla", {"XLAKIT_TEST_REAL_PLUGIN": str(pjrt_wrap.library_path()),
@@ -252,6 +260,86 @@ def test_torch_xla_restart_hits_through_enable_persistent_cache(tmp_path):
                                  "XLAKIT_PJRT_CACHE_DIR": str(folder)})
     assert env_only["status"]["counts"]["hits"] == c1["compiles"]
     assert env_only["results"] == first["results"]
+
+
+def test_the_default_plugin_is_the_libtpu_installed_beside_xlakit(tmp_path):
+    # A site-packages of its own: the wrapper in xlakit/_lib, a real plugin installed as libtpu/libtpu.so.
+    site = tmp_path / "site"
+    (site / "xlakit" / "_lib").mkdir(parents=True)
+    (site / "libtpu").mkdir()
+    wrapper = site / "xlakit" / "_lib" / pjrt_wrap.LIBRARY.name
+    wrapper.write_bytes(pjrt_wrap.LIBRARY.read_bytes())
+    script = textwrap.dedent(f"""
+        import ctypes, json, os
+        lib = ctypes.CDLL({str(wrapper)!r})
+        lib.GetPjrtApi.restype = ctypes.c_void_p
+        lib.GetPjrtApi()
+        lib.xlakit_pjrt_wrap_status.restype = ctypes.c_size_t
+        buf = ctypes.create_string_buffer(1 << 16)
+        lib.xlakit_pjrt_wrap_status(buf, 1 << 16)
+        print(buf.value.decode())
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLAKIT_")}
+
+    def status() -> dict:
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        return {**json.loads(run.stdout), "stderr": run.stderr}
+
+    none = status()
+    assert not none["active"] and "XLAKIT_PJRT_PLUGIN is unset and no libtpu is installed beside xlakit" in \
+        none["refused"]
+    os.symlink(pjrt_job.lammps_plugin(), site / "libtpu" / "libtpu.so")
+    found = status()
+    assert found["active"] and found["plugin"] == str(site / "libtpu" / "libtpu.so")
+    assert found["plugin_from"] == "default: the libtpu installed beside xlakit"
+    assert "compile cache off: no cache folder (XLAKIT_PJRT_CACHE_DIR unset)" in found["stderr"]
+
+
+def test_a_linked_entry_is_refused_and_concurrent_jobs_agree(tmp_path):
+    folder = tmp_path / "cache"
+    runs = [subprocess.Popen([sys.executable, str(JOB), "jax"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**{k: v for k, v in os.environ.items() if not k.startswith("XLAKIT_")},
+                                             "PYTHONPATH": str(ROOT), **cache_env(folder)}) for _ in range(2)]
+    outs = [r.communicate(timeout=240) for r in runs]
+    assert all(r.returncode == 0 for r in runs), [o[1][-2000:] for o in outs]
+    results = [json.loads(o[0].strip().splitlines()[-1])["results"] for o in outs]
+    assert results[0] == results[1]
+    assert all(r.status == "ok" for r in cache_files.scan(folder, full=True))
+    # An entry that is a symbolic link is never followed (O_NOFOLLOW): refused, compiled instead.
+    name, data = next(iter(entries(folder).items()))
+    (tmp_path / "elsewhere").write_bytes(data)
+    (folder / name).unlink()
+    os.symlink(tmp_path / "elsewhere", folder / name)
+    linked = job("jax", cache_env(folder))
+    assert linked["status"]["refused_entries"] == {"unreadable": 1}
+    assert linked["results"] == results[0]
+
+
+def test_enable_on_a_tpu_points_torch_xla_at_the_wrapper(tmp_path):
+    # Only the routing: this host has no TPU, so the runtime is never started.
+    script = textwrap.dedent(f"""
+        import json, os
+        import xlakit
+        where = xlakit.enable_persistent_cache({str(tmp_path / "cache")!r})
+        print(json.dumps({{"where": str(where), **{{k: os.environ.get(k) for k in (
+            "TPU_LIBRARY_PATH", "XLAKIT_PJRT_PLUGIN", "XLAKIT_PJRT_CACHE_DIR", "XLAKIT_PJRT_CACHE_READ_ONLY")}}}}))
+    """)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("XLAKIT_")}, "PYTHONPATH": str(ROOT),
+           "PJRT_DEVICE": "TPU", "TPU_LIBRARY_PATH": pjrt_job.lammps_plugin()}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    where = str((tmp_path / "cache" / "pjrt-tpu").resolve())
+    assert out == {"where": where, "TPU_LIBRARY_PATH": str(pjrt_wrap.library_path()),
+                   "XLAKIT_PJRT_PLUGIN": pjrt_job.lammps_plugin(), "XLAKIT_PJRT_CACHE_DIR": where,
+                   "XLAKIT_PJRT_CACHE_READ_ONLY": "0"}
+    lines = subprocess.run([sys.executable, "-m", "xlakit", "pjrt", "env", where], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert lines.returncode == 0, lines.stderr
+    assert lines.stdout.splitlines() == [f"export TPU_LIBRARY_PATH={pjrt_wrap.library_path()}",
+                                         f"export XLAKIT_PJRT_PLUGIN={pjrt_job.lammps_plugin()}",
+                                         f"export XLAKIT_PJRT_CACHE_DIR={where}"]
 
 
 def test_torch_xla_refuses_an_untrusted_folder_before_the_runtime_starts(tmp_path):

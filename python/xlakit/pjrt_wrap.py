@@ -35,6 +35,7 @@ from xlakit.errors import CacheFolderTrustError, CompileCacheError, RuntimeFeatu
 
 LIBRARY = Path(__file__).resolve().parent / "_lib" / "libxlakit_pjrt_wrap.so"
 _STATUS = "xlakit_pjrt_wrap_status"
+_REGISTRY = "torch_xla's plugin registry"
 
 
 def library_path() -> Path:
@@ -142,16 +143,16 @@ def _wrapped_plugin_class():
 def plugin_of(device_type: str) -> tuple[str | None, str]:
     """The real plugin torch_xla would load for `device_type`, and how it finds it (or why it has none)."""
     device_type = device_type.upper()
+    if device_type == "TPU":  # torch_xla's built-in TPU client and its TpuPlugin both read TPU_LIBRARY_PATH
+        found = _real_tpu_plugin()
+        return found, (_knobs.TPU_LIBRARY_PATH if found else
+                       "no libtpu: pip install libtpu, or set TPU_LIBRARY_PATH to libtpu.so")
     import torch_xla.experimental.plugins as plugins
 
     registered = plugins._plugin_registry.get(device_type)
     if registered is not None and _knobs.get_flag(_knobs.PJRT_DYNAMIC_PLUGINS) and device_type != "CPU":
         inner = getattr(registered, "inner", registered)
-        return inner.library_path(), f"torch_xla's plugin registry ({device_type})"
-    if device_type == "TPU":
-        found = _real_tpu_plugin()
-        return found, (_knobs.TPU_LIBRARY_PATH if found else
-                       "no libtpu: pip install libtpu, or set TPU_LIBRARY_PATH to libtpu.so")
+        return inner.library_path(), f"{_REGISTRY} ({device_type})"
     return None, (f"{_knobs.PJRT_DEVICE}={device_type} is torch_xla's built-in client, not a PJRT C API plugin, so "
                   "there is nothing to wrap")
 
@@ -184,7 +185,7 @@ def route(cache_dir: Path, *, readonly: bool, trust_shared: bool) -> dict[str, s
     os.environ[_knobs.PJRT_CACHE_READ_ONLY] = "1" if readonly else "0"
     if trust_shared:
         os.environ[_knobs.CACHE_TRUST_SHARED] = "1"
-    if via.startswith("torch_xla's plugin registry"):
+    if via.startswith(_REGISTRY):
         import torch_xla.experimental.plugins as plugins
 
         registered = plugins._plugin_registry[device_type]

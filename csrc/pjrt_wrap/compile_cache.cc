@@ -34,6 +34,7 @@ uint64_t MicrosSince(Clock::time_point start) {
 const char* MissingFunction(const PJRT_Api* api) {
 #define XLAKIT_REQUIRE(field) \
   if (!XLAKIT_PJRT_HAS(api, field)) return #field;
+  XLAKIT_REQUIRE(PJRT_Client_ProcessIndex)
   XLAKIT_REQUIRE(PJRT_Client_PlatformName)
   XLAKIT_REQUIRE(PJRT_Client_PlatformVersion)
   XLAKIT_REQUIRE(PJRT_Client_Devices)

@@ -3,13 +3,14 @@
 // An entry's name is the SHA-256 (hex) of everything the executable depends
 // on: the program (its format and bytes), the serialized compile options
 // (both with map entries in a canonical order, proto_canon.h), the
-// plugin's platform name and version, every device of the client (id,
-// process, kind, description), the wrapper's own version, and the id of the
-// job's key (XLAKIT_CACHE_KEY) if it has one, so jobs with different keys, or
-// none, never use or replace each other's entries. The entry is xlakit's
-// envelope (core/envelope.h: checksum; HMAC-SHA256 tag under the key) around
-// PJRT_Executable_Serialize's bytes, written by core/atomic_file.h (temporary,
-// fsync, rename; owner-only modes) into a folder core/folder_trust.h accepts.
+// plugin's platform name and version, the client's process index and every
+// device of the client (id, process, kind, description), the wrapper's own
+// version, and the id of the job's key (XLAKIT_CACHE_KEY) if it has one, so
+// jobs with different keys, or none, never use or replace each other's
+// entries. The entry is xlakit's envelope (core/envelope.h: checksum;
+// HMAC-SHA256 tag under the key) around PJRT_Executable_Serialize's bytes,
+// written by core/atomic_file.h (temporary, fsync, rename; owner-only modes)
+// into a folder core/folder_trust.h accepts.
 //
 // A hit loads with PJRT_Executable_DeserializeAndLoad and never calls the real
 // compile. Anything else (no entry; corrupt, truncated, foreign, other

@@ -114,13 +114,19 @@ bool PlatformVersion(const PJRT_Api* api, PJRT_Client* client,
 
 bool DescribeDevices(const PJRT_Api* api, PJRT_Client* client,
                      std::string* out, std::string* error) {
+  auto self = Make<PJRT_Client_ProcessIndex_Args>();
+  self.client = client;
+  if (!Call(api, api->PJRT_Client_ProcessIndex, &self, "Client_ProcessIndex",
+            error)) {
+    return false;
+  }
   auto devices = Make<PJRT_Client_Devices_Args>();
   devices.client = client;
   if (!Call(api, api->PJRT_Client_Devices, &devices, "Client_Devices",
             error)) {
     return false;
   }
-  out->clear();
+  *out = "process " + std::to_string(self.process_index) + "\n";
   for (size_t i = 0; i < devices.num_devices; ++i) {
     auto desc = Make<PJRT_Device_GetDescription_Args>();
     desc.device = devices.devices[i];

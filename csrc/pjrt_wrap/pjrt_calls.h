@@ -34,9 +34,11 @@ bool PlatformName(const PJRT_Api* api, PJRT_Client* client, std::string* out,
 bool PlatformVersion(const PJRT_Api* api, PJRT_Client* client,
                      std::string* out, std::string* error);
 
-// Every device the client knows (all processes), one line each: id, process
-// index, kind and the plugin's description; the topology an executable is
-// compiled for beyond its device assignment.
+// The client's own process index, then every device the client knows (all
+// processes), one line each: id, process index, kind and the plugin's
+// description; the topology an executable is compiled for beyond its device
+// assignment. The process index keeps hosts of a pod apart: an executable is
+// loaded only by the process (host) that compiled it.
 bool DescribeDevices(const PJRT_Api* api, PJRT_Client* client,
                      std::string* out, std::string* error);
 

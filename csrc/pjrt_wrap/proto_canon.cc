@@ -33,37 +33,53 @@ bool ReadVarint(std::string_view in, size_t* pos, uint64_t* out) {
   return false;
 }
 
-std::optional<std::string> Canon(std::string_view in, const Schema& schema);
+// One field of a message on the wire.
+struct Field {
+  uint32_t number = 0;
+  size_t start = 0;           // where its tag starts
+  size_t header = 0;          // tag and length bytes, for length-delimited fields
+  bool delimited = false;     // a string, bytes or submessage: `payload` holds it
+  std::string_view payload;
+};
 
-// The key bytes of a map entry (its field 1, as written), or nullopt.
+// Reads the field at `*pos` and moves past it; false if malformed (or a
+// group, which these protos never use).
+bool NextField(std::string_view in, size_t* pos, Field* field) {
+  field->start = *pos;
+  uint64_t tag = 0;
+  uint64_t n = 0;
+  if (!ReadVarint(in, pos, &tag)) return false;
+  field->number = static_cast<uint32_t>(tag >> 3);
+  field->delimited = false;
+  switch (tag & 7) {
+    case kVarint:
+      return ReadVarint(in, pos, &n);
+    case kFixed64:
+      *pos += 8;
+      return *pos <= in.size();
+    case kFixed32:
+      *pos += 4;
+      return *pos <= in.size();
+    case kBytes:
+      if (!ReadVarint(in, pos, &n) || n > in.size() - *pos) return false;
+      field->delimited = true;
+      field->header = *pos - field->start;
+      field->payload = in.substr(*pos, n);
+      *pos += n;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The key of a map entry (its field 1, as written), or nullopt.
 std::optional<std::string> EntryKey(std::string_view entry) {
-  size_t pos = 0;
-  while (pos < entry.size()) {
-    uint64_t tag = 0;
-    size_t start = pos;
-    if (!ReadVarint(entry, &pos, &tag)) return std::nullopt;
-    uint64_t n = 0;
-    switch (tag & 7) {
-      case kVarint:
-        if (!ReadVarint(entry, &pos, &n)) return std::nullopt;
-        break;
-      case kFixed64:
-        pos += 8;
-        break;
-      case kFixed32:
-        pos += 4;
-        break;
-      case kBytes:
-        if (!ReadVarint(entry, &pos, &n) || n > entry.size() - pos) {
-          return std::nullopt;
-        }
-        pos += n;
-        break;
-      default:
-        return std::nullopt;
+  Field field;
+  for (size_t pos = 0; pos < entry.size();) {
+    if (!NextField(entry, &pos, &field)) return std::nullopt;
+    if (field.number == 1) {
+      return std::string(entry.substr(field.start, pos - field.start));
     }
-    if (pos > entry.size()) return std::nullopt;
-    if ((tag >> 3) == 1) return std::string(entry.substr(start, pos - start));
   }
   return std::string();  // a default key: absent on the wire
 }
@@ -74,55 +90,29 @@ std::optional<std::string> Canon(std::string_view in, const Schema& schema) {
   // Each map's entries, emitted sorted where its first entry stood.
   std::map<uint32_t, std::vector<std::pair<std::string, std::string>>> maps;
   std::vector<std::pair<size_t, uint32_t>> map_slots;  // (offset in out, field)
-  size_t pos = 0;
-  while (pos < in.size()) {
-    size_t start = pos;
-    uint64_t tag = 0;
-    if (!ReadVarint(in, &pos, &tag)) return std::nullopt;
-    const uint32_t field = static_cast<uint32_t>(tag >> 3);
-    uint64_t n = 0;
-    switch (tag & 7) {
-      case kVarint:
-        if (!ReadVarint(in, &pos, &n)) return std::nullopt;
-        break;
-      case kFixed64:
-        pos += 8;
-        break;
-      case kFixed32:
-        pos += 4;
-        break;
-      case kBytes: {
-        if (!ReadVarint(in, &pos, &n) || n > in.size() - pos) {
-          return std::nullopt;
-        }
-        std::string_view payload = in.substr(pos, n);
-        size_t header = pos - start;
-        pos += n;
-        if (schema.maps.count(field)) {
-          std::optional<std::string> key = EntryKey(payload);
-          if (!key) return std::nullopt;
-          if (maps.find(field) == maps.end()) {
-            map_slots.emplace_back(out.size(), field);
-          }
-          maps[field].emplace_back(*key, std::string(in.substr(start, pos - start)));
-          continue;
-        }
-        auto sub = schema.messages.find(field);
-        if (sub != schema.messages.end()) {
-          std::optional<std::string> inner = Canon(payload, *sub->second);
-          if (!inner) return std::nullopt;
-          // Same length as before: only entries moved, so the header stands.
-          out.append(in.substr(start, header));
-          out.append(*inner);
-          continue;
-        }
-        break;
+  Field field;
+  for (size_t pos = 0; pos < in.size();) {
+    if (!NextField(in, &pos, &field)) return std::nullopt;
+    std::string_view whole = in.substr(field.start, pos - field.start);
+    if (field.delimited && schema.maps.count(field.number)) {
+      std::optional<std::string> key = EntryKey(field.payload);
+      if (!key) return std::nullopt;
+      if (maps.find(field.number) == maps.end()) {
+        map_slots.emplace_back(out.size(), field.number);
       }
-      default:
-        return std::nullopt;  // groups: never used by these protos
+      maps[field.number].emplace_back(*key, std::string(whole));
+      continue;
     }
-    if (pos > in.size()) return std::nullopt;
-    out.append(in.substr(start, pos - start));
+    auto sub = schema.messages.find(field.number);
+    if (field.delimited && sub != schema.messages.end()) {
+      std::optional<std::string> inner = Canon(field.payload, *sub->second);
+      if (!inner) return std::nullopt;
+      // Same length as before (only entries moved), so the header stands.
+      out.append(whole.substr(0, field.header));
+      out.append(*inner);
+      continue;
+    }
+    out.append(whole);
   }
   // Insert the sorted maps, last slot first so earlier offsets stay valid.
   for (auto it = map_slots.rbegin(); it != map_slots.rend(); ++it) {

@@ -103,7 +103,10 @@ def main() -> None:
     results = run_jax(args.variant) if args.framework == "jax" else run_torch_xla(args.variant, args.enable)
     from xlakit import compile_cache, pjrt_wrap
 
-    out = {"results": [r.hex() for r in results], "status": pjrt_wrap.status()}
+    import resource
+
+    out = {"results": [r.hex() for r in results], "status": pjrt_wrap.status(),
+           "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
     if args.framework == "torch_xla":
         from xlakit import _manifest, doctor
 

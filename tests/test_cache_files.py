@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 import xlakit
-from xlakit import _C, cache_files
+from xlakit import _C, cache_files, compile_cache
+from xlakit.compile_cache import KEY_FILE
 from xlakit.cli import main
 
 IDENTITY = dict(platform_name="tpu", platform_version="v1", patch_series_id="xlakit1:abc")
@@ -277,8 +278,16 @@ def test_with_the_key_verify_refuses_what_the_keyed_runtime_refuses(keyed, capsy
     assert rc == 1 and st == {"1": "ok", "2": "bad_tag", "3": "unauthenticated", "4": "bad_tag"}
     assert main(["cache", "verify", str(keyed)]) == 1
     assert "4 entries (3 not loadable)" in capsys.readouterr().out
+    # A folder not made for this key may hold other jobs' good entries (the PJRT wrapper keeps every key in
+    # one folder): prune keeps what is refused only for its tag.
     assert main(["cache", "prune", str(keyed)]) == 0
-    assert sorted(p.name for p in keyed.iterdir()) == ["1"]
+    assert sorted(p.name for p in keyed.iterdir()) == ["1", "2", "3", "4"]
+    assert capsys.readouterr().out.count("kept: ") == 3
+    # In the folder enable_persistent_cache made for this key they are positively not this key's: removed.
+    (keyed / KEY_FILE).write_text(json.dumps({"patch_set": "xlakit3", "platform_version": "v",
+                                              "key_id": compile_cache.key_id(KEY.encode())}))
+    assert main(["cache", "prune", str(keyed)]) == 0
+    assert sorted(p.name for p in keyed.iterdir()) == ["1", KEY_FILE]
 
 
 def test_without_the_key_tags_are_not_checked_and_say_so(keyed, capsys, monkeypatch):

@@ -244,6 +244,10 @@ def test_torch_xla_restart_hits_through_enable_persistent_cache(tmp_path):
     assert c1["execute_options_padded"] >= 1
     assert first["cache_stats"]["via"] == "pjrt-wrap" and first["cache_stats"]["misses"] == c1["misses"]
 
+    # Compiler flags torch_xla's plugin reads from the environment are part of the key: a miss, right values.
+    fast = job("torch_xla", {"XLA_FLAGS": "--xla_cpu_enable_fast_math=true"}, "--enable", str(root))
+    assert fast["status"]["counts"]["hits"] == 0
+
     second = job("torch_xla", {}, "--enable", str(root))
     c2 = second["status"]["counts"]
     assert c2["hits"] == c2["compiles"] == c1["compiles"] and c2["misses"] == 0
@@ -293,7 +297,7 @@ def test_the_default_plugin_is_the_libtpu_installed_beside_xlakit(tmp_path):
     found = status()
     assert found["active"] and found["plugin"] == str(site / "libtpu" / "libtpu.so")
     assert found["plugin_from"] == "default: the libtpu installed beside xlakit"
-    assert "compile cache off: no cache folder (XLAKIT_PJRT_CACHE_DIR unset)" in found["stderr"]
+    assert "compile cache off: no cache folder (XLAKIT_PJRT_CACHE_DIR unset or empty)" in found["stderr"]
 
 
 def test_a_linked_entry_is_refused_and_concurrent_jobs_agree(tmp_path):
@@ -340,6 +344,18 @@ def test_enable_on_a_tpu_points_torch_xla_at_the_wrapper(tmp_path):
     assert lines.stdout.splitlines() == [f"export TPU_LIBRARY_PATH={pjrt_wrap.library_path()}",
                                          f"export XLAKIT_PJRT_PLUGIN={pjrt_job.lammps_plugin()}",
                                          f"export XLAKIT_PJRT_CACHE_DIR={where}"]
+    # After those exports (libtpu named only by them), code that also calls enable_persistent_cache still
+    # goes through the wrapper around the same plugin, never the wrapper around itself.
+    followed = {**env, "TPU_LIBRARY_PATH": str(pjrt_wrap.library_path()),
+                "XLAKIT_PJRT_PLUGIN": pjrt_job.lammps_plugin()}
+    run = subprocess.run([sys.executable, "-c", script], env=followed, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1])["XLAKIT_PJRT_PLUGIN"] == pjrt_job.lammps_plugin()
+    # A TPU run with no libtpu at all: the error says so, before anything starts.
+    bare = {k: v for k, v in env.items() if k != "TPU_LIBRARY_PATH"}
+    run = subprocess.run([sys.executable, "-c", script], env=bare, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "CompileCacheError: PJRT_DEVICE=TPU, but there is no libtpu to run on" in \
+        run.stderr
 
 
 def test_torch_xla_refuses_an_untrusted_folder_before_the_runtime_starts(tmp_path):
@@ -374,3 +390,98 @@ def test_the_library_exports_two_symbols_and_loads_on_glibc_2_34():
         return max(found)
 
     assert newest("GLIBC") <= (2, 34) and newest("GLIBCXX") <= (3, 4, 21)
+
+
+# -- what an attack as a new user found ----------------------------------------------------------------
+
+def test_another_build_of_the_plugin_or_other_compiler_flags_miss(tmp_path):
+    # Two builds can report the same platform strings: another file under the same plugin name
+    # (here the plugin with bytes appended, a different file that loads the same) must not hit.
+    folder = tmp_path / "cache"
+    first = job("jax", cache_env(folder))
+    rebuilt = tmp_path / "other-build.so"
+    rebuilt.write_bytes(Path(pjrt_job.lammps_plugin()).read_bytes() + b"\0another build")
+    other = job("jax", cache_env(folder, XLAKIT_PJRT_PLUGIN=str(rebuilt)))
+    assert other["status"]["counts"]["hits"] == 0 and other["results"] == first["results"]
+    # Flags the plugin reads from the environment, not from the compile options (torch_xla passes none).
+    flagged = job("jax", cache_env(folder, XLA_FLAGS="--xla_cpu_enable_fast_math=true"))
+    assert flagged["status"]["counts"]["hits"] == 0
+
+
+def test_torch_xla_fails_fast_on_a_plugin_past_the_tested_bridge(tmp_path):
+    # Stock torch_xla 2.9 hung in its second execution on a C API 0.115 plugin with padded options.
+    out = job("torch_xla", {"XLAKIT_TEST_REAL_PLUGIN": str(pjrt_wrap.library_path()),
+                            "XLAKIT_PJRT_PLUGIN": pjrt_job.lammps_plugin()}, ok=False)
+    assert "not padded for a plugin of C API 0.115 (padding is tested up to 0.81)" in out["stderr"]
+    assert "expected 112, got 80" in out["stderr"]
+
+
+def test_odd_files_under_entry_names_never_block_or_bloat_the_job(tmp_path):
+    folder = tmp_path / "cache"
+    first = job("jax", cache_env(folder))
+    fifo, huge, nul = list(entries(folder))[:3]
+    (folder / fifo).unlink()
+    os.mkfifo(folder / fifo)  # an open() that would wait for a writer forever
+    (folder / huge).unlink()
+    with open(folder / huge, "wb") as f:  # 2 GiB of garbage (sparse): refused from its first bytes
+        f.truncate(2 << 30)
+    (folder / nul).write_bytes(b"\0\x1b[31mred" * 10)
+    out = job("jax", cache_env(folder))
+    assert out["max_rss_kib"] < 1 << 20  # under 1 GiB: the 2 GiB file was never read whole
+    assert out["status"]["refused_entries"] == {"unreadable": 1, "bad_magic": 2}
+    assert out["results"] == first["results"]
+    line = next(ln for ln in out["stderr"].splitlines() if "(bad_magic)" in ln)
+    assert "\\x00" in line and "\x1b" not in out["stderr"] and "compiling instead" in line
+
+
+def test_a_file_as_cache_folder_turns_the_cache_off_saying_so(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    out = job("jax", cache_env(afile))
+    assert not out["status"]["cache"]["on"] and "is not a folder" in out["status"]["cache"]["why_off"]
+    assert afile.read_text() == "not a folder"
+
+
+def test_status_survives_counters_growing_between_calls():
+    # status() read the length in one call and the text in another; a compile between them broke the JSON.
+    import ctypes
+
+    calls = []
+
+    def grows(buf, capacity):
+        text = json.dumps({"counts": {"hits": 10 ** len(calls)}, "pad": "x" * (len(calls) * 40)}).encode()
+        calls.append(capacity)
+        if buf is not None and capacity:
+            ctypes.memmove(buf, text[:capacity - 1] + b"\0", min(len(text), capacity - 1) + 1)
+        return len(text)
+
+    class Handle:
+        xlakit_pjrt_wrap_status = staticmethod(grows)
+
+    assert pjrt_wrap._report(Handle())["counts"]["hits"] == 1
+
+
+def test_pjrt_env_quotes_what_it_prints_and_refuses_wrong_paths(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    spaced = tmp_path / "my cache $(touch pwned)"
+    run = subprocess.run([sys.executable, "-m", "xlakit", "pjrt", "env", str(spaced), "--plugin",
+                          pjrt_job.lammps_plugin()], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    shell = subprocess.run(["bash", "-c", run.stdout + '\nprintf %s "$XLAKIT_PJRT_CACHE_DIR"'], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=30)
+    assert shell.stdout == str(spaced) and not (tmp_path / "pwned").exists()
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for args, says in (([str(afile)], "found a file"), (["", "--plugin", str(afile)], "empty path"),
+                       ([str(tmp_path / "c"), "--plugin", str(tmp_path / "none.so")], "found nothing"),
+                       ([str(tmp_path / "c"), "--plugin", str(pjrt_wrap.library_path())], "the wrapper itself")):
+        bad = subprocess.run([sys.executable, "-m", "xlakit", "pjrt", "env", *args], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert bad.returncode == 2 and says in bad.stderr, (args, bad.stderr)
+
+
+def test_a_shared_scratch_folder_is_refused_with_a_fix_that_spares_it():
+    # The fix for a world-writable sticky cache folder was `chmod 700 /tmp`.
+    verdict = pjrt_wrap.cache_trust.judge("/tmp")
+    assert verdict.state == "untrusted" and "chmod" not in verdict.fix
+    assert verdict.fix.startswith("use a folder of your own inside it (mkdir -m 700 /tmp/")

@@ -193,11 +193,19 @@ FolderTrust JudgeCacheFolder(const std::string& folder_in, bool trust_shared) {
       // created in the cache folder itself.
       const bool sticky_above = (st.st_mode & S_ISVTX) && !is_cache;
       if ((st.st_mode & S_IWOTH) && !sticky_above) {
-        std::string fix = is_cache ? "chmod 700 " + path
-                                   : "chmod o-w " + path + " (or chmod +t " +
-                                         path +
-                                         ", if others must create folders "
-                                         "in it)";
+        std::string fix;
+        if (!is_cache) {
+          fix = "chmod o-w " + path + " (or chmod +t " + path +
+                ", if others must create folders in it)";
+        } else if (st.st_mode & S_ISVTX) {
+          // A shared scratch folder such as /tmp: changing it would break
+          // everyone else's use of it.
+          fix = "use a folder of your own inside it (mkdir -m 700 " +
+                (path == "/" ? std::string() : path) + "/" + UserName(me) +
+                "-xla-cache) as the cache";
+        } else {
+          fix = "chmod 700 " + path;
+        }
         std::string why = (st.st_mode & S_ISVTX)
                               ? " (its sticky bit does not stop others adding "
                                 "entries)"

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -72,24 +73,50 @@ std::string MakeFolders(const std::string& dir, mode_t mode) {
   return "";
 }
 
-std::string ReadFile(int fd, std::string* error) {
-  std::string data;
-  struct stat st;
-  if (fstat(fd, &st) == 0 && st.st_size > 0) {
-    data.reserve(static_cast<size_t>(st.st_size));
-  }
+// Reads `size` bytes from `fd` at its current offset, appending to `out`.
+bool ReadExactly(int fd, size_t size, std::string* out, std::string* error) {
   char buf[1 << 16];
+  while (size > 0) {
+    ssize_t n = read(fd, buf, size < sizeof(buf) ? size : sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      *error = n == 0 ? "the file shrank while read" : std::strerror(errno);
+      return false;
+    }
+    out->append(buf, static_cast<size_t>(n));
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// SHA-256 of a file, streamed; "" with `*error` set if it cannot be read.
+std::string FileDigest(const Libcrypto& crypto, const std::string& path,
+                       std::string* error) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    *error = "cannot read " + path + ": " + std::strerror(errno);
+    return "";
+  }
+  Sha256 sha(crypto);
+  char buf[1 << 20];
   while (true) {
     ssize_t n = read(fd, buf, sizeof(buf));
-    if (n == 0) break;
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      *error = std::strerror(errno);
-      return "";
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n < 0) *error = "cannot read " + path + ": " + std::strerror(errno);
+      break;
     }
-    data.append(buf, static_cast<size_t>(n));
+    sha.Update(std::string_view(buf, static_cast<size_t>(n)));
   }
-  return data;
+  close(fd);
+  return error->empty() ? sha.Hex() : "";
+}
+
+// Counts characters, as Python's len() does for the key it checks.
+size_t Utf8Chars(const std::string& s) {
+  size_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+  return n;
 }
 
 }  // namespace
@@ -101,12 +128,12 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
   state->read_only = cfg.read_only;
   if (cfg.dir.empty()) {
     state->why_off = std::string("no cache folder (") + kCacheDirEnv +
-                     " unset): every call passes straight through";
+                     " unset or empty): every call passes straight through";
     return nullptr;
   }
-  if (!cfg.key.empty() && cfg.key.size() < kMinCacheKeyChars) {
+  if (!cfg.key.empty() && Utf8Chars(cfg.key) < kMinCacheKeyChars) {
     state->why_off = std::string(kCacheKeyEnv) + " holds " +
-                     std::to_string(cfg.key.size()) +
+                     std::to_string(Utf8Chars(cfg.key)) +
                      " characters, expected a secret of at least " +
                      std::to_string(kMinCacheKeyChars) +
                      " (e.g. the output of `openssl rand -hex 32`); the cache "
@@ -137,6 +164,12 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
   }
   state->folder = trust.state;
   state->dir = trust.folder;
+  struct stat st;
+  if (stat(trust.folder.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
+    state->why_off = trust.folder + " is not a folder: set " + kCacheDirEnv +
+                     " to a folder (it is created if missing)";
+    return nullptr;
+  }
   if (!trust.trusted()) {
     state->why_off =
         "expected a cache folder only you (and root) can write, since its "
@@ -148,10 +181,22 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
     Log("cache folder " + trust.folder + " is shared (" + kTrustSharedEnv +
         "): " + s + "; every one of them can put code into this job");
   }
+  std::string digest = FileDigest(*crypto, cfg.plugin_path, &why);
+  if (digest.empty()) {
+    state->why_off = "cannot key entries by the plugin's build: " + why;
+    return nullptr;
+  }
   CacheConfig resolved = cfg;
   resolved.dir = trust.folder;
   std::unique_ptr<CompileCache> cache(
       new CompileCache(real, std::move(resolved), *crypto));
+  cache->plugin_build_ =
+      digest + " " + std::to_string(real->pjrt_api_version.major_version) +
+      "." + std::to_string(real->pjrt_api_version.minor_version);
+  for (const char* name : kKeyedFlagEnvs) {
+    const char* value = std::getenv(name);
+    cache->flags_ += std::string(name) + "=" + (value ? value : "") + "\n";
+  }
   state->on = true;
   state->authenticated = !cfg.key.empty();
   return cache;
@@ -209,8 +254,10 @@ std::string CompileCache::KeyFor(const ClientInfo& info,
   auto text = [&field](const std::string& s) { field(s.data(), s.size()); };
   text("xlakit-pjrt-wrap-key");
   text(kWrapperVersion);
+  text(plugin_build_);
   text(info.self.platform_name);
   text(info.self.platform_version);
+  text(flags_);
   text(info.topology);
   text(key_id_);
   std::string_view format(program->format ? program->format : "",
@@ -227,7 +274,9 @@ std::string CompileCache::KeyFor(const ClientInfo& info,
 bool CompileCache::TryLoad(const ClientInfo& info, const std::string& path,
                            PJRT_Client_Compile_Args* args) {
   Counters& counters = GlobalCounters();
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  // O_NONBLOCK: a FIFO under an entry's name must not block the compile;
+  // O_NOFOLLOW: a link is never followed.
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) {
     if (errno == ENOENT) return false;
     counters.Refused("unreadable");
@@ -236,7 +285,30 @@ bool CompileCache::TryLoad(const ClientInfo& info, const std::string& path,
     return false;
   }
   std::string error;
-  std::string data = ReadFile(fd, &error);
+  std::string data;
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    error = "not a regular file";
+  } else {
+    // The header first: garbage of any size is refused after one small read.
+    size_t size = static_cast<size_t>(st.st_size);
+    size_t head = size < kMaxHeaderBytes + kAuthPrefixBytes
+                      ? size
+                      : kMaxHeaderBytes + kAuthPrefixBytes;
+    if (ReadExactly(fd, head, &data, &error)) {
+      DecodeResult header = DecodeCacheHeader(data, size);
+      if (header.status != EntryStatus::kOk) {
+        close(fd);
+        const char* reason = EntryStatusName(header.status);
+        counters.Refused(reason);
+        LogOnce(reason, std::string("cache entry refused (") + reason + "): " +
+                            header.message + "; compiling instead (" + path +
+                            ")");
+        return false;
+      }
+      ReadExactly(fd, size - head, &data, &error);
+    }
+  }
   close(fd);
   if (!error.empty()) {
     counters.Refused("unreadable");

@@ -2,12 +2,14 @@
 //
 // An entry's name is the SHA-256 (hex) of everything the executable depends
 // on: the program (its format and bytes), the serialized compile options
-// (both with map entries in a canonical order, proto_canon.h), the
-// plugin's platform name and version, the client's process index and every
-// device of the client (id, process, kind, description), the wrapper's own
-// version, and the id of the job's key (XLAKIT_CACHE_KEY) if it has one, so
-// jobs with different keys, or none, never use or replace each other's
-// entries. The entry is xlakit's envelope (core/envelope.h: checksum;
+// (both with map entries in a canonical order, proto_canon.h), the real
+// plugin's build (the SHA-256 of its file and its C API version: two builds
+// report the same platform strings), its platform name and version, the
+// compiler flags it reads from the environment (env.h kKeyedFlagEnvs), the
+// client's process index and every device of the client (id, process, kind,
+// description), the wrapper's own version, and the id of the job's key
+// (XLAKIT_CACHE_KEY) if it has one, so jobs with different keys, or none,
+// never use or replace each other's entries. The entry is xlakit's envelope (core/envelope.h: checksum;
 // HMAC-SHA256 tag under the key) around PJRT_Executable_Serialize's bytes,
 // written by core/atomic_file.h (temporary, fsync, rename; owner-only modes)
 // into a folder core/folder_trust.h accepts.
@@ -40,6 +42,7 @@ inline constexpr char kWrapperVersion[] = "1";
 
 struct CacheConfig {
   std::string dir;
+  std::string plugin_path;  // the real plugin's file, hashed into every key
   bool read_only = false;
   bool trust_shared = false;
   std::string key;  // XLAKIT_CACHE_KEY; "" for plain entries
@@ -59,7 +62,8 @@ class CompileCache {
  public:
   // The cache for `cfg`, or nullptr with `state->why_off` set: no folder
   // given, a folder others can write, one that cannot be made, no libcrypto,
-  // a key too short to be a secret, a plugin without (de)serialization.
+  // a key too short to be a secret, a plugin without (de)serialization or
+  // whose file cannot be read.
   static std::unique_ptr<CompileCache> Open(const PJRT_Api* real,
                                             const CacheConfig& cfg,
                                             CacheState* state);
@@ -93,6 +97,11 @@ class CompileCache {
   const CacheConfig cfg_;
   const Libcrypto& crypto_;
   std::string key_id_;
+  // What the executables also depend on, fixed for the process: the real
+  // plugin's build (SHA-256 of its file, its C API version) and the compiler
+  // flags it reads from the environment.
+  std::string plugin_build_;
+  std::string flags_;
   std::mutex mu_;
   std::map<PJRT_Client*, ClientInfo> clients_;
 };

@@ -23,7 +23,20 @@ Counters& GlobalCounters() {
 }
 
 void Log(const std::string& message) {
-  std::fprintf(stderr, "xlakit-pjrt: %s\n", message.c_str());
+  // Messages quote bytes from files (an entry's magic): control bytes are
+  // escaped, so a NUL cannot cut the line and no escape reaches a terminal.
+  std::string line = "xlakit-pjrt: ";
+  for (unsigned char c : message) {
+    if (c < 0x20 || c == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      line += buf;
+    } else {
+      line += static_cast<char>(c);
+    }
+  }
+  line += "\n";
+  std::fwrite(line.data(), 1, line.size(), stderr);
   std::fflush(stderr);
 }
 

@@ -43,7 +43,8 @@ struct Counters {
 
 Counters& GlobalCounters();
 
-// Writes `message` to stderr once per `kind` per process ("xlakit-pjrt: ...").
+// Writes `message` to stderr once per `kind` per process ("xlakit-pjrt: ...",
+// control bytes escaped).
 void LogOnce(const std::string& kind, const std::string& message);
 void Log(const std::string& message);
 

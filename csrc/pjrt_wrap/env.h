@@ -19,6 +19,10 @@ inline constexpr char kCacheReadOnlyEnv[] = "XLAKIT_PJRT_CACHE_READ_ONLY";
 // Accept a cache folder a group the user belongs to can write
 // (core/folder_trust.h); the name Python's enable_persistent_cache reads too.
 inline constexpr char kTrustSharedEnv[] = "XLAKIT_CACHE_TRUST_SHARED";
+// Compiler flags a plugin reads from the environment rather than from the
+// compile options (torch_xla passes none there): part of every cache key.
+inline constexpr const char* kKeyedFlagEnvs[] = {"XLA_FLAGS", "TF_XLA_FLAGS",
+                                                 "LIBTPU_INIT_ARGS"};
 // XLAKIT_CACHE_KEY (core/envelope.h kCacheKeyEnv) must be at least this long
 // to be taken for a secret, as Python's enable_persistent_cache demands.
 inline constexpr size_t kMinCacheKeyChars = 32;

@@ -167,6 +167,7 @@ const PJRT_Api* Activate() {
   }
   CacheConfig cfg;
   cfg.dir = Env(kCacheDirEnv);
+  cfg.plugin_path = w.plugin_path;
   cfg.read_only = Flag(kCacheReadOnlyEnv);
   cfg.trust_shared = Flag(kTrustSharedEnv);
   cfg.key = Env(kCacheKeyEnv);

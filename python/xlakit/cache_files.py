@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from xlakit import _C, _knobs, cache_trust
-from xlakit.compile_cache import KEY_FILE
+from xlakit.compile_cache import KEY_FILE, key_id
 from xlakit.errors import XlakitError
 
 # torch_xla's PersistentCache names a file `ss << key` (torch_xla/csrc/runtime/cache.h), the key being a
@@ -231,13 +231,34 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(r.valid for r in reports if r.is_entry) else 1
 
 
-def removable(r: EntryReport, *, foreign: bool) -> bool:
-    """What prune deletes: a rejected envelope, an abandoned temporary, a foreign entry when asked."""
+# Entries whose only fault is their tag: written without the key, or under another one (or forged).
+TAG_FAULTS = ("unauthenticated", "bad_tag")
+
+
+def removable(r: EntryReport, *, foreign: bool, tag_faults: bool = True) -> bool:
+    """What prune deletes: a rejected envelope, an abandoned temporary, a foreign entry when asked; an entry
+    refused only for its tag when `tag_faults` (the folder is positively this key's)."""
     if r.status == TEMPORARY:
         return True
     if r.status == FOREIGN:
         return foreign
+    if r.status in TAG_FAULTS:
+        return tag_faults
     return r.is_entry and not r.valid and r.status != UNREADABLE
+
+
+def keyed_for(directory: Path, key: bytes) -> bool:
+    """Whether `directory` is the folder enable_persistent_cache made for this very key (its key file says so).
+
+    Elsewhere an entry refused for its tag may be another job's good entry: the PJRT wrapper keeps the
+    entries of every key (and of none) in one folder, named apart.
+    """
+    try:
+        with open(directory / KEY_FILE, "rb") as f:
+            recorded = json.loads(f.read(1 << 16))
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and recorded.get("key_id") == key_id(key)
 
 
 def _unchanged(path: Path, st: os.stat_result) -> bool:
@@ -258,12 +279,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"made (it holds {KEY_FILE}); {folder} has none, so its files may be another program's. Nothing "
             "was removed; delete them by hand if you are sure, or prune without --foreign")
     identity, key = _identity(args), _key()
+    tag_faults = key is not None and keyed_for(folder, key)
     now = time.time()
     files = _regular_files(folder)
     removed = 0
     for path, st in files:
         r = _classify(path, st, full=True, identity=identity, key=key, now=now)
-        if not removable(r, foreign=args.foreign):
+        if not removable(r, foreign=args.foreign, tag_faults=tag_faults):
+            if r.status in TAG_FAULTS:
+                print(f"kept: {r.name} ({r.status}: another key's entry, or none's, or a forgery; the runtime never "
+                      f"loads it with this key, and only a folder made for this key is pruned of them)")
             continue
         if args.dry_run:
             verb = "would remove"

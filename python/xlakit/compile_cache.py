@@ -157,11 +157,20 @@ def _prepare(where: Path, *, readonly: bool, shared: bool, key: dict[str, Any] |
 
 
 def through_wrapper() -> bool:
-    """Whether this process's cache goes through the PJRT wrapper: stock torch_xla on a PJRT C API plugin."""
+    """Whether this process's cache goes through the PJRT wrapper: stock torch_xla on a PJRT C API plugin.
+
+    Raises:
+        CompileCacheError: `PJRT_DEVICE=TPU` and no libtpu to wrap (the fix named).
+    """
     if _features.build_info() is not None:
         return False
-    device = os.environ.get(_knobs.PJRT_DEVICE) or ""
-    return bool(device) and pjrt_wrap.plugin_of(device)[0] is not None
+    device = (os.environ.get(_knobs.PJRT_DEVICE) or "").upper()
+    if not device:
+        return False
+    plugin, via = pjrt_wrap.plugin_of(device)
+    if plugin is None and device == "TPU":
+        raise CompileCacheError(f"{_knobs.PJRT_DEVICE}=TPU, but there is no libtpu to run on: {via}")
+    return plugin is not None
 
 
 def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False,

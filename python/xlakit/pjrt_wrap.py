@@ -27,6 +27,7 @@ import ctypes
 import functools
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,13 @@ def _report(handle: ctypes.CDLL) -> dict[str, Any]:
     fn = getattr(handle, _STATUS)
     fn.restype = ctypes.c_size_t
     fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    size = fn(None, 0)
-    buf = ctypes.create_string_buffer(size + 1)
-    fn(buf, size + 1)
-    return json.loads(buf.value.decode("utf-8", "replace"))
+    capacity = 1 << 14
+    while True:  # counters grow while other threads compile: one call must fit its whole report
+        buf = ctypes.create_string_buffer(capacity)
+        size = fn(buf, capacity)
+        if size < capacity:
+            return json.loads(buf.value.decode("utf-8", "replace"))
+        capacity = size + (1 << 12)
 
 
 def status() -> dict[str, Any]:
@@ -91,11 +95,20 @@ def status() -> dict[str, Any]:
     return out
 
 
+def _is_wrapper(path: str) -> bool:
+    return Path(path).resolve() == LIBRARY
+
+
 def _real_tpu_plugin() -> str | None:
-    """The libtpu torch_xla would load: TPU_LIBRARY_PATH (unless it is the wrapper), the one its import found."""
+    """The libtpu torch_xla would load: TPU_LIBRARY_PATH, the one its import found; where one of them is
+    the wrapper already (`xlakit pjrt env` was followed), the plugin it wraps."""
     for name in (_knobs.TPU_LIBRARY_PATH, _knobs.PTXLA_TPU_LIBRARY_PATH):
         given = os.environ.get(name)
-        if given and Path(given).resolve() != LIBRARY:
+        if given and _is_wrapper(given):
+            wrapped = os.environ.get(_knobs.PJRT_PLUGIN)
+            if wrapped and not _is_wrapper(wrapped):
+                return wrapped
+        elif given:
             return given
     try:
         import libtpu  # noqa: F401  (the pip package; torch_xla's import looks for it too)
@@ -151,8 +164,10 @@ def plugin_of(device_type: str) -> tuple[str | None, str]:
 
     registered = plugins._plugin_registry.get(device_type)
     if registered is not None and _knobs.get_flag(_knobs.PJRT_DYNAMIC_PLUGINS) and device_type != "CPU":
-        inner = getattr(registered, "inner", registered)
-        return inner.library_path(), f"{_REGISTRY} ({device_type})"
+        library = getattr(registered, "inner", registered).library_path()
+        if _is_wrapper(library):  # registered as the wrapper by hand: the plugin is the one it wraps
+            library = os.environ.get(_knobs.PJRT_PLUGIN) or None
+        return library, f"{_REGISTRY} ({device_type})"
     return None, (f"{_knobs.PJRT_DEVICE}={device_type} is torch_xla's built-in client, not a PJRT C API plugin, so "
                   "there is nothing to wrap")
 
@@ -206,17 +221,27 @@ def env_lines(cache_dir: str | os.PathLike, plugin: str | None = None) -> list[s
         CacheFolderTrustError: another user can write the folder.
         CompileCacheError: no real plugin is given or installed.
     """
+    if not str(cache_dir):
+        raise CompileCacheError("expected a cache folder, found an empty path")
     verdict = cache_trust.judge(cache_dir, trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
     if not verdict.trusted:
         raise CacheFolderTrustError(f"expected a cache folder only you (and root) can write, since its entries are "
                                     f"code your jobs run; found {verdict.problem}; fix: {verdict.fix}")
+    if verdict.folder.exists() and not verdict.folder.is_dir():
+        raise CompileCacheError(f"expected a cache folder, found a file at {verdict.folder}")
     plugin = plugin or _real_tpu_plugin()
     if plugin is None:
         raise CompileCacheError("no real plugin to wrap: pass --plugin PATH (libtpu.so, a CPU or GPU plugin), "
                                 "or pip install libtpu")
-    return [f"export {_knobs.TPU_LIBRARY_PATH}={library_path()}",
-            f"export {_knobs.PJRT_PLUGIN}={Path(plugin).resolve()}",
-            f"export {_knobs.PJRT_CACHE_DIR}={verdict.folder}"]
+    real = Path(plugin).resolve()
+    if not real.is_file():
+        raise CompileCacheError(f"expected the real PJRT plugin (a .so file), found {'a folder' if real.is_dir() else 'nothing'} "
+                                f"at {plugin}")
+    if real == LIBRARY:
+        raise CompileCacheError(f"{plugin} is the wrapper itself: pass the plugin it should load (e.g. libtpu.so)")
+    return [f"export {_knobs.TPU_LIBRARY_PATH}={shlex.quote(str(library_path()))}",
+            f"export {_knobs.PJRT_PLUGIN}={shlex.quote(str(real))}",
+            f"export {_knobs.PJRT_CACHE_DIR}={shlex.quote(str(verdict.folder))}"]
 
 
 def _cmd_path(args: argparse.Namespace) -> int:

@@ -109,7 +109,7 @@ def test_the_cache_folder_itself_may_not_be_sticky_and_world_writable(tmp_path):
     (tmp_path / "c").chmod(0o1777)
     verdict = cache_trust.judge(tmp_path / "c")
     assert not verdict.trusted and "its sticky bit does not stop others adding entries" in verdict.problem
-    assert verdict.fix == f"chmod 700 {tmp_path / 'c'}"
+    assert verdict.fix.endswith(f"or chmod 700 {tmp_path / 'c'} if nobody else uses it")
 
 
 @pytest.mark.xla

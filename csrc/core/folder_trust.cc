@@ -198,11 +198,11 @@ FolderTrust JudgeCacheFolder(const std::string& folder_in, bool trust_shared) {
           fix = "chmod o-w " + path + " (or chmod +t " + path +
                 ", if others must create folders in it)";
         } else if (st.st_mode & S_ISVTX) {
-          // A shared scratch folder such as /tmp: changing it would break
-          // everyone else's use of it.
+          // Sticky and open to all: a scratch folder such as /tmp, which
+          // others use; closing it would break their work.
           fix = "use a folder of your own inside it (mkdir -m 700 " +
                 (path == "/" ? std::string() : path) + "/" + UserName(me) +
-                "-xla-cache) as the cache";
+                "-xla-cache), or chmod 700 " + path + " if nobody else uses it";
         } else {
           fix = "chmod 700 " + path;
         }

@@ -141,7 +141,16 @@ class XlakitCheckpointIO(XLACheckpointIO):
         self._finish_pending()
         from xlakit import checkpoint as ckpt
 
-        state = ckpt.load(path, options=self.load_options)
+        try:
+            state = ckpt.load(path, options=self.load_options)
+        except CheckpointFormatError as e:  # its fix, as a Lightning user can apply it
+            notes = getattr(e, "__notes__", [])
+            if archive.NO_CHECKSUMS_NOTE in notes:
+                notes[notes.index(archive.NO_CHECKSUMS_NOTE)] = (
+                    "If you trust it (a checkpoint of Lightning's default CheckpointIO, or one edited by "
+                    "hand), resume with the plugin reading it unverified: XlakitCheckpointIO("
+                    "load_options=xlakit.LoadOptions(verify=False)).")
+            raise
         if map_location is None or isinstance(map_location, (str, torch.device)):
             device = torch.device(map_location or "cpu")
             if device.type != "cpu":

@@ -8,7 +8,10 @@ ssh's StrictModes, applied from the cache folder up to `/`: every folder is
 owned by root or by the user, and no other user can write it. A folder above
 the cache may be writable by others only when it is sticky (`/tmp`): nobody
 else can then rename or remove what the user owns in it. The cache folder
-itself never may: a sticky bit stops removals, not new entries.
+itself never may: a sticky bit stops removals, not new entries. The files
+already in the cache folder are judged too (a link by what it leads to): an
+entry another user owns, or others can write, can be rewritten in place with
+their code, whoever owns the folder.
 
 `trust_shared` is for teams that share a cache on purpose: a folder writable
 by a group the user belongs to, or owned by a member of it, is accepted (and
@@ -127,6 +130,53 @@ def judge(folder: str | os.PathLike, *, trust_shared: bool = False) -> FolderTru
                 return untrusted(f"{_looks(path, st)} is writable by group {_group(st.st_gid)}: any member can put "
                                  "an executable into your cache that your jobs will run", fix)
             shared.append(f"{path} is writable by group {_group(st.st_gid)}")
+    entries = _entries_problem(folder, me, my_groups, trust_shared, shared)
+    if entries is not None:
+        return untrusted(*entries)
     if shared:
         return FolderTrust(folder, SHARED_TRUSTED, shared=tuple(shared))
     return FolderTrust(folder, OWNER_ONLY)
+
+
+def _entries_problem(folder: Path, me: int, my_groups: set[int], trust_shared: bool,
+                     shared: list[str]) -> tuple[str, str] | None:
+    """(problem, fix) for files in the cache folder that others can rewrite; adds to `shared` what
+    only trust_shared accepts."""
+    try:
+        names = sorted(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # not made yet: xlakit makes it empty, owner-only
+    except OSError as e:
+        return (f"cannot list {folder} ({e.strerror}), so who wrote its entries is unknown",
+                f"make {folder} readable by you, or use a cache folder elsewhere")
+    bad: list[tuple[str, str]] = []
+    groups: set[str] = set()  # of entries only trust_shared accepts
+    for name in names:
+        path = folder / name
+        try:
+            st = os.stat(path)  # a link: what it leads to is what the runtime reads
+        except OSError:
+            continue  # gone meanwhile, or a dangling link: nothing is read through it
+        if stat.S_ISDIR(st.st_mode):
+            continue  # the runtime reads plain files in the folder, never below it
+        shareable = trust_shared and st.st_gid in my_groups
+        if st.st_uid not in (0, me) and not (shareable and _is_member(st.st_uid, st.st_gid)):
+            bad.append((f"{_looks(path, st)} is owned by {_user(st.st_uid)}, not by you or root: they can rewrite "
+                        "it with code your jobs will run",
+                        f"remove it (it is not yours to trust), or have root run `chown {_user(me)} {path}`"))
+        elif st.st_mode & stat.S_IWOTH:
+            bad.append((f"{_looks(path, st)} is writable by every user: anyone can rewrite it with code your "
+                        "jobs will run", f"chmod go-w {path}"))
+        elif st.st_mode & stat.S_IWGRP and not shareable:
+            bad.append((f"{_looks(path, st)} is writable by group {_group(st.st_gid)}: any member can rewrite "
+                        "it with code your jobs will run", f"chmod g-w {path}"))
+        elif st.st_uid not in (0, me) or st.st_mode & stat.S_IWGRP:
+            groups.add(_group(st.st_gid))
+    if groups and not bad:
+        shared.append(f"entries in {folder} are writable by (or owned by members of) group(s) "
+                      f"{', '.join(sorted(groups))}")
+    if not bad:
+        return None
+    problem, fix = bad[0]
+    more = f" (and {len(bad) - 1} more entr{'y' if len(bad) == 2 else 'ies'} like it)" if len(bad) > 1 else ""
+    return problem + more, fix + (f"; the same for the others (`ls -l {folder}`)" if more else "")

@@ -214,6 +214,8 @@ def test_wrong_options_are_refused():
         xlakit.lightning.XlakitCheckpointIO(options=xlakit.SaveOptions(layout="sharded"))
     with pytest.raises(TypeError, match="no storage_options"):
         xlakit.lightning.XlakitCheckpointIO().save_checkpoint({}, "x.ckpt", storage_options={"a": 1})
+    with pytest.raises(ValueError, match="strict=False applies to xlakit.restore"):
+        xlakit.lightning.XlakitCheckpointIO(load_options=xlakit.LoadOptions(strict=False))
 
 
 class _CPUPJRTAccelerator(pl.accelerators.XLAAccelerator):

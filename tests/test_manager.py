@@ -438,5 +438,7 @@ def test_an_asynchronous_save_committed_at_exit_without_close_applies_retention(
             "for step in (1, 2):\n"
             "    mgr.save(step, {'w': torch.full((1 << 20,), float(step))})\n")
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and run.stderr == "", run.stderr
+    # It may say that it waits for the save; nothing failed.
+    assert run.returncode == 0 and all("waiting for the asynchronous save of step 2" in line
+                                       for line in run.stderr.splitlines()), run.stderr
     assert names(tmp_path) == ["2"]

@@ -11,7 +11,8 @@ else can then rename or remove what the user owns in it. The cache folder
 itself never may: a sticky bit stops removals, not new entries. The files
 already in the cache folder are judged too (a link by what it leads to): an
 entry another user owns, or others can write, can be rewritten in place with
-their code, whoever owns the folder.
+their code, whoever owns the folder (a file writable by the owner's private
+group, as a stock runtime writes under umask 002, counts as the owner's).
 
 `trust_shared` is for teams that share a cache on purpose: a folder writable
 by a group the user belongs to, or owned by a member of it, is accepted (and
@@ -74,6 +75,18 @@ def _is_member(uid: int, gid: int) -> bool:
         return user.pw_gid == gid or user.pw_name in grp.getgrgid(gid).gr_mem
     except KeyError:
         return False
+
+
+def _private_group(uid: int, gid: int) -> bool:
+    """A user's own group (named after the user, nobody else in it): group-writable is owner-only.
+
+    A stock runtime writes entries with the umask, 002 under user private groups.
+    """
+    try:
+        user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return user.pw_gid == gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
 
 
 def _looks(path: Path, st: os.stat_result) -> str:
@@ -167,10 +180,10 @@ def _entries_problem(folder: Path, me: int, my_groups: set[int], trust_shared: b
         elif st.st_mode & stat.S_IWOTH:
             bad.append((f"{_looks(path, st)} is writable by every user: anyone can rewrite it with code your "
                         "jobs will run", f"chmod go-w {path}"))
-        elif st.st_mode & stat.S_IWGRP and not shareable:
+        elif st.st_mode & stat.S_IWGRP and not shareable and not _private_group(st.st_uid, st.st_gid):
             bad.append((f"{_looks(path, st)} is writable by group {_group(st.st_gid)}: any member can rewrite "
                         "it with code your jobs will run", f"chmod g-w {path}"))
-        elif st.st_uid not in (0, me) or st.st_mode & stat.S_IWGRP:
+        elif st.st_uid not in (0, me) or (st.st_mode & stat.S_IWGRP and not _private_group(st.st_uid, st.st_gid)):
             groups.add(_group(st.st_gid))
     if groups and not bad:
         shared.append(f"entries in {folder} are writable by (or owned by members of) group(s) "

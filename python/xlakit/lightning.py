@@ -113,6 +113,9 @@ class XlakitCheckpointIO(XLACheckpointIO):
         if options is not None and (options.layout != "single" or options.asynchronous):
             raise ValueError("Lightning saves from its global rank 0 only: options.layout must be 'single', "
                              "and asynchrony is the plugin's asynchronous=")
+        if load_options is not None and not load_options.strict:
+            raise ValueError("load_options.strict=False applies to xlakit.restore; the plugin loads whole "
+                             "checkpoints with xlakit.load (Lightning picks what it needs from them)")
         # Not XLACheckpointIO.__init__: it insists on torch_xla, which this plugin does not need.
         self.asynchronous = asynchronous
         self.options = options or SaveOptions()

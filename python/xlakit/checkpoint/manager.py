@@ -431,6 +431,9 @@ def _finish_at_exit() -> None:
                         "was not closed: retention did not run (it runs after the next save; call close())",
                         manager._pending[0], manager.directory)
             continue
+        if not manager._pending[1].done():
+            log.warning("xlakit: waiting for the asynchronous save of step %d into %s to commit before exiting, "
+                        "then applying retention (Ctrl-C abandons it)", manager._pending[0], manager.directory)
         try:
             manager.close()
         except BaseException as e:  # noqa: BLE001 - nobody is left to raise it to

@@ -69,11 +69,6 @@ def _about(path: Path | str) -> Iterator[None]:
 
 # -- ls -------------------------------------------------------------------------------------------
 
-_NOT_A_MANAGER = {"xlakit-file": "an xlakit checkpoint file", "torch-file": "a torch.save file",
-                  "sharded": "a sharded checkpoint folder", "dcp": "a torch.distributed.checkpoint folder",
-                  "step": "one step of a manager folder"}
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
     from xlakit.checkpoint import describe, retention, steps
 
@@ -86,7 +81,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             raise CheckpointFormatError(f"{folder} is not a CheckpointManager folder: it holds no step, no "
                                         f"interrupted save and no manager lock ({kind.note})")
         if kind.kind != describe.MANAGER:
-            raise CheckpointFormatError(f"{folder} is {_NOT_A_MANAGER[kind.kind]}, not a CheckpointManager "
+            raise CheckpointFormatError(f"{folder} is {describe.KIND_NAMES[kind.kind]}, not a CheckpointManager "
                                         f"folder; `xlakit ckpt inspect {folder}` shows what it holds")
         found = steps.scan(folder)
     records = [s.record for s in sorted(found.committed.values(), key=lambda s: s.step)]

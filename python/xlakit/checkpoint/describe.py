@@ -30,6 +30,10 @@ from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, Checkpo
 
 XLAKIT_FILE, TORCH_FILE, SHARDED, DCP, STEP, MANAGER, FOLDER = (
     "xlakit-file", "torch-file", "sharded", "dcp", "step", "manager", "folder")
+KIND_NAMES = {XLAKIT_FILE: "an xlakit checkpoint file", TORCH_FILE: "a torch.save file",
+              SHARDED: "a sharded checkpoint folder", DCP: "a torch.distributed.checkpoint folder",
+              STEP: "one step of a manager folder", MANAGER: "a manager folder",
+              FOLDER: "a folder holding no checkpoint"}
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_MAGIC = b"\x80"  # torch.save's legacy (pre-zip) format starts with a pickle
 

@@ -17,9 +17,10 @@ manager's (`other`) and is never touched. A step folder whose record cannot
 be read as this step's (truncated, altered, copied from another step's
 folder, written by a newer xlakit) is `damaged`: never a step, never
 touched, and named wherever the folder is looked at (the manager logs it,
-`xlakit ckpt ls` lists it, `verify` fails on it, a save of that step refuses). A new step folder is made under a
-temporary name with its record inside, then renamed, so the manager never
-leaves an empty step folder it could not tell from someone else's.
+`xlakit ckpt ls` lists it, `verify` fails on it, a save of that step refuses).
+A new step folder is made under a temporary name with its record inside, then
+renamed, so the manager never leaves an empty step folder it could not tell
+from someone else's.
 
 Deleting is two steps: a step folder is first renamed to a trash name
 (atomic: the step is gone from every scan at once), then removed. A kill in

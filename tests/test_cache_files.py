@@ -125,7 +125,22 @@ def test_prune_leaves_what_it_cannot_identify_alone(mixed, capsys):
     strangers = ("__init__.py", ".gitkeep", "cache.lock", "empty", "README", "notes.bin")
     assert {n: st[n] for n in strangers} == dict.fromkeys(strangers, "other")
     assert st["12345"] == st["678"] == st["679"] == "foreign"
-    assert "4242" not in st and "sub" not in st  # links and folders are not even listed
+    assert st["4242"] == st["sub"] == "other"  # a link and a subfolder: listed, never read nor removed
+
+
+# Regression (issue 19): `cache ls` and `verify` left out a link or a subfolder named like an entry,
+# although both are documented as listed (`other`).
+def test_links_and_subfolders_named_like_entries_are_listed_as_other(cache, capsys):
+    (cache / "888").mkdir()
+    (cache / "999").symlink_to(cache / "111")
+    for command in ("ls", "verify"):
+        rc, st = _statuses(capsys, "cache", command, str(cache))
+        assert st["888"] == st["999"] == "other", (command, st)
+    assert main(["cache", "ls", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "a subfolder named like an entry" in out and "a link named like an entry" in out
+    assert main(["cache", "prune", str(cache)]) == 0
+    assert (cache / "888").is_dir() and (cache / "999").is_symlink()
 
 
 def test_foreign_is_refused_outside_a_folder_xlakit_made(mixed, capsys):

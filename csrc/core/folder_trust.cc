@@ -2,6 +2,7 @@
 // users read in CacheFolderTrustError and in the wrapper's log line.
 #include "folder_trust.h"
 
+#include <dirent.h>
 #include <grp.h>
 #include <limits.h>
 #include <pwd.h>
@@ -11,6 +12,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <set>
 
@@ -82,6 +84,31 @@ std::string FileMode(mode_t mode) {
   return out;
 }
 
+// A user's own group (named after the user, nobody else in it): a file
+// writable by it is the owner's alone. A stock runtime writes entries with
+// the umask, 002 under user private groups.
+bool PrivateGroup(uid_t uid, gid_t gid) {
+  struct passwd pw;
+  struct passwd* user = nullptr;
+  char pbuf[4096];
+  if (getpwuid_r(uid, &pw, pbuf, sizeof(pbuf), &user) != 0 || !user) {
+    return false;
+  }
+  struct group gr;
+  struct group* group = nullptr;
+  char gbuf[16384];
+  if (getgrgid_r(gid, &gr, gbuf, sizeof(gbuf), &group) != 0 || !group) {
+    return false;
+  }
+  if (user->pw_gid != gid || std::strcmp(group->gr_name, user->pw_name) != 0) {
+    return false;
+  }
+  for (char** m = group->gr_mem; m && *m; ++m) {
+    if (std::strcmp(*m, user->pw_name) != 0) return false;
+  }
+  return true;
+}
+
 std::string Looks(const std::string& path, const struct stat& st) {
   char octal[8];
   std::snprintf(octal, sizeof(octal), "%04o",
@@ -100,6 +127,84 @@ std::string ShareHint(gid_t gid) {
 std::string Parent(const std::string& path) {
   size_t slash = path.rfind('/');
   return slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+}
+
+// Files in the cache folder that others can rewrite: (problem, fix), or
+// false. Adds to `shared` what only trust_shared accepts.
+bool EntriesProblem(const std::string& folder, uid_t me,
+                    const std::set<gid_t>& my_groups, bool trust_shared,
+                    std::vector<std::string>* shared, std::string* problem,
+                    std::string* fix) {
+  DIR* dir = opendir(folder.c_str());
+  if (dir == nullptr) {
+    if (errno == ENOENT || errno == ENOTDIR) return false;  // made empty later
+    *problem = "cannot list " + folder + " (" + std::strerror(errno) +
+               "), so who wrote its entries is unknown";
+    *fix = "make " + folder + " readable by you, or use a cache folder elsewhere";
+    return true;
+  }
+  std::vector<std::string> names;
+  while (struct dirent* e = readdir(dir)) {
+    std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  closedir(dir);
+  std::sort(names.begin(), names.end());
+  std::vector<std::pair<std::string, std::string>> bad;
+  std::set<std::string> groups;  // of entries only trust_shared accepts
+  for (const std::string& name : names) {
+    const std::string path = folder + (folder == "/" ? "" : "/") + name;
+    struct stat st;
+    // A link: what it leads to is what the runtime reads; one that leads
+    // nowhere is never read.
+    if (stat(path.c_str(), &st) != 0) continue;
+    if (S_ISDIR(st.st_mode)) continue;  // entries are plain files of the folder
+    const bool shareable = trust_shared && my_groups.count(st.st_gid) > 0;
+    // Looked up only for group-writable files: two user database queries.
+    const bool private_group =
+        (st.st_mode & S_IWGRP) && PrivateGroup(st.st_uid, st.st_gid);
+    if (st.st_uid != 0 && st.st_uid != me &&
+        !(shareable && IsMember(st.st_uid, st.st_gid))) {
+      bad.emplace_back(Looks(path, st) + " is owned by " + UserName(st.st_uid) +
+                           ", not by you or root: they can rewrite it with "
+                           "code your jobs will run",
+                       "remove it (it is not yours to trust), or have root "
+                       "run `chown " +
+                           UserName(me) + " " + path + "`");
+    } else if (st.st_mode & S_IWOTH) {
+      bad.emplace_back(Looks(path, st) +
+                           " is writable by every user: anyone can rewrite it "
+                           "with code your jobs will run",
+                       "chmod go-w " + path);
+    } else if ((st.st_mode & S_IWGRP) && !shareable && !private_group) {
+      bad.emplace_back(Looks(path, st) + " is writable by group " +
+                           GroupName(st.st_gid) +
+                           ": any member can rewrite it with code your jobs "
+                           "will run",
+                       "chmod g-w " + path);
+    } else if ((st.st_uid != 0 && st.st_uid != me) ||
+               ((st.st_mode & S_IWGRP) && !private_group)) {
+      groups.insert(GroupName(st.st_gid));
+    }
+  }
+  if (bad.empty()) {
+    if (!groups.empty()) {
+      std::string list;
+      for (const std::string& g : groups) list += (list.empty() ? "" : ", ") + g;
+      shared->push_back("entries in " + folder +
+                        " are writable by (or owned by members of) group(s) " +
+                        list);
+    }
+    return false;
+  }
+  *problem = bad[0].first;
+  *fix = bad[0].second;
+  if (bad.size() > 1) {
+    *problem += " (and " + std::to_string(bad.size() - 1) + " more entr" +
+                (bad.size() == 2 ? "y" : "ies") + " like it)";
+    *fix += "; the same for the others (`ls -l " + folder + "`)";
+  }
+  return true;
 }
 
 FolderTrust Untrusted(const std::string& folder, std::string problem,
@@ -232,6 +337,11 @@ FolderTrust JudgeCacheFolder(const std::string& folder_in, bool trust_shared) {
     }
     if (path == "/") break;
     path = Parent(path);
+  }
+  std::string problem, fix;
+  if (EntriesProblem(folder, me, my_groups, trust_shared, &shared, &problem,
+                     &fix)) {
+    return Untrusted(folder, problem, fix);
   }
   FolderTrust out;
   out.folder = folder;

@@ -12,7 +12,12 @@
 // folder above the cache may be writable by others only when it is sticky
 // (`/tmp`): nobody else can then rename or remove what the user owns in it.
 // The cache folder itself never may: a sticky bit stops removals, not new
-// entries. `trust_shared` (a team cache on purpose) accepts a folder writable
+// entries. The files already in the cache folder are judged too (a link by
+// what it leads to): an entry another user owns, or others can write, can be
+// rewritten in place with their code, whoever owns the folder (a file
+// writable by the owner's private group, as a stock runtime writes under
+// umask 002, counts as the owner's). `trust_shared` (a team cache on purpose)
+// accepts a folder writable
 // by a group the user belongs to, or owned by a member of it; writable by
 // every user stays refused. POSIX only; no XLA, torch or Python headers.
 #ifndef XLAKIT_CORE_FOLDER_TRUST_H_

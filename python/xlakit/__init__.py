@@ -48,6 +48,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'xlakit' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})  # the lazily loaded names too: help(), completion, dir()
+
+
 __all__ = [
     "__version__",
     "save",

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -131,14 +132,23 @@ def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str,
     return report
 
 
-def _regular_files(directory: Path) -> list[tuple[Path, os.stat_result]]:
-    out = []
+def _listing(directory: Path) -> list[tuple[Path, os.stat_result]]:
+    """Every name in the folder, its own lstat (links are not followed)."""
     with os.scandir(directory) as it:
-        for d in it:
-            # Never follow links and never descend: the runtime writes plain files, flat.
-            if d.is_file(follow_symlinks=False):
-                out.append((Path(d.path), d.stat(follow_symlinks=False)))
-    return sorted(out)
+        return sorted((Path(d.path), d.stat(follow_symlinks=False)) for d in it)
+
+
+def _regular_files(directory: Path) -> list[tuple[Path, os.stat_result]]:
+    # Never follow links and never descend: the runtime writes plain files, flat.
+    return [(p, st) for p, st in _listing(directory) if stat.S_ISREG(st.st_mode)]
+
+
+def _not_a_file(path: Path, st: os.stat_result) -> EntryReport:
+    """A link, a subfolder or another special name: listed, never read, never removed."""
+    what = ("a link" if stat.S_ISLNK(st.st_mode) else "a subfolder" if stat.S_ISDIR(st.st_mode)
+            else "not a plain file")
+    named = " named like an entry" if _is_entry_name(path.name) else ""
+    return _plain(path.name, st, OTHER, f"{what}{named}: the runtime writes plain files; left alone")
 
 
 def _require_folder(directory: str | os.PathLike) -> Path:
@@ -164,7 +174,8 @@ def scan(directory: str | os.PathLike, *, full: bool, identity: dict[str, str] |
     """Report every plain file in a cache folder; `full` checksums payloads (in bounded pieces), `key` checks tags."""
     folder = _require_folder(directory)
     now = time.time()
-    return [_classify(p, st, full=full, identity=identity, key=key, now=now) for p, st in _regular_files(folder)]
+    return [_classify(p, st, full=full, identity=identity, key=key, now=now) if stat.S_ISREG(st.st_mode)
+            else _not_a_file(p, st) for p, st in _listing(folder)]
 
 
 def made_by_xlakit(directory: Path) -> bool:

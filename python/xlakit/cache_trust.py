@@ -8,7 +8,11 @@ ssh's StrictModes, applied from the cache folder up to `/`: every folder is
 owned by root or by the user, and no other user can write it. A folder above
 the cache may be writable by others only when it is sticky (`/tmp`): nobody
 else can then rename or remove what the user owns in it. The cache folder
-itself never may: a sticky bit stops removals, not new entries.
+itself never may: a sticky bit stops removals, not new entries. The files
+already in the cache folder are judged too (a link by what it leads to): an
+entry another user owns, or others can write, can be rewritten in place with
+their code, whoever owns the folder (a file writable by the owner's private
+group, as a stock runtime writes under umask 002, counts as the owner's).
 
 `trust_shared` is for teams that share a cache on purpose: a folder writable
 by a group the user belongs to, or owned by a member of it, is accepted (and

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -50,20 +49,11 @@ def _size(n: float) -> str:
 
 def _emit(args: argparse.Namespace, data: dict, text: list[str]) -> None:
     if args.json:
-        print(json.dumps(_json_safe(data), indent=1, default=str, allow_nan=False))
+        from xlakit.checkpoint.describe import json_safe
+
+        print(json.dumps(json_safe(data), indent=1, default=str, allow_nan=False))
     else:
         print("\n".join(text))
-
-
-def _json_safe(value: Any) -> Any:
-    """`value` with each float that is not finite as a string: JSON has no NaN nor Infinity."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 @contextlib.contextmanager
@@ -80,33 +70,43 @@ def _about(path: Path | str) -> Iterator[None]:
 # -- ls -------------------------------------------------------------------------------------------
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import retention, steps
+    from xlakit.checkpoint import describe, retention, steps
 
     folder = Path(args.dir)
-    if not folder.is_dir():
-        what = "is a file; `xlakit ckpt inspect` reads one checkpoint" if folder.exists() else "does not exist"
-        raise FileNotFoundError(2, f"{folder} {what}; ls lists a CheckpointManager folder", str(folder))
+    if not folder.exists():
+        raise FileNotFoundError(2, f"{folder} does not exist; ls lists a CheckpointManager folder", str(folder))
     with _about(folder):
+        kind = describe.kind_of(folder)
+        if kind.kind == describe.FOLDER:
+            raise CheckpointFormatError(f"{folder} is not a CheckpointManager folder: it holds no step, no "
+                                        f"interrupted save and no manager lock ({kind.note})")
+        if kind.kind != describe.MANAGER:
+            raise CheckpointFormatError(f"{folder} is {describe.KIND_NAMES[kind.kind]}, not a CheckpointManager "
+                                        f"folder; `xlakit ckpt inspect {folder}` shows what it holds")
         found = steps.scan(folder)
     records = [s.record for s in sorted(found.committed.values(), key=lambda s: s.step)]
     policy = retention.Retention(best_metric=records[-1].get("best_metric"),
                                  best_mode=records[-1].get("best_mode", "min")) if records else retention.Retention()
     best = retention.best(found.committed, policy)
-    rows = []
-    for step in sorted({**found.committed, **found.pending}.values(), key=lambda s: s.step):
-        rows.append({"step": step.step, "state": "committed" if step.committed else "interrupted",
-                     "layout": step.layout, "bytes": steps.folder_bytes(step.path), "metrics": step.metrics,
-                     "best": step.step == best, "problem": step.problem})
+    rows = [{"step": step.step, "state": "committed" if step.committed else "interrupted", "layout": step.layout,
+             "bytes": steps.folder_bytes(step.path), "metrics": step.metrics, "best": step.step == best,
+             "problem": step.problem} for step in {**found.committed, **found.pending}.values()]
+    rows += [{"step": step, "state": "damaged", "layout": None, "bytes": steps.folder_bytes(folder / str(step)),
+              "metrics": {}, "best": False, "problem": f"its {steps.STEP_RECORD} is damaged: {why}"}
+             for step, why in found.damaged.items()]
+    rows.sort(key=lambda r: r["step"])
     data = {"directory": str(folder), "latest": found.latest, "best": best, "best_metric": policy.best_metric,
             "best_mode": policy.best_mode, "steps": rows, "trash": [p.name for p in found.trash],
             "other": found.other}
     text = [f"{folder}: {len(found.committed)} committed step(s), latest {found.latest}"
-            + (f", best {best} by {policy.best_metric} ({policy.best_mode})" if best is not None else "")]
+            + (f", best {best} by {policy.best_metric} ({policy.best_mode})" if best is not None else "")
+            + (f"; DAMAGED: step(s) {', '.join(map(str, sorted(found.damaged)))} (not steps until mended)"
+               if found.damaged else "")]
     if rows:
         text.append(f"  {'step':>10}  {'state':<11}  {'layout':<10}  {'size':>10}  metrics")
     for r in rows:
         metrics = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items())
-        text.append(f"  {r['step']:>10}  {r['state']:<11}  {r['layout']:<10}  {_size(r['bytes']):>10}  "
+        text.append(f"  {r['step']:>10}  {r['state']:<11}  {r['layout'] or '-':<10}  {_size(r['bytes']):>10}  "
                     f"{metrics}{'  (best)' if r['best'] else ''}{'  ' + r['problem'] if r['problem'] else ''}")
     if found.trash:
         text.append(f"  trash: {len(found.trash)} folder(s) a retention was deleting; the next manager "

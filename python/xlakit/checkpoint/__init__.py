@@ -6,7 +6,8 @@ Reading order, top-down:
   (options resolved, then handed to the layout that runs them);
 * `pipeline.py`: one file saved through plan, sync, transfer, write, commit;
   `loading.py`: one file read, each record once and verified as read;
-  `restoring.py`: the same, straight into a template's tensors on their devices;
+  `restoring.py`: the same, straight into a template's tensors on their devices
+  (`matching.py` pairs the template with the checkpoint first);
   `background.py`: the save with its write and commit in the background;
 * `ranks.py` (replicated and sharded layouts) and `dcp.py` / `dcp_ranks.py`
   (torch.distributed.checkpoint folders), over `agreement.py` (what every
@@ -120,6 +121,9 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     from xlakit.checkpoint import loading
 
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
+    if not opts.strict:
+        raise ValueError("strict=False applies to xlakit.restore (a template that lacks some of the "
+                         "checkpoint's entries); xlakit.load returns every entry")
     final = Path(path)
     if final.is_dir():
         return _load_folder(final, opts)
@@ -158,17 +162,22 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     in batches of at most ``max_inflight_bytes`` that go to their devices (one
     batched host-to-device transfer per batch on XLA) before the next is read, so
     the host never holds more than one batch. Every difference between checkpoint
-    and template (missing or extra keys, shapes, dtypes) is reported at once,
-    before anything is changed.
+    and template (missing or extra keys, shapes, dtypes, tied template tensors the
+    checkpoint holds different values for) is reported at once, before anything
+    is changed.
 
     Args:
-        path: a file written by `xlakit.save` (any torch.save file works, read whole);
-            a sharded folder's shard with ``shard=N`` (inside the job, this rank's by
-            default); a DCP folder is restored through `dcp_load`.
+        path: a file written by `xlakit.save`, or with ``verify=False`` any torch.save
+            file (it has no checksums to verify; it is read whole); a sharded folder's
+            shard with ``shard=N`` (inside the job, this rank's by default); a DCP folder
+            is restored through `dcp_load`.
         template: the state to fill, e.g. ``{"model": model.state_dict(),
             "optimizer": opt.state_dict()}`` (an optimizer needs state to receive it:
-            take a step, or restore only the model).
+            take a step, or restore only the model with ``strict=False``).
         options: a `LoadOptions` (``mmap`` does not apply); keyword overrides win.
+            ``strict=False`` restores part of a checkpoint: its entries the template
+            lacks are skipped (not read, not in the result), logged and passed to
+            ``extra_keys_callback``.
 
     Returns:
         The restored state: the checkpoint's structure with the template's own tensors
@@ -178,6 +187,7 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     Raises:
         CheckpointMismatchError: the checkpoint does not fit the template (`.problems`
             lists every difference); nothing was changed.
+        CheckpointFormatError: a file without xlakit checksums, with `verify` on.
         CheckpointCorruptError: a record fails its checksum (the tensor is named);
             tensors restored before it hold the checkpoint's values.
         CheckpointTimeoutError: the deadline passed.
@@ -185,9 +195,9 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     Example:
         >>> import torch, xlakit
         >>> p = getfixture("tmp_path") / "ckpt.pt"
-        >>> xlakit.save({"w": torch.ones(2), "step": 7}, p)
+        >>> xlakit.save({"w": torch.ones(2), "step": 7, "optimizer": {"lr": 0.1}}, p)
         >>> template = {"w": torch.zeros(2), "step": 0}
-        >>> xlakit.restore(p, template)["step"], template["w"]
+        >>> xlakit.restore(p, template, strict=False)["step"], template["w"]
         (7, tensor([1., 1.]))
     """
     from xlakit.checkpoint import restoring

@@ -14,13 +14,16 @@ the same order, as they call collectives.
 
 Asynchronous saves run one at a time; the next `save`, `wait`, `restore` or
 `close` waits for the one in flight and raises its error, and runs retention
-once it committed. Preemption (`install_preemption_handler`) is agreed as
+once it committed; at interpreter exit a manager nobody closed does the same
+(in a one-process job: with several ranks retention needs them all, so it
+waits for the next save). Preemption (`install_preemption_handler`) is agreed as
 described in `preemption.py`; the save at the agreed step is synchronous and
 bounded by what is left of the grace.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -39,11 +42,12 @@ from xlakit.checkpoint import agreement, paths, retention, steps
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
-from xlakit.errors import (CheckpointIncompleteError, CheckpointTimeoutError, CheckpointWriteError,
-                           RuntimeFeatureError)
+from xlakit.errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointTimeoutError,
+                           CheckpointWriteError, RuntimeFeatureError)
 
 log = logging.getLogger("xlakit")
 _managers = itertools.count()  # managers made by this process: every rank counts the same
+_open: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()  # finished at exit if nobody closed them
 
 
 class CheckpointManager:
@@ -100,7 +104,8 @@ class CheckpointManager:
             raise CheckpointWriteError(e.errno, f"cannot use {self.directory} as a manager folder: "
                                        f"{what}") from e
         self._lock = None  # rank 0's hold on the folder (see _hold_folder)
-        found = steps.scan(self.directory)
+        self._damage_told: set[tuple[int, str]] = set()
+        found = self._scan()
         self._steps = set(found.committed)
         self._last = found.latest  # the highest step saved or being saved
         self._pending: tuple[int, Any] | None = None  # an asynchronous save in flight
@@ -111,6 +116,7 @@ class CheckpointManager:
                   **dataclasses.asdict(self.policy)}
         try:
             agreement.decide("manager start", self._path(), {"config": config, "latest": self._last,
+                                                             "steps": sorted(self._steps),
                                                              "manager": self._prefix}, self._watch(),
                              prepare=self._hold_folder)
         except BaseException:
@@ -118,24 +124,28 @@ class CheckpointManager:
             raise
         if self._rank == 0:
             steps.clean(self.directory)  # what a killed retention or save left
+        _open.add(self)
 
     # -- queries ----------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first (read from the folder)."""
-        return sorted(steps.scan(self.directory).committed)
+        return sorted(self._scan().committed)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        return steps.scan(self.directory).latest
+        return self._scan().latest
 
     def best_step(self) -> int | None:
         """The committed step with the best `best_metric`; None without one (or without a metric)."""
-        return retention.best(steps.scan(self.directory).committed, self.policy)
+        return retention.best(self._scan().committed, self.policy)
 
     def should_save(self, step: int) -> bool:
         """True when `step` is to be saved: every `save_interval_steps`, and at an agreed preemption step.
 
-        Call it (or `save`) every step: it is also where a preemption is agreed.
+        A step already committed (or being saved) is not saved again; any other is, also below
+        the latest step after rolling back (restoring an earlier step and training on), and
+        after a save of it failed. Call it (or `save`) every step: it is also where a
+        preemption is agreed.
         """
         self._check_open()
         step = steps.check_step(step)
@@ -234,7 +244,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._finish_pending()
-        found = steps.scan(self.directory)
+        found = self._scan()
+        self._steps = set(found.committed)  # what is on disk now: a rollback may follow
         if step is None:
             step = found.latest
             if step is None:
@@ -242,6 +253,12 @@ class CheckpointManager:
                                         f"({found.describe()})", str(self.directory))
         step = steps.check_step(step)
         if step not in found.committed:
+            if step in found.damaged:
+                err = CheckpointCorruptError(f"step {step} in {self.directory} is not a step: its "
+                                             f"{steps.STEP_RECORD} is damaged ({found.damaged[step]}); "
+                                             f"committed: {sorted(found.committed)}")
+                err.add_note(steps.damage_note(self.directory / str(step)))
+                raise err
             if step in found.pending:
                 raise CheckpointIncompleteError(f"step {step} in {self.directory} was never committed: "
                                                 f"{found.pending[step].problem}; committed: "
@@ -346,7 +363,20 @@ class CheckpointManager:
         return Watch.of(self._options)
 
     def _regular(self, step: int) -> bool:
-        return step % self.save_interval_steps == 0 and (self._last is None or step > self._last)
+        # Not "above the latest": after a rollback the steps retrained must be saved again.
+        in_flight = self._pending is not None and self._pending[0] == step
+        return step % self.save_interval_steps == 0 and step not in self._steps and not in_flight
+
+    def _scan(self) -> steps.Scan:
+        """The folder as it is now; a step with a damaged record is named (once), never left out silently."""
+        found = steps.scan(self.directory)
+        for step, why in sorted(found.damaged.items()):
+            if (step, why) not in self._damage_told:
+                self._damage_told.add((step, why))
+                log.warning("xlakit: %s is not a step of the manager: its %s is damaged (%s). %s",
+                            self.directory / str(step), steps.STEP_RECORD, why,
+                            steps.damage_note(self.directory / str(step)))
+        return found
 
     def _preempting(self, step: int, *, deciding: bool) -> bool:
         if self._preemption is None or self._preempt_saved:
@@ -375,7 +405,7 @@ class CheckpointManager:
 
     def _committed(self, step: int) -> None:
         self._steps.add(step)
-        found = steps.scan(self.directory)
+        found = self._scan()
         doomed = retention.doomed(found, self.policy, saved=step)
 
         def discard() -> None:
@@ -388,6 +418,27 @@ class CheckpointManager:
         self._steps.difference_update(doomed)
         if self._rank == 0 and not self._preempt_saved:  # preempted: the grace is for the save
             steps.clean(self.directory)
+
+
+@atexit.register  # after operation.py's hook is registered, so it runs before it (and its saves still commit)
+def _finish_at_exit() -> None:
+    """An asynchronous save nobody waited for commits at exit; its manager then applies retention."""
+    for manager in list(_open):
+        if manager._closed or manager._pending is None:
+            continue
+        if manager._world > 1:  # retention is agreed by every rank, and the others may be gone
+            log.warning("xlakit: the asynchronous save of step %d into %s commits at exit, but the manager "
+                        "was not closed: retention did not run (it runs after the next save; call close())",
+                        manager._pending[0], manager.directory)
+            continue
+        if not manager._pending[1].done():
+            log.warning("xlakit: waiting for the asynchronous save of step %d into %s to commit before exiting, "
+                        "then applying retention (Ctrl-C abandons it)", manager._pending[0], manager.directory)
+        try:
+            manager.close()
+        except BaseException as e:  # noqa: BLE001 - nobody is left to raise it to
+            log.error("xlakit: closing the checkpoint manager of %s at exit failed: %s: %s", manager.directory,
+                      type(e).__name__, e)
 
 
 def _save_options(options: SaveOptions | None, layout: str, asynchronous: bool) -> SaveOptions:

@@ -17,9 +17,11 @@ that `cancel()` takes: the commit either happens entirely before the owner
 gives up, or never. A gate can also be agreed across ranks (`agreement.py`).
 
 Interpreter exit is clean: an exit hook waits for asynchronous saves still
-writing (bounded by their deadlines), cancels everything else and joins the
-workers with a bound, so no worker holds native state while the interpreter
-shuts down.
+writing (bounded by their deadlines), cancels everything else, then joins
+every thread xlakit started, with a bound. Waiting for an operation's `done`
+is not enough: its thread goes on after it, freeing the tensors its frames
+held (native code), and a daemon thread caught in native code by the
+interpreter's finalization aborts the process.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ _START_WAIT_S = 1.0  # how long an interrupted start waits to learn whether its 
 COMMIT, CANCEL = "commit", "cancel"
 
 _live: set["Operation"] = set()  # operations whose worker has not returned
+_threads: set[threading.Thread] = set()  # threads `start_thread` started and nobody saw end yet
 _live_lock = threading.Lock()
 
 
@@ -398,11 +401,18 @@ def start_thread(target: Callable[[], None], name: str, *, never_started: Callab
         began.set()
         target()
 
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _live_lock:  # known before it runs, so that the exit hook joins it
+        _threads.difference_update([t for t in _threads if t.ident is not None and not t.is_alive()])
+        _threads.add(thread)
     try:
-        threading.Thread(target=run, name=name, daemon=True).start()
+        thread.start()
     except BaseException:
         if not began.wait(_START_WAIT_S):
             never_started()
+        if thread.ident is None:  # never launched: nothing to join
+            with _live_lock:
+                _threads.discard(thread)
         raise
 
 
@@ -491,18 +501,41 @@ def _at_exit() -> None:
         op.cancel("the interpreter is exiting")
     end = time.monotonic() + EXIT_GRACE_S
     for op in live_operations():
-        op.done.wait(max(end - time.monotonic(), 0.0))
+        _wait_through_ctrl_c(op.done.wait, end)
     stuck = [op for op in live_operations() if not op.done.is_set()]
     if not stuck:
-        return
-    log.error("xlakit: exiting without waiting for the %s: its worker is blocked inside the runtime; "
-              "nothing was committed", stuck[0].describe())
+        with _live_lock:
+            threads = [t for t in _threads if t.ident is not None]
+        for thread in threads:  # ended operations' threads are still freeing what they held
+            _wait_through_ctrl_c(lambda left, t=thread: t.join(left) or not t.is_alive(), end)
+        if not any(t.is_alive() for t in threads):
+            return
+        what = next(t.name for t in threads if t.is_alive())
+        log.error("xlakit: exiting without waiting for the thread %s: it is still inside the runtime "
+                  "after %.0f s", what, EXIT_GRACE_S)
+    else:
+        log.error("xlakit: exiting without waiting for the %s: its worker is blocked inside the runtime; "
+                  "nothing was committed", stuck[0].describe())
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     # A worker inside native code would abort the interpreter's shutdown (its thread is
     # torn down under C++ frames); leave before that, with the status Python would give.
     os._exit(130 if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt) else 1)
+
+
+def _wait_through_ctrl_c(wait: Callable[[float], bool], end: float) -> None:
+    """`wait(seconds left)` until it returns True or `end`; Ctrl-C does not cut the wait short.
+
+    At exit the waits are bounded and short; an interrupt escaping the exit hook would let the
+    interpreter finalize under the very threads being waited for.
+    """
+    while True:
+        try:
+            if wait(max(end - time.monotonic(), 0.0)) or time.monotonic() >= end:
+                return
+        except KeyboardInterrupt:
+            continue
 
 
 atexit.register(_at_exit)

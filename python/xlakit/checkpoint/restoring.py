@@ -5,8 +5,9 @@ tensor to its device: twice the work, and the whole state on the host at
 once. Here the template (a state dict whose tensors already sit where they
 should: CPU, CUDA, an XLA device, SPMD-sharded) is matched against the
 checkpoint's structure first, and every difference (missing or extra keys,
-shapes, dtypes) is reported at once, before anything is changed. Then the
-storages are read in batches of at most `max_inflight_bytes`, each record
+shapes, dtypes, tied template tensors the checkpoint holds different values
+for) is reported at once, before anything is changed (`matching.py`). Then
+the storages are read in batches of at most `max_inflight_bytes`, each record
 once and hashed as read, and each batch goes to its devices before the next
 is read:
 
@@ -26,32 +27,21 @@ they are loaded to the host whole, then copied the same way.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from xlakit.checkpoint import loading, spmd, structure
-from xlakit.checkpoint.archive import tensor_bytes
+from xlakit.checkpoint.archive import HASH, tensor_bytes
+from xlakit.checkpoint.matching import Target, match, rebuild
 from xlakit.checkpoint.operation import Operation, Watch, check_idle
 from xlakit.checkpoint.options import LoadOptions
 from xlakit.checkpoint.structure import TensorSpec
-from xlakit.errors import CheckpointMismatchError
 
 PARTLY = ("nothing on disk was changed; tensors restored before the failure hold the checkpoint's "
           "values, the one being read may hold part of them, the rest their previous ones: restore "
           "again from a good checkpoint before using the template")
-_SHOWN = 20  # problems listed in the message (all are in `.problems`)
-
-
-@dataclass(eq=False)
-class Target:
-    """One template tensor and what fills it: a spec (xlakit file) or a host tensor (torch file)."""
-
-    path: str
-    tensor: torch.Tensor
-    source: TensorSpec | torch.Tensor
 
 
 def restore(path: Path, template: Any, opts: LoadOptions) -> Any:
@@ -71,14 +61,14 @@ def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any
             if opts.verify:
                 loading.verify_file(path, op)
             saved = loading.torch_load(path, False)
-            targets = _match(saved, template, path)
+            targets, extra = match(saved, template, path, opts, None)
             op.enter("copy")
             _apply(op, [(t, t.source) for t in targets])
-            return _rebuild(saved, targets)
+            return rebuild(saved, targets, extra)
         reader = loading.RecordReader(f, path)
         layout = loading.read_structure(op, reader, index, opts.verify)
         saved = structure.decode(layout, structure.spec, str(path))
-        targets = _match(saved, template, path)
+        targets, extra = match(saved, template, path, opts, index["storages"][HASH])
         op.bytes_total = sum(index["storages"]["nbytes"][r] for r in {t.source.storage for t in targets})
         arena = Arena()
         filled = 0
@@ -92,96 +82,7 @@ def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any
                        f"them) may hold its bytes as read, the rest their previous values. Restore again "
                        f"from a good checkpoint before using it.")
             raise
-        return _rebuild(saved, targets)
-
-
-# -- matching ---------------------------------------------------------------------------------
-
-def _match(saved: Any, template: Any, path: Path) -> list[Target]:
-    """Every (template tensor, saved tensor) pair; raises naming every difference."""
-    targets: list[Target] = []
-    problems: list[str] = []
-
-    def kind(v: Any) -> str:
-        if isinstance(v, (TensorSpec, torch.Tensor)):
-            return "a tensor"
-        return f"a {type(v).__name__}"
-
-    def walk(s: Any, t: Any, where: str) -> None:
-        name = where or "the state"
-        s_tensor = isinstance(s, (TensorSpec, torch.Tensor))
-        if s_tensor and isinstance(t, torch.Tensor):
-            shape, dtype = tuple(s.size if isinstance(s, TensorSpec) else s.shape), s.dtype
-            if shape != tuple(t.shape) or dtype != t.dtype:
-                problems.append(f"{name}: the checkpoint has {dtype} {list(shape)}, the template "
-                                f"{t.dtype} {list(t.shape)}")
-            elif t.device.type == "meta":
-                problems.append(f"{name}: the template tensor is on the meta device: it has no memory "
-                                f"to fill (materialize the model first, e.g. module.to_empty(device=...))")
-            elif t.device.type != "xla" and torch._debug_has_internal_overlap(t) == 1:
-                problems.append(f"{name}: the template tensor's elements overlap in memory (an "
-                                f"expand() or a stride of 0): it cannot hold {list(shape)} values")
-            else:
-                targets.append(Target(name, t, s))
-        elif s_tensor or isinstance(t, torch.Tensor):
-            problems.append(f"{name}: the checkpoint has {kind(s)}, the template {kind(t)}")
-        elif isinstance(s, dict) and isinstance(t, dict):
-            for k in t.keys() - s.keys():
-                problems.append(f"{_child(where, k)}: missing from the checkpoint")
-            for k in s.keys() - t.keys():
-                problems.append(f"{_child(where, k)}: in the checkpoint, not in the template")
-            for k in s.keys() & t.keys():
-                walk(s[k], t[k], _child(where, k))
-        elif isinstance(s, (list, tuple)) and isinstance(t, (list, tuple)):
-            if len(s) != len(t):
-                problems.append(f"{name}: the checkpoint has {len(s)} items, the template {len(t)}")
-            for i, (x, y) in enumerate(zip(s, t)):
-                walk(x, y, _child(where, i))
-        elif isinstance(s, (dict, list, tuple)) != isinstance(t, (dict, list, tuple)):
-            problems.append(f"{name}: the checkpoint has {kind(s)}, the template {kind(t)}")
-
-    try:
-        walk(saved, template, "")
-    finally:
-        del walk  # a closure that calls itself is a cycle: it would hold the tensors until a gc
-    if problems:
-        problems.sort()
-        shown = "\n  - ".join(problems[:_SHOWN]) + (f"\n  ... and {len(problems) - _SHOWN} more"
-                                                     if len(problems) > _SHOWN else "")
-        err = CheckpointMismatchError(f"{path} does not fit the template ({len(problems)} "
-                                      f"difference(s)); nothing was changed:\n  - {shown}",
-                                      problems=problems)
-        err.add_note("Build the template like the state that was saved (same model and optimizer "
-                     "configuration; an optimizer must have taken a step to have state), or load the "
-                     "checkpoint with xlakit.load and pick what you need.")
-        raise err
-    return targets
-
-
-def _child(where: str, key: object) -> str:
-    return f"{where}/{key}" if where else str(key)
-
-
-def _rebuild(saved: Any, targets: list[Target]) -> Any:
-    """The saved structure with the template's tensors in the tensors' places."""
-    by_source = {id(t.source): t.tensor for t in targets}
-
-    def walk(v: Any) -> Any:
-        if id(v) in by_source:
-            return by_source[id(v)]
-        if isinstance(v, dict):
-            out = type(v)((k, walk(x)) for k, x in v.items())
-            for name, value in getattr(v, "__dict__", {}).items():  # state_dict()'s _metadata
-                setattr(out, name, value)
-            return out
-        if isinstance(v, (list, tuple)):
-            return type(v)(walk(x) for x in v)
-        return v
-
-    try:
-        return walk(saved)
-    finally:
-        del walk  # a closure that calls itself is a cycle: it would hold the tensors until a gc
+        return rebuild(saved, targets, extra)
 
 
 # -- reading and placing ----------------------------------------------------------------------

@@ -13,9 +13,14 @@ the commit record of `ckpt/`), which the save makes last and atomically. A
 crash at any moment therefore leaves every step either committed, whole, or
 not a step. A folder with a record but no committed checkpoint is an
 interrupted save (`pending`); anything without a record is not the
-manager's (`other`) and is never touched. A new step folder is made under a
-temporary name with its record inside, then renamed, so the manager never
-leaves an empty step folder it could not tell from someone else's.
+manager's (`other`) and is never touched. A step folder whose record cannot
+be read as this step's (truncated, altered, copied from another step's
+folder, written by a newer xlakit) is `damaged`: never a step, never
+touched, and named wherever the folder is looked at (the manager logs it,
+`xlakit ckpt ls` lists it, `verify` fails on it, a save of that step refuses).
+A new step folder is made under a temporary name with its record inside, then
+renamed, so the manager never leaves an empty step folder it could not tell
+from someone else's.
 
 Deleting is two steps: a step folder is first renamed to a trash name
 (atomic: the step is gone from every scan at once), then removed. A kill in
@@ -28,6 +33,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import numbers
 import os
 import re
 import secrets
@@ -37,7 +43,7 @@ from pathlib import Path
 
 from xlakit.checkpoint import folders, paths
 from xlakit.checkpoint.operation import remove_path
-from xlakit.errors import CheckpointBusyError, CheckpointError, CheckpointWriteError
+from xlakit.errors import CheckpointBusyError, CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
 STEP_RECORD = "xlakit-step.json"
 STEP_FORMAT = "xlakit-step"
@@ -53,8 +59,10 @@ _TRASH_NAME = re.compile(r"\.(0|[1-9][0-9]{0,18})\.[0-9a-f]{8}" + re.escape(TRAS
 
 
 def check_step(step: object) -> int:
-    if isinstance(step, bool) or not isinstance(step, int):
+    """`step` as an int (numpy's integers too); refuses what is no step number, naming it."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(f"step must be a whole number, got {step!r} ({type(step).__name__})")
+    step = int(step)
     if step < 0:
         raise ValueError(f"step must be 0 or more, got {step}")
     if step > MAX_STEP:
@@ -99,8 +107,10 @@ class Scan:
 
     committed: dict[int, StepFolder] = field(default_factory=dict)
     pending: dict[int, StepFolder] = field(default_factory=dict)
+    damaged: dict[int, str] = field(default_factory=dict)  # step -> what is wrong with its record
     trash: list[Path] = field(default_factory=list)
     other: dict[str, str] = field(default_factory=dict)  # name -> why it is not the manager's
+    locked: bool = False  # it holds a manager's lock file: a manager used it, even if it never saved
 
     @property
     def latest(self) -> int | None:
@@ -111,18 +121,48 @@ class Scan:
         parts = []
         if self.pending:
             parts.append(f"interrupted saves of steps {sorted(self.pending)}")
+        if self.damaged:
+            parts.append(f"steps {sorted(self.damaged)} with a damaged {STEP_RECORD}")
         if self.other:
             parts.append(f"entries that are not the manager's: {', '.join(sorted(self.other)[:5])}")
         return "; ".join(parts) or "it is empty"
 
 
 def read_record(folder: Path) -> dict | None:
-    """The step record of `folder`: None when it has none; raises ValueError when it is not one."""
+    """The step record of `folder`: None when it has none.
+
+    Raises:
+        CheckpointCorruptError: it has one, which is not this step's record.
+    """
+    try:
+        return record_of(folder)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{folder / STEP_RECORD} is damaged: {e}") from e
+
+
+def record_of(folder: Path) -> dict | None:
+    """`read_record`, raising ValueError saying what is wrong with a damaged record."""
     try:
         text = (folder / STEP_RECORD).read_text()
     except FileNotFoundError:
         return None
-    record = json.loads(text)  # a ValueError names what is wrong
+    except OSError as e:
+        raise ValueError(f"it cannot be read ({e.strerror})") from e
+    try:
+        record = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"it is not whole JSON, truncated or altered: {e}") from e
+    return _check_record(folder, record)
+
+
+def damage_note(folder: Path) -> str:
+    """How to mend a step folder whose record is damaged."""
+    return (f"xlakit never deletes or reuses {folder}: move it away (or delete it, if its checkpoint is not "
+            f"needed); `xlakit ckpt inspect {folder / CHECKPOINT_FILE}` (or {CHECKPOINT_FOLDER}/) shows "
+            f"what it holds.")
+
+
+def _check_record(folder: Path, record: object) -> dict:
     if not isinstance(record, dict) or record.get("format") != STEP_FORMAT:
         raise ValueError(f"format {record.get('format') if isinstance(record, dict) else None!r}, "
                          f"expected {STEP_FORMAT!r}")
@@ -134,7 +174,8 @@ def read_record(folder: Path) -> dict | None:
             or not isinstance(record.get("metrics", {}), dict)):
         raise ValueError(f"layout {record.get('layout')!r} with checkpoint {record.get('checkpoint')!r}")
     if str(record.get("step")) != folder.name:
-        raise ValueError(f"it records step {record.get('step')!r} in folder {folder.name!r}")
+        raise ValueError(f"it records step {record.get('step')!r} in folder {folder.name!r} (a copy of "
+                         f"another step's folder?)")
     return record
 
 
@@ -164,15 +205,16 @@ def scan(directory: Path) -> Scan:
             found.trash.append(path)
             continue
         if name == LOCK_FILE:  # the manager's own
+            found.locked = True
             continue
         if not _STEP_NAME.fullmatch(name) or not path.is_dir() or path.is_symlink():
             if paths.parse_temp(name) is None:
                 found.other[name] = "not named like a step folder"
             continue
         try:
-            record = read_record(path)
-        except (OSError, ValueError) as e:
-            found.other[name] = f"its {STEP_RECORD} is not a step record ({e})"
+            record = record_of(path)
+        except ValueError as e:
+            found.damaged[int(name)] = str(e)
             continue
         if record is None:
             found.other[name] = f"no {STEP_RECORD}: not a step of an xlakit manager"
@@ -202,7 +244,13 @@ def write_record(folder: Path, record: dict, op=None) -> None:
 
 def prepare(op, folder: Path, record: dict) -> None:
     """(Rank 0, before every rank saves.) Refuse a folder that is not the manager's; write the record."""
-    foreign = foreign_entries(folder)
+    try:
+        foreign = foreign_entries(folder)
+    except CheckpointCorruptError as e:
+        err = CheckpointWriteError(errno.EEXIST, f"cannot save step {record['step']} into {folder}: {e}; "
+                                   f"it is left untouched")
+        err.add_note(damage_note(folder))
+        raise err from e
     if foreign:
         err = CheckpointWriteError(errno.EEXIST, f"cannot save step {record['step']} into {folder}: it "
                                    f"exists and is not a step of an xlakit manager (found "

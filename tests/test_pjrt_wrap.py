@@ -427,7 +427,7 @@ def test_odd_files_under_entry_names_never_block_or_bloat_the_job(tmp_path):
         f.truncate(2 << 30)
     (folder / nul).write_bytes(b"\0\x1b[31mred" * 10)
     out = job("jax", cache_env(folder))
-    assert out["max_rss_kib"] < 1 << 20  # under 1 GiB: the 2 GiB file was never read whole
+    assert out["max_rss_kib"] < first["max_rss_kib"] + (1 << 20)  # KiB: the 2 GiB file was never read whole
     assert out["status"]["refused_entries"] == {"unreadable": 1, "bad_magic": 2}
     assert out["results"] == first["results"]
     line = next(ln for ln in out["stderr"].splitlines() if "(bad_magic)" in ln)

@@ -59,3 +59,34 @@ def no_pending_save():
     if pending is not None:
         pending._finished.wait(30)
         background._pending = None
+
+
+# -- object storage: real servers on 127.0.0.1, shared by the session -----------------------------
+
+@pytest.fixture(scope="session")
+def objstore_servers(tmp_path_factory):
+    """Started on first use, one per scheme, stopped at the end of the session."""
+    from tests import objstore_servers as servers
+
+    started: dict = {}
+
+    def get(scheme: str):
+        why = servers.installed()[scheme]
+        if why is not None:
+            pytest.skip(f"no {scheme}:// test server: {why}")
+        if scheme not in started:
+            started[scheme] = servers.Server(scheme, tmp_path_factory.mktemp(f"{scheme}-server"))
+        return started[scheme]
+
+    yield get
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture(params=["gs", "s3"])
+def bucket(request, objstore_servers, monkeypatch):
+    """A fresh bucket's URL on each server, the clients pointed at it by their standard variables."""
+    server = objstore_servers(request.param)
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    return server.bucket()

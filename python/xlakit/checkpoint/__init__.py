@@ -33,6 +33,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from xlakit.checkpoint import storage
 from xlakit.checkpoint.options import LoadOptions, SaveOptions, resolve
 
 if TYPE_CHECKING:
@@ -77,8 +78,11 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
     from xlakit.checkpoint import background, operation, pipeline
 
     opts: SaveOptions = resolve(SaveOptions, options, overrides)
-    final = Path(path)
+    storage.check_url(path)
     background.check_previous()  # an unseen background failure speaks first
+    if storage.is_url(path):
+        return _save_url(obj, path, opts)
+    final = Path(path)
     if opts.layout != "single":
         from xlakit.checkpoint import ranks
 
@@ -88,6 +92,16 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
         return background.save_file(obj, final, opts)
     pipeline.save_file(obj, final, opts)
     return None
+
+
+def _save_url(obj: Any, url: str, opts: SaveOptions) -> "SaveHandle | None":
+    from xlakit.checkpoint import operation
+    from xlakit.checkpoint.storage import objfile
+
+    if opts.layout != "single":
+        raise NotImplementedError(f"layout={opts.layout!r} on object storage is not supported yet")
+    operation.check_idle()
+    return objfile.save_file(obj, url, opts)
 
 
 def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overrides: Any) -> Any:
@@ -120,6 +134,11 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     from xlakit.checkpoint import loading
 
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
+    storage.check_url(path)
+    if storage.is_url(path):
+        from xlakit.checkpoint.storage import objfile
+
+        return objfile.load_file(path, opts)
     final = Path(path)
     if final.is_dir():
         return _load_folder(final, opts)
@@ -195,6 +214,11 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
     if opts.mmap:
         raise ValueError("mmap does not apply to restore: the values go into the template's own memory")
+    storage.check_url(path)
+    if storage.is_url(path):
+        from xlakit.checkpoint.storage import objfile
+
+        return objfile.restore(path, template, opts)
     final = Path(path)
     if final.is_dir():
         return _restore_folder(final, template, opts)

@@ -199,3 +199,26 @@ def test_a_server_that_stops_answering_raises_the_deadline_naming_the_object(sch
         assert xlakit.load(url)["step"] == 1
     finally:
         server.stop()
+
+
+def test_xlakit_ckpt_verifies_inspects_diffs_and_converts_a_checkpoint_in_a_bucket(bucket, tmp_path, capsys):
+    from xlakit import cli
+
+    url = f"{bucket}/cli.pt"
+    xlakit.save(state(1), url)
+    assert cli.main(["ckpt", "verify", url]) == 0
+    assert cli.main(["ckpt", "inspect", "--json", url]) == 0
+    shown = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    assert {t["name"]: t["shape"] for t in shown["tensors"]}["model/w"] == [300, 200]
+    local = tmp_path / "local.pt"
+    xlakit.save(state(1), local)
+    assert cli.main(["ckpt", "diff", url, str(local)]) == 0
+    assert cli.main(["ckpt", "convert", url, "--to", "safetensors", str(tmp_path / "out.safetensors")]) == 0
+    loc = Location.parse(url)
+    (name,) = [n for n in listing(url) if n.endswith(".pt")]
+    data = bytearray(store_for(loc).get(None, loc.child(name)))
+    w = state(1)["model"]["w"].numpy().tobytes()
+    data[bytes(data).index(w[:64]) + 8] ^= 0x10
+    store_for(loc).put(None, loc.child(name), bytes(data))
+    assert cli.main(["ckpt", "verify", url]) == 1
+    assert "model/w" in capsys.readouterr().out

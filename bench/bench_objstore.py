@@ -29,21 +29,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from measure import high_water_mark, reset_high_water_mark  # noqa: E402
 
 MiB = 1 << 20
 TENSOR_MIB = 128
 
 
-def _hwm() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) << 10
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the high-water mark to the current RSS
-        f.write("5")
 
 
 def _state(gib: float):
@@ -58,6 +53,13 @@ def _fs(url: str):
     from xlakit.checkpoint.storage.client import Location, store_for
 
     return store_for(Location.parse(f"{url}/x")).fs
+
+
+def _plain_upload(fs, url: str, state: dict) -> None:
+    """The library's own streamed upload, its defaults, each tensor's bytes written whole."""
+    with fs.open(url, "wb") as f:
+        for t in state.values():
+            f.write(memoryview(t.numpy()).cast("B"))
 
 
 def one(method: str, url: str, gib: float) -> dict:
@@ -83,24 +85,20 @@ def one(method: str, url: str, gib: float) -> dict:
         elif kind == "dcp":
             dcp.save(state, storage_writer=FsspecWriter(f"{url}/dcp", sync_files=False, **anon), no_dist=True)
         else:
-            with fs.open(f"{url}/plain", "wb", block_size=16 * MiB) as f:
-                for t in state.values():
-                    f.write(memoryview(t.numpy()).cast("B"))
+            _plain_upload(fs, f"{url}/plain", state)
         for t in state.values():
             t.zero_()
-    _reset_hwm()
-    base = _hwm()
+    reset_high_water_mark()
+    base = high_water_mark()
     t0 = time.perf_counter()
     if method == "plain:save":
-        with fs.open(f"{url}/plain", "wb", block_size=16 * MiB) as f:
-            for t in state.values():
-                f.write(memoryview(t.numpy()).cast("B"))
+        _plain_upload(fs, f"{url}/plain", state)
     elif method == "xlakit:save":
         xlakit.save(state, f"{url}/x.pt")
     elif method == "dcp:save":
         dcp.save(state, storage_writer=FsspecWriter(f"{url}/dcp", sync_files=False, **anon), no_dist=True)
     elif method == "plain:restore":
-        with fs.open(f"{url}/plain", "rb", block_size=16 * MiB) as f:
+        with fs.open(f"{url}/plain", "rb") as f:
             for t in state.values():
                 f.readinto(memoryview(t.numpy()).cast("B"))
     elif method == "xlakit:restore":
@@ -110,7 +108,7 @@ def one(method: str, url: str, gib: float) -> dict:
     seconds = time.perf_counter() - t0
     if what == "restore":
         assert torch.equal(state["layer0"], _state(TENSOR_MIB / 1024)["layer0"]), "restored values differ"
-    return {"method": method, "seconds": seconds, "bytes": nbytes, "rss_mib": (_hwm() - base) / MiB}
+    return {"method": method, "seconds": seconds, "bytes": nbytes, "rss_mib": (high_water_mark() - base) / MiB}
 
 
 def main() -> None:
@@ -126,11 +124,11 @@ def main() -> None:
     from xlakit import _knobs
     from xlakit.checkpoint.storage import upload
 
-    budget = _knobs.get_int(_knobs.MAX_INFLIGHT_BYTES) + upload.part_bytes() * (upload.parts_in_flight() + 1)
+    budgets = {s: _knobs.get_int(_knobs.MAX_INFLIGHT_BYTES) + upload.buffer_bytes("s3" if s == "s3" else "gcs")
+               for s in ("gs", "s3")}
     methods = ["plain:save", "xlakit:save", "dcp:save", "plain:restore", "xlakit:restore", "dcp:restore"]
     print(f"object storage: {args.gib:g} GiB of CPU tensors ({TENSOR_MIB} MiB each), best of {args.repeat}, "
-          f"a fresh process per row; RSS above the state; budget = max_inflight_bytes + part buffers = "
-          f"{budget / MiB:.0f} MiB")
+          f"a fresh process per row; RSS above the state; budget = max_inflight_bytes + part buffers")
     with tempfile.TemporaryDirectory() as tmp:
         for scheme in ("gs", "s3"):
             server = Server(scheme, Path(tmp) / scheme)
@@ -148,7 +146,9 @@ def main() -> None:
                             rows[method] = row
             finally:
                 server.stop()
-            print(f"\n{scheme}:// ({'fake-gcs-server' if scheme == 'gs' else 'moto server'})")
+            budget = budgets[scheme]
+            print(f"\n{scheme}:// ({'fake-gcs-server' if scheme == 'gs' else 'moto server'}), budget "
+                  f"{budget / MiB:.0f} MiB")
             print(f"  {'method':<16} {'seconds':>8} {'MiB/s':>7} {'peak RSS MiB':>13}  ratio")
             for method in methods:
                 r = rows[method]

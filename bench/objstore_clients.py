@@ -26,20 +26,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from measure import high_water_mark, rss as _rss  # noqa: E402
 
 PIECE = 16 << 20
 
 
-def _hwm() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) << 10
-    raise RuntimeError("no VmHWM")
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _fsspec_fs(url: str):
@@ -76,7 +71,7 @@ def one(lib: str, url: str, mib: int) -> dict:
             for _ in range(total // PIECE):
                 f.write(piece)
     row["upload_s"] = time.perf_counter() - t
-    row["peak_rss_mib"] = (_hwm() - base) / (1 << 20)
+    row["peak_rss_mib"] = (high_water_mark() - base) / (1 << 20)
     wins = 0
     for i in range(2):
         try:

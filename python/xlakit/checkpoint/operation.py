@@ -207,7 +207,7 @@ class Operation:
         for p in temps:
             if isinstance(p, Path):
                 remove_path(p)
-            else:  # an object of an object store (storage.objects.Leftover): removed without waiting
+            else:  # an object of an object store (storage.generations.Leftover): removed without waiting
                 p.remove()
 
     @contextlib.contextmanager

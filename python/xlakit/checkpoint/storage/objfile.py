@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from xlakit.checkpoint import archive, background, loading, operation, pipeline, restoring
+from xlakit.checkpoint import background, loading, operation, pipeline, restoring
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.storage import generations
@@ -40,15 +40,8 @@ def upload_archive(op: Operation, store: Store, loc: Location, job: pipeline.Fil
     leftover = op.own(generations.Leftover(store, loc))
     upload = Upload(store, op, loc)
     try:
-        writer = archive.ArchiveWriter(upload, compute_crc32=job.opts.compute_crc32)
         op.enter("write")
-        writer.write_header(job.pickled, job.structure)
-        for batch, hosts, *_ in items:
-            for entry, host in zip(batch, hosts):
-                op.enter("write", entry.path)
-                writer.write_storage(entry, archive.tensor_bytes(host), on_chunk=op.advance)
-            del hosts
-        writer.finish()
+        pipeline.write_archive(op, job, upload, items)
         op.enter("upload")
         return upload.finish(), leftover
     except BaseException:

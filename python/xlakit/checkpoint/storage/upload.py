@@ -5,13 +5,15 @@
 once more bytes arrive (so the last part is never empty). At most
 `parts_in_flight` parts are being sent at once; `write` waits for the oldest
 when that many are out, so host memory stays at `part_bytes` times
-(`parts_in_flight` + 1) whatever the object's size. Each part is hashed
+(`parts_in_flight` + 1) whatever the object's size (`buffer_bytes`). Each part is hashed
 (xxh3-64, for the commit record) from the very buffer that is sent.
 
 * s3: a multipart upload (`CreateMultipartUpload`, `UploadPart` concurrently,
   `CompleteMultipartUpload`); an object of one part is one `PutObject`.
 * gs: a resumable upload; GCS takes its chunks in order, so one chunk is sent
-  while the next fills. An object of one part is one request.
+  while the next fills, and a chunk is `parts_in_flight` parts long (the same
+  bytes in flight as on S3, in fewer, larger requests: each chunk costs a
+  round trip). An object of one chunk is one request.
 
 Nothing is visible under the final name of an upload until it completes. A
 failed or abandoned upload is aborted (the multipart upload or the resumable
@@ -47,13 +49,25 @@ def parts_in_flight() -> int:
     return _knobs.get_int(_knobs.OBJECT_PARTS_IN_FLIGHT)
 
 
+def shape(kind: str) -> tuple[int, int]:
+    """(bytes of one part, parts in flight) of an upload to a store of `kind`."""
+    if kind == "s3":
+        return part_bytes(), parts_in_flight()
+    return part_bytes() * parts_in_flight(), 1
+
+
+def buffer_bytes(kind: str) -> int:
+    """The host memory an upload holds at most: the parts in flight and the one filling."""
+    size, count = shape(kind)
+    return size * (count + 1)
+
+
 class Upload:
     """A write-only stream into one object; `finish()` completes it, `abort()` gives it up."""
 
     def __init__(self, store: Store, op: "Operation", loc: Location):
         self.store, self.op, self.loc = store, op, loc
-        self.part_bytes = part_bytes()
-        self.in_flight = parts_in_flight() if store.kind == "s3" else 1
+        self.part_bytes, self.in_flight = shape(store.kind)
         self._buffer = bytearray(self.part_bytes)
         self._filled = 0
         self._sent = 0  # bytes handed to parts

@@ -11,8 +11,13 @@ import os
 
 import pytest
 
+from tests.objstore_servers import CLOSED_METADATA
+
 # Before any torch_xla import: the test bed is the CPU PJRT client.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# Before any client library is imported (google-auth reads these at import): every cloud metadata
+# endpoint points at a closed port here, so no credential lookup can leave the machine.
+os.environ.update(CLOSED_METADATA)
 
 
 def pytest_configure(config):
@@ -83,8 +88,23 @@ def objstore_servers(tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture
+def loopback_only():
+    """No connection and no name lookup off this machine during the test (and it fails if one was
+    tried, even where the client library swallowed the refusal)."""
+    from tests import objstore_servers as servers
+
+    before = len(servers.refused)
+    servers.loopback_only(True)
+    try:
+        yield
+    finally:
+        servers.loopback_only(False)
+    assert servers.refused[before:] == [], "a client tried to reach a host off this machine"
+
+
 @pytest.fixture(params=["gs", "s3"])
-def bucket(request, objstore_servers, monkeypatch):
+def bucket(request, objstore_servers, monkeypatch, loopback_only):
     """A fresh bucket's URL on each server, the clients pointed at it by their standard variables."""
     server = objstore_servers(request.param)
     for name, value in server.env().items():

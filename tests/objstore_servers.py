@@ -29,6 +29,62 @@ from pathlib import Path
 
 GCS, S3 = "gs", "s3"
 _START_S = 30.0
+# Every cloud metadata endpoint a client library's default credential chain may ask, pointed at a
+# closed port of this machine (and the checks that would ask turned off): an accidental probe fails
+# at once, here, instead of leaving the machine. google-auth reads the GCE_* variables at import.
+CLOSED_PORT = "127.0.0.1:9"
+CLOSED_METADATA = {
+    "GCE_METADATA_HOST": CLOSED_PORT, "GCE_METADATA_ROOT": CLOSED_PORT, "GCE_METADATA_IP": CLOSED_PORT,
+    "NO_GCE_CHECK": "true",  # google-auth compares with "true" exactly
+    "AWS_EC2_METADATA_DISABLED": "true", "AWS_EC2_METADATA_SERVICE_ENDPOINT": f"http://{CLOSED_PORT}",
+    "AWS_METADATA_ENDPOINT": f"http://{CLOSED_PORT}",  # obstore (object_store)
+}
+REFUSED = "objstore test guard: refused a connection off this machine"
+refused: list[str] = []  # what the guard refused in this process
+
+
+def _loopback(host: object) -> bool:
+    import ipaddress
+
+    if isinstance(host, bytes):
+        host = host.decode(errors="replace")
+    if host in (None, "", "localhost"):  # None: a local socket's path, or getaddrinfo of no host
+        return True
+    try:
+        return ipaddress.ip_address(str(host).split("%")[0]).is_loopback
+    except ValueError:
+        return False  # a name to resolve: a DNS request may leave the machine
+
+
+def _guard(event: str, args: tuple) -> None:
+    if not _guarding:
+        return
+    if event == "socket.connect":
+        address = args[1]
+        host = address[0] if isinstance(address, tuple) else None  # AF_UNIX: a path
+    elif event == "socket.getaddrinfo":
+        host = args[0]
+    else:
+        return
+    if not _loopback(host):
+        refused.append(f"{event} {host!r}")
+        print(f"{REFUSED}: {event} {host!r}", file=sys.stderr, flush=True)
+        raise ConnectionRefusedError(111, f"{REFUSED} ({host!r})")
+
+
+_guarding = False
+_hooked = False
+
+
+def loopback_only(on: bool = True) -> None:
+    """While on, this process refuses (and records in `refused`) every socket connection and name
+    lookup that is not for the loopback interface (an audit hook, so every Python client library
+    is covered, whichever way it connects)."""
+    global _guarding, _hooked
+    if not _hooked:
+        sys.addaudithook(_guard)
+        _hooked = True
+    _guarding = on
 
 
 def free_port() -> int:
@@ -76,12 +132,10 @@ class Server:
     def env(self) -> dict[str, str]:
         """The clients' standard variables that point them at this server."""
         if self.scheme == GCS:
-            # NO_GCE_CHECK: google-auth must never probe the GCE metadata server (an address off this
-            # machine) when a library looks for default credentials.
-            return {"STORAGE_EMULATOR_HOST": self.url, "NO_GCE_CHECK": "True",
+            return {**CLOSED_METADATA, "STORAGE_EMULATOR_HOST": self.url,
                     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-        return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+        return {**CLOSED_METADATA, "AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
 
     def _probe(self) -> str:
         return f"{self.url}/storage/v1/b" if self.scheme == GCS else f"{self.url}/moto-api/"

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import xlakit  # noqa: E402
+from tests import objstore_servers  # noqa: E402
 from xlakit.checkpoint.storage import generations  # noqa: E402
 
 
@@ -32,6 +33,7 @@ def say(**event) -> None:
 
 
 def main() -> None:
+    objstore_servers.loopback_only()
     scenario, url = sys.argv[1], sys.argv[2]
     state = {"w": torch.full((1000,), float(os.getpid())), "pid": os.getpid()}
     real_commit = generations.commit

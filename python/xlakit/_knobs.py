@@ -19,14 +19,14 @@ PROGRESS_INTERVAL_S = "XLAKIT_PROGRESS_INTERVAL_S"
 TRANSFER_BACKEND = "XLAKIT_TRANSFER_BACKEND"
 PROFILE = "XLAKIT_PROFILE"  # VERSIONS.toml profile the manifest checks against
 PREEMPTION_GRACE_S = "XLAKIT_PREEMPTION_GRACE_S"  # CheckpointManager: SIGTERM to the last moment to save
-DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"
+DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
 # Object storage (checkpoint/storage): the size of one upload part and how many are sent at once
 # (host memory for the upload: part bytes times parts in flight, plus the one being filled).
 OBJECT_PART_BYTES = "XLAKIT_OBJECT_PART_BYTES"
 OBJECT_PARTS_IN_FLIGHT = "XLAKIT_OBJECT_PARTS_IN_FLIGHT"
 # The bound of one object-storage request made outside a save or load's deadline (listings of
 # `xlakit ckpt`, a manager's scan).
-OBJECT_REQUEST_TIMEOUT_S = "XLAKIT_OBJECT_REQUEST_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
+OBJECT_REQUEST_TIMEOUT_S = "XLAKIT_OBJECT_REQUEST_TIMEOUT_S"
 # Accept a persistent cache folder a group you belong to can write (see cache_trust).
 CACHE_TRUST_SHARED = "XLAKIT_CACHE_TRUST_SHARED"
 # The job's secret for authenticated cache entries; the C++ runtime reads the same variable

@@ -96,10 +96,10 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
 
 def _save_url(obj: Any, url: str, opts: SaveOptions) -> "SaveHandle | None":
     from xlakit.checkpoint import operation
-    from xlakit.checkpoint.storage import objfile
+    from xlakit.checkpoint.storage import objfile, objranks
 
     if opts.layout != "single":
-        raise NotImplementedError(f"layout={opts.layout!r} on object storage is not supported yet")
+        return objranks.save(obj, url, opts)
     operation.check_idle()
     return objfile.save_file(obj, url, opts)
 
@@ -136,9 +136,9 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
     storage.check_url(path)
     if storage.is_url(path):
-        from xlakit.checkpoint.storage import objfile
+        from xlakit.checkpoint.storage import objranks
 
-        return objfile.load_file(path, opts)
+        return objranks.load(path, opts)
     final = Path(path)
     if final.is_dir():
         return _load_folder(final, opts)
@@ -216,9 +216,9 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
         raise ValueError("mmap does not apply to restore: the values go into the template's own memory")
     storage.check_url(path)
     if storage.is_url(path):
-        from xlakit.checkpoint.storage import objfile
+        from xlakit.checkpoint.storage import objranks
 
-        return objfile.restore(path, template, opts)
+        return objranks.restore(path, template, opts)
     final = Path(path)
     if final.is_dir():
         return _restore_folder(final, template, opts)

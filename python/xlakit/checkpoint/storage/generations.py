@@ -69,9 +69,11 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", paths.host())
 
 
-def operation_id() -> str:
-    """This save's part of its data objects' names: host, pid, random (as local temporaries)."""
-    return f"{_host()}.{os.getpid()}.{secrets.token_hex(4)}"
+def operation_id(token: str | None = None) -> str:
+    """This save's part of its data objects' names: host, pid, random (as local temporaries).
+
+    The ranks of one save share `token` (the committing rank's), each with its own host and pid."""
+    return f"{_host()}.{os.getpid()}.{token or secrets.token_hex(4)}"
 
 
 def data_name(generation: int, op_id: str, suffix: str) -> str:
@@ -143,11 +145,17 @@ def latest_record(store: Store, op: "Operation | None", loc: Location, kind: str
         raise FileNotFoundError(errno.ENOENT, message, loc.url)
     record = read_record(store, op, loc, found.latest)
     if kind is not None and record.get("kind") != kind:
-        raise CheckpointFormatError(f"{loc} is a {record.get('kind')!r} checkpoint, not a {kind!r} one"
-                                    + {"dcp": "; load it with xlakit.dcp_load(state, url)",
-                                       "sharded": "; each rank of the job loads its shard (or pass shard=N)",
-                                       "file": "; load it with xlakit.load(url)"}.get(record.get("kind"), ""))
+        raise kind_error(loc, record, kind)
     return record
+
+
+def kind_error(loc: Location, record: dict, wanted: str) -> CheckpointFormatError:
+    """`loc` holds another kind of checkpoint than the reader reads: say which, and what reads it."""
+    found = record.get("kind")
+    return CheckpointFormatError(f"{loc} is a {found!r} checkpoint, not a {wanted!r} one"
+                                 + {"dcp": "; load it with xlakit.dcp_load(state, url)",
+                                    "sharded": "; each rank of the job loads its shard (or pass shard=N)",
+                                    "file": "; load it with xlakit.load(url)"}.get(found, ""))
 
 
 def next_generation(found: Listing) -> int:

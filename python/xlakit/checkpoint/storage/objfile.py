@@ -9,14 +9,16 @@ commit point (`generations.py`). Before the upload, objects no commit can
 name any more are removed; after the commit, generations older than the
 previous one.
 
-Load and restore read the newest committed generation's data object through
-`ObjectFile` with the local readers, so every record is verified exactly as
-on disk; the object's size is checked against the commit record first.
+Load and restore read one data object of the newest committed generation
+(the file, or one shard: the caller's `choose`) through `ObjectFile` with the
+local readers, so every record is verified exactly as on disk; the object's
+size is checked against the commit record first.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from xlakit.checkpoint import background, loading, operation, pipeline, restoring
@@ -58,7 +60,8 @@ def begin(op: Operation, store: Store, loc: Location) -> int:
 
 def commit(op: Operation, store: Store, loc: Location, record: dict,
            owned: list[generations.Leftover]) -> None:
-    """Create the commit record; on a conflict remove what this save uploaded; then tidy."""
+    """Create the commit record; on a conflict remove the objects `owned` (every rank's, when
+    several uploaded them: none of them can ever be committed), and raise."""
     try:
         generations.commit(store, op, loc, record)
     except CheckpointConflictError:
@@ -71,6 +74,10 @@ def commit(op: Operation, store: Store, loc: Location, record: dict,
         raise
     for o in owned:
         op.disown(o)
+
+
+def tidy_after(op: Operation, store: Store, loc: Location, record: dict) -> None:
+    """After `record` committed: generations older than the previous one go (records first)."""
     op.enter("tidy")
     generations.tidy(store, op, loc, keep_from=record["generation"] - 1)
 
@@ -86,6 +93,7 @@ def write(op: Operation, job: pipeline.FileSave, items: pipeline.HostItems) -> N
     meta, leftover = upload_archive(op, store, obj, job, items)
     record = {"kind": KIND, "generation": generation, "operation": op_id, "objects": {name: meta}}
     commit(op, store, loc, record, [leftover])
+    tidy_after(op, store, loc, record)
 
 
 def save_file(obj: Any, url: str, opts: SaveOptions):
@@ -101,11 +109,21 @@ def save_file(obj: Any, url: str, opts: SaveOptions):
 
 # -- reading ------------------------------------------------------------------------------------
 
-def open_committed(op: Operation, url: str, kind: str = KIND) -> tuple[Store, Location, dict]:
-    loc = Location.parse(url)
-    store = store_for(loc)
+Choose = Callable[[dict], tuple[str, dict]]  # a commit record -> the data object to read, its entry
+
+
+def peek(loc: Location, opts: LoadOptions) -> dict:
+    """The newest commit record at `loc` (what kind of checkpoint it is), under `opts`' deadline."""
+    op = Operation("load", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED)
+    return op.run(lambda op: committed(op, store_for(loc), loc))
+
+
+def committed(op: Operation, store: Store, loc: Location, record: dict | None = None) -> dict:
+    """`record` if given (a generation pinned earlier), else the newest commit record at `loc`."""
+    if record is not None:
+        return record
     op.enter("list")
-    return store, loc, generations.latest_record(store, op, loc, kind)
+    return generations.latest_record(store, op, loc)
 
 
 def open_object(op: Operation, store: Store, loc: Location, name: str, entry: dict) -> ObjectFile:
@@ -130,38 +148,42 @@ def replaced_error(loc: Location, name: str) -> CheckpointCorruptError:
     return err
 
 
-def _read_index(f: ObjectFile, url: str) -> dict:
-    index = loading.open_index(f, url, size=f.size)
+def _read_index(f: ObjectFile) -> dict:
+    index = loading.open_index(f, f.loc.url, size=f.size)
     if index is None:
         raise CheckpointFormatError(f"{f.loc} is not an xlakit checkpoint file (no xlakit index)")
     return index
 
 
-def load_file(url: str, opts: LoadOptions) -> Any:
-    """`xlakit.load("gs://...")`: the newest committed generation, every record verified."""
-    if opts.mmap:
-        raise ValueError(f"mmap=True maps a local file; {url} is on object storage (load it without mmap)")
-    op = Operation("load", url, Watch.of(opts), untouched=loading.NOTHING_CHANGED)
+def read_object(op: Operation, store: Store, loc: Location, name: str, entry: dict, opts: LoadOptions) -> Any:
+    """The state in the data object `name`, every record verified."""
+    f = open_object(op, store, loc, name, entry)
+    op.bytes_total = f.size
+    return loading.read_records(op, f, f.loc.url, _read_index(f), opts.verify)
+
+
+def load_file(loc: Location, opts: LoadOptions, choose: Choose, record: dict | None = None) -> Any:
+    """`xlakit.load("gs://...")` of one data object (the file, or one shard) of the newest committed
+    generation (or of `record`'s), every record verified."""
+    op = Operation("load", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED)
 
     def work(op: Operation) -> Any:
-        store, loc, record = open_committed(op, url)
-        (name, entry), = record["objects"].items()
-        f = open_object(op, store, loc, name, entry)
-        op.bytes_total = f.size
-        return loading.read_records(op, f, f.loc.url, _read_index(f, url), opts.verify)
+        store = store_for(loc)
+        name, entry = choose(committed(op, store, loc, record))
+        return read_object(op, store, loc, name, entry, opts)
 
     return op.run(work)
 
 
-def restore(url: str, template: Any, opts: LoadOptions) -> Any:
-    """`xlakit.restore("gs://...", template)`: records streamed into the template, verified."""
+def restore(loc: Location, template: Any, opts: LoadOptions, choose: Choose, record: dict | None = None) -> Any:
+    """`xlakit.restore("gs://...", template)`: one data object's records streamed into the template."""
     operation.check_idle(writing_ok=True)
-    op = Operation("restore", url, Watch.of(opts), untouched=restoring.PARTLY)
+    op = Operation("restore", loc.url, Watch.of(opts), untouched=restoring.PARTLY)
 
     def work(op: Operation) -> Any:
-        store, loc, record = open_committed(op, url)
-        (name, entry), = record["objects"].items()
+        store = store_for(loc)
+        name, entry = choose(committed(op, store, loc, record))
         f = open_object(op, store, loc, name, entry)
-        return restoring.restore_records(op, f, f.loc.url, _read_index(f, url), template, opts)
+        return restoring.restore_records(op, f, f.loc.url, _read_index(f), template, opts)
 
     return op.run(work)

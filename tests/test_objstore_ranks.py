@@ -1,0 +1,107 @@
+"""Coordinated saves to object storage with real processes: 4 ranks (gloo over loopback) against each
+local server, one job per server running every phase of tests/objstore_ranks_worker.py in order.
+
+The checkpoint is then checked from here, in this process, as a later job would read it.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import xlakit
+from tests import ranks
+from tests.objstore_ranks_worker import DEADLINE_S, VICTIM
+from tests.objstore_servers import REFUSED
+from xlakit.checkpoint.storage import generations
+from xlakit.checkpoint.storage.client import Location, store_for
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+WORKER = Path(__file__).resolve().parent / "objstore_ranks_worker.py"
+WORLD = 4
+PHASES = "sharded,replicated,async,kill"
+MARGIN_S = 8.0  # the others wait for rank 0's verdict a few seconds more
+# Parts of 5 MiB, one in flight: an 8 MiB shard is uploaded in several requests on both servers.
+SMALL_PARTS = {"XLAKIT_OBJECT_PART_BYTES": str(5 << 20), "XLAKIT_OBJECT_PARTS_IN_FLIGHT": "1"}
+
+
+@pytest.fixture(scope="module", params=["gs", "s3"])
+def job(request, objstore_servers):
+    """The job's reports per rank and phase; the victim is killed once it says it is uploading."""
+    server = objstore_servers(request.param)
+    url = f"{server.bucket()}/run"
+    started = ranks.Job(WORKER, PHASES, url, WORLD, env={**server.env(), **SMALL_PARTS})
+    started.wait_event(VICTIM, "uploading", timeout=240)
+    started.signal(VICTIM, signal.SIGKILL)
+    results = started.results(timeout=120)
+    reports = {r: {line["phase"]: line for line in started.lines[r] if "phase" in line} for r in range(WORLD)}
+    for r in range(WORLD):
+        assert REFUSED not in results[r]["stderr"], results[r]["stderr"]
+    return server, url, reports, results
+
+
+@pytest.fixture
+def here(job, monkeypatch, loopback_only):
+    """This process pointed at the job's server."""
+    server, url, reports, results = job
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    return url, reports, results
+
+
+def _names(url: str) -> list[str]:
+    loc = Location.parse(url)
+    return sorted(store_for(loc).list(None, loc))
+
+
+def test_a_4_rank_sharded_save_to_a_bucket_loads_and_restores_on_every_rank(here):
+    url, reports, results = here
+    for r in range(WORLD):
+        got = reports[r].get("sharded")
+        assert got is not None, results[r]["stderr"]
+        assert got["loaded"] == {"version": 1, "rank": r, "w0": 10.0 + r}
+        assert got["restored"] == got["loaded"] and got["in_place"]
+    shard = xlakit.load(f"{url}/sharded", shard=3)  # outside the job, one shard by number
+    assert shard["version"] == 2 and torch.equal(shard["w"], torch.full((1000,), 23.0))
+    with pytest.raises(xlakit.CheckpointFormatError, match="sharded checkpoint.*shard=N"):
+        xlakit.load(f"{url}/sharded")  # one process, no shard named
+
+
+def test_an_asynchronous_sharded_save_commits_one_record_naming_every_rank_s_shard(here):
+    url, reports, _ = here
+    for r in range(WORLD):
+        assert reports[r]["async"]["loaded"] == {"version": 2, "rank": r, "w0": 20.0 + r}
+    loc = Location.parse(f"{url}/sharded")
+    record = generations.latest_record(store_for(loc), None, loc, "sharded")
+    assert record["generation"] == 2 and record["world"] == WORLD
+    assert [n.rsplit(".shard-", 1)[1] for n in record["shards"]] == [
+        f"{r:05d}-of-{WORLD:05d}.pt" for r in range(WORLD)]
+    assert {e["rank"] for e in record["objects"].values()} == set(range(WORLD))
+
+
+def test_a_replicated_save_is_written_by_its_writer_rank_and_loaded_by_every_rank(here):
+    url, reports, _ = here
+    for r in range(WORLD):
+        assert reports[r]["replicated"]["loaded"] == {"version": 1, "rank": 1, "w0": 11.0}
+    assert xlakit.load(f"{url}/replicated.pt")["rank"] == 1  # a file checkpoint: any process loads it
+
+
+def test_a_rank_killed_mid_upload_commits_nothing_anywhere_and_the_previous_stays(here):
+    url, reports, results = here
+    assert "kill" not in reports[VICTIM] and results[VICTIM]["exit"] == -signal.SIGKILL
+    for r in set(range(WORLD)) - {VICTIM}:
+        got = reports[r]["kill"]
+        assert got.get("error") == "CheckpointTimeoutError", got
+        assert got["rank_named"] == VICTIM and f"[{VICTIM}]" in got["message"], got
+        assert got["error_after_s"] < DEADLINE_S + MARGIN_S
+        assert got["previous"] == {"version": 2, "rank": r, "w0": 20.0 + r}
+    names = _names(f"{url}/sharded")
+    assert generations.commit_name(3) not in names  # no commit anywhere
+    assert xlakit.load(f"{url}/sharded", shard=VICTIM)["version"] == 2
+    # What the aborted save uploaded can never be committed: the next save removes every object of it.
+    xlakit.save({"after": torch.ones(2)}, f"{url}/sharded")
+    left = [n for n in _names(f"{url}/sharded") if n.startswith(f"{3:020d}.") and ".shard-" in n]
+    assert left == [], left

@@ -1,9 +1,11 @@
 """One rank of a multi-process job saving to object storage; prints a JSON line per phase.
 
 Started by tests/test_objstore_ranks.py with RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT and a server's standard variables set: `objstore_ranks_worker.py
-PHASES URL` runs the comma-separated phases in order against the bucket URL
-(one job for all phases: starting ranks is the slow part on a small machine).
+MASTER_PORT and the servers' standard variables set: `objstore_ranks_worker.py
+PHASES URL[,URL...]` runs the comma-separated phases in order against each
+bucket URL (one job for all: starting ranks, and torch_xla's import that DCP
+brings, are the slow part on a small machine); `kill` runs last, once,
+against the last URL. Each report names its phase and its URL's scheme.
 
 * `sharded`: a sharded save (version 1), loaded back inside the job (agreed),
   and restored into a template (this rank's shard).
@@ -45,8 +47,9 @@ def state(version: int, *, big: bool = False) -> dict:
     return {"version": version, "rank": RANK, "w": torch.full((n,), float(version * 10 + RANK))}
 
 
-def report(phase: str, start: float, **values) -> None:
-    print(json.dumps({"phase": phase, "elapsed_s": time.monotonic() - start, **values}), flush=True)
+def report(phase: str, url: str, start: float, **values) -> None:
+    print(json.dumps({"phase": phase, "scheme": url.partition(":")[0], "elapsed_s": time.monotonic() - start,
+                      **values}), flush=True)
 
 
 def _error(e: BaseException) -> dict:
@@ -63,7 +66,7 @@ def sharded(url: str) -> None:
     loaded = xlakit.load(f"{url}/sharded", timeout_s=60)
     template = state(0)
     restored = xlakit.restore(f"{url}/sharded", template, timeout_s=60)
-    report("sharded", start, loaded=_seen(loaded), restored=_seen(restored),
+    report("sharded", url, start, loaded=_seen(loaded), restored=_seen(restored),
            in_place=restored["w"] is template["w"])
 
 
@@ -72,14 +75,14 @@ def replicated(url: str) -> None:
     xlakit.save(state(1) | {"rank": 1}, f"{url}/replicated.pt", layout="replicated", writer_rank=1,
                 timeout_s=60)
     loaded = xlakit.load(f"{url}/replicated.pt", layout="replicated", timeout_s=60)
-    report("replicated", start, loaded=_seen(loaded))
+    report("replicated", url, start, loaded=_seen(loaded))
 
 
 def asynchronous(url: str) -> None:
     start = time.monotonic()
     handle = xlakit.save(state(2), f"{url}/sharded", layout="sharded", asynchronous=True, timeout_s=60)
     handle.result()
-    report("async", start, loaded=_seen(xlakit.load(f"{url}/sharded", timeout_s=60)))
+    report("async", url, start, loaded=_seen(xlakit.load(f"{url}/sharded", timeout_s=60)))
 
 
 def dcp(url: str) -> None:
@@ -89,7 +92,7 @@ def dcp(url: str) -> None:
     xlakit.dcp_save(dcp_worker.saved_state(1), f"{url}/dcp", timeout_s=60)
     target = dcp_worker.target_state()
     xlakit.dcp_load(target, f"{url}/dcp", timeout_s=60)
-    report("dcp", start, mismatch=dcp_worker.mismatches(target, 1))
+    report("dcp", url, start, mismatch=dcp_worker.mismatches(target, 1))
 
 
 def kill(url: str) -> None:
@@ -107,11 +110,11 @@ def kill(url: str) -> None:
     start = time.monotonic()
     try:
         xlakit.save(state(3, big=True), f"{url}/sharded", layout="sharded", timeout_s=DEADLINE_S)
-        report("kill", start, saved=True)
+        report("kill", url, start, saved=True)
     except xlakit.CheckpointError as e:
         elapsed = time.monotonic() - start
         previous = xlakit.load(f"{url}/sharded", shard=RANK, timeout_s=60)
-        report("kill", start, **_error(e), error_after_s=elapsed, previous=_seen(previous))
+        report("kill", url, start, **_error(e), error_after_s=elapsed, previous=_seen(previous))
 
 
 PHASES = {"sharded": sharded, "replicated": replicated, "async": asynchronous, "dcp": dcp, "kill": kill}
@@ -120,9 +123,13 @@ PHASES = {"sharded": sharded, "replicated": replicated, "async": asynchronous, "
 if __name__ == "__main__":
     objstore_servers.loopback_only()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    phases = sys.argv[1].split(",")
-    for name in phases:
-        PHASES[name](sys.argv[2])
+    phases, urls = sys.argv[1].split(","), sys.argv[2].split(",")
+    for url in urls:
+        for name in phases:
+            if name != "kill":
+                PHASES[name](url)
+    if "kill" in phases:
+        kill(urls[-1])
     # Rank 0 hosts the store: it stays until the others are done reading it (or 15 s).
     store = dist.distributed_c10d._get_default_store()
     store.set(f"exit/{RANK}", "1")

@@ -107,6 +107,28 @@ def test_a_url_without_a_committed_checkpoint_is_refused_saying_what_is_there(bu
         xlakit.save(state(1), "ftp://host/x.pt")
 
 
+def test_dcp_save_commits_a_record_naming_every_file_and_load_verifies_them(bucket):
+    url = f"{bucket}/dcp"
+    saved = {"model": {"w": torch.randn(300, 20)}, "ids": torch.arange(12), "step": 4}
+    xlakit.dcp_save({**saved, "step": 3}, url)
+    xlakit.dcp_save(saved, url)  # the next generation; the first stays whole until a third commits
+    loc = Location.parse(url)
+    record = generations.latest_record(store_for(loc), None, loc, "dcp")
+    assert record["generation"] == 2 and sorted(n.rsplit("/", 1)[1] for n in record["objects"]) == [
+        ".metadata", "__0_0.distcp"]
+    state = {"model": {"w": torch.zeros(300, 20)}, "ids": torch.zeros(12, dtype=torch.int64), "step": 0}
+    assert xlakit.restore(url, state) is state  # a DCP checkpoint restores through dcp_load
+    assert torch.equal(state["model"]["w"], saved["model"]["w"]) and state["step"] == 4
+    with pytest.raises(xlakit.CheckpointFormatError, match="dcp_load"):
+        xlakit.load(url)
+    (data,) = [n for n in record["objects"] if n.endswith(".distcp")]
+    body = bytearray(store_for(loc).get(None, loc.child(data)))
+    body[len(body) // 2] ^= 0x01
+    store_for(loc).put(None, loc.child(data), bytes(body))
+    with pytest.raises(xlakit.CheckpointCorruptError, match=r"__0_0\.distcp"):
+        xlakit.dcp_load(state, url)
+
+
 def _worker(scenario: str, url: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(WORKER), scenario, url, *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})

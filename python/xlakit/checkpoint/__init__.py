@@ -281,6 +281,11 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
     from xlakit.checkpoint import agreement, background
 
     background.check_previous()
+    storage.check_url(path)
+    if storage.is_url(path):
+        from xlakit.checkpoint.storage import objdcp
+
+        return objdcp.save(state, path, opts)
     if agreement.world_size() > 1:
         from xlakit.checkpoint import dcp_ranks
 
@@ -330,6 +335,11 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
             raise ValueError(f"{name} applies to xlakit.load's files, not to DCP folders")
     from xlakit.checkpoint import agreement
 
+    storage.check_url(path)
+    if storage.is_url(path):
+        from xlakit.checkpoint.storage import objdcp
+
+        return objdcp.load(state, path, opts)
     if agreement.world_size() > 1:
         from xlakit.checkpoint import dcp_ranks
 

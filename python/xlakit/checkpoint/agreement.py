@@ -362,6 +362,14 @@ class Coordination:
             op.check()
             time.sleep(_POLL_S)
 
+    def expect_commit(self, op: Operation, what: str) -> None:
+        """(Not the committing rank.) Wait for the commit of `what`; raise, naming the committing
+        rank, when it could not commit."""
+        final = self.outcome(op)
+        if not final.get("ok"):
+            raise CheckpointPeerError(f"rank {self.committer} could not commit {what}: {final.get('error')}",
+                                      rank=self.committer)
+
     def group(self, op: Operation):
         """A fresh gloo group for this operation (every rank agreed, so every rank calls this)."""
         if self._group is None:

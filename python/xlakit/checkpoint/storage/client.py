@@ -254,6 +254,13 @@ class Store:
 
         return self.run(op, f"reading {loc}", fetch)
 
+    def copy(self, op: "Operation | None", src: Location, dst: Location) -> None:
+        """Copy an object within the store (the server copies: no bytes pass through here)."""
+        async def cp() -> None:
+            await self.fs._cp_file(src.path, dst.path)
+
+        self.run(op, f"copying {src} to {dst}", cp)
+
     def size(self, op: "Operation | None", loc: Location) -> int:
         async def info() -> int:
             return int((await self.fs._info(loc.path))["size"])

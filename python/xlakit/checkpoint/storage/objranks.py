@@ -43,7 +43,7 @@ from xlakit.checkpoint.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.state import Plan
 from xlakit.checkpoint.storage import generations, objfile
 from xlakit.checkpoint.storage.client import Location, store_for
-from xlakit.errors import CheckpointError, CheckpointFormatError, CheckpointPeerError
+from xlakit.errors import CheckpointError, CheckpointFormatError
 
 SHARDED = "sharded"
 
@@ -146,7 +146,7 @@ class ObjectSave:
     def _write_replicated(self, op: Operation, items: Any) -> None:
         self.coord.vote({})
         if self.rank != self.committer:
-            self._expect_commit(op)
+            self.coord.expect_commit(op, self.url)
             return
         name, meta, _ = self._upload(op, items, objfile.SUFFIX)
         self.coord.votes(op)  # every rank still wants it
@@ -158,7 +158,7 @@ class ObjectSave:
         name, meta, _ = self._upload(op, items, shard_suffix(self.rank, self.world))
         self.coord.vote({"name": name, **meta})
         if self.rank != self.committer:
-            self._expect_commit(op)
+            self.coord.expect_commit(op, self.url)
             return
         votes = self.coord.votes(op)
         names = [votes[r]["name"] for r in range(self.world)]
@@ -168,11 +168,6 @@ class ObjectSave:
                                                  "rank": r} for r in range(self.world)}}
         self._commit(op, record, names)
 
-    def _expect_commit(self, op: Operation) -> None:
-        final = self.coord.outcome(op)
-        if not final.get("ok"):
-            raise CheckpointPeerError(f"rank {self.committer} could not commit {self.url}: {final.get('error')}",
-                                      rank=self.committer)
 
 
 def save(obj: Any, url: str, opts: SaveOptions) -> background.SaveHandle | None:

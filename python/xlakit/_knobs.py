@@ -27,6 +27,8 @@ OBJECT_PARTS_IN_FLIGHT = "XLAKIT_OBJECT_PARTS_IN_FLIGHT"
 # The bound of one object-storage request made outside a save or load's deadline (listings of
 # `xlakit ckpt`, a manager's scan).
 OBJECT_REQUEST_TIMEOUT_S = "XLAKIT_OBJECT_REQUEST_TIMEOUT_S"
+# How long a CheckpointManager's lease on an object-storage URL lasts unless renewed (storage/lease.py).
+MANAGER_LEASE_S = "XLAKIT_MANAGER_LEASE_S"
 # Accept a persistent cache folder a group you belong to can write (see cache_trust).
 CACHE_TRUST_SHARED = "XLAKIT_CACHE_TRUST_SHARED"
 # The job's secret for authenticated cache entries; the C++ runtime reads the same variable
@@ -63,6 +65,7 @@ DEFAULTS: dict[str, float | int | str] = {
     OBJECT_PART_BYTES: 16 * MiB,
     OBJECT_PARTS_IN_FLIGHT: 4,
     OBJECT_REQUEST_TIMEOUT_S: 120.0,
+    MANAGER_LEASE_S: 300.0,
 }
 
 

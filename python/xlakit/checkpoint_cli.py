@@ -80,14 +80,17 @@ def _about(path: Path | str) -> Iterator[None]:
 # -- ls -------------------------------------------------------------------------------------------
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import retention, steps
+    from xlakit.checkpoint import manager, retention, storage
 
-    folder = Path(args.dir)
-    if not folder.is_dir():
-        what = "is a file; `xlakit ckpt inspect` reads one checkpoint" if folder.exists() else "does not exist"
-        raise FileNotFoundError(2, f"{folder} {what}; ls lists a CheckpointManager folder", str(folder))
+    if not storage.is_url(args.dir):
+        path = Path(args.dir)
+        if not path.is_dir():
+            what = "is a file; `xlakit ckpt inspect` reads one checkpoint" if path.exists() else "does not exist"
+            raise FileNotFoundError(2, f"{path} {what}; ls lists a CheckpointManager folder", str(path))
+    where = manager.folder_at(args.dir)  # a folder, or a manager URL on object storage
+    folder = where.directory
     with _about(folder):
-        found = steps.scan(folder)
+        found = where.scan()
     records = [s.record for s in sorted(found.committed.values(), key=lambda s: s.step)]
     policy = retention.Retention(best_metric=records[-1].get("best_metric"),
                                  best_mode=records[-1].get("best_mode", "min")) if records else retention.Retention()
@@ -95,10 +98,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = []
     for step in sorted({**found.committed, **found.pending}.values(), key=lambda s: s.step):
         rows.append({"step": step.step, "state": "committed" if step.committed else "interrupted",
-                     "layout": step.layout, "bytes": steps.folder_bytes(step.path), "metrics": step.metrics,
+                     "layout": step.layout, "bytes": where.step_bytes(step), "metrics": step.metrics,
                      "best": step.step == best, "problem": step.problem})
     data = {"directory": str(folder), "latest": found.latest, "best": best, "best_metric": policy.best_metric,
-            "best_mode": policy.best_mode, "steps": rows, "trash": [p.name for p in found.trash],
+            "best_mode": policy.best_mode, "steps": rows, "trash": [str(p).rsplit("/", 1)[-1] for p in found.trash],
             "other": found.other}
     text = [f"{folder}: {len(found.committed)} committed step(s), latest {found.latest}"
             + (f", best {best} by {policy.best_metric} ({policy.best_mode})" if best is not None else "")]

@@ -32,15 +32,17 @@ import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xlakit import _knobs
-from xlakit.checkpoint import agreement, paths, retention, steps
+from xlakit.checkpoint import agreement, retention, steps
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
-from xlakit.errors import (CheckpointIncompleteError, CheckpointTimeoutError, CheckpointWriteError,
-                           RuntimeFeatureError)
+from xlakit.errors import CheckpointIncompleteError, CheckpointTimeoutError, RuntimeFeatureError
+
+if TYPE_CHECKING:
+    from xlakit.checkpoint.storage import objsteps
 
 log = logging.getLogger("xlakit")
 _managers = itertools.count()  # managers made by this process: every rank counts the same
@@ -81,7 +83,8 @@ class CheckpointManager:
         if layout not in steps.LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(map(repr, steps.LAYOUTS))}, got {layout!r}")
         _bool("asynchronous", asynchronous)
-        self.directory, self.layout, self.asynchronous = Path(directory), layout, asynchronous
+        self._folder = folder_at(directory)
+        self.directory, self.layout, self.asynchronous = self._folder.directory, layout, asynchronous
         self.save_interval_steps = save_interval_steps
         self._options = _save_options(options, layout, asynchronous)
         self._world = agreement.world_size()
@@ -93,14 +96,9 @@ class CheckpointManager:
             raise ValueError(f"layout='single' writes from one process, and this job has {self._world} "
                              f"ranks; use 'replicated' (one writer), 'sharded' or 'dcp'")
         self._prefix = f"xlakit/manager/{next(_managers)}"
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            what = "it is a file" if self.directory.is_file() else e.strerror
-            raise CheckpointWriteError(e.errno, f"cannot use {self.directory} as a manager folder: "
-                                       f"{what}") from e
+        self._folder.make()
         self._lock = None  # rank 0's hold on the folder (see _hold_folder)
-        found = steps.scan(self.directory)
+        found = self._folder.scan()
         self._steps = set(found.committed)
         self._last = found.latest  # the highest step saved or being saved
         self._pending: tuple[int, Any] | None = None  # an asynchronous save in flight
@@ -117,20 +115,20 @@ class CheckpointManager:
             self._release()
             raise
         if self._rank == 0:
-            steps.clean(self.directory)  # what a killed retention or save left
+            self._folder.clean()  # what a killed retention or save left
 
     # -- queries ----------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first (read from the folder)."""
-        return sorted(steps.scan(self.directory).committed)
+        return sorted(self._folder.scan().committed)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        return steps.scan(self.directory).latest
+        return self._folder.scan().latest
 
     def best_step(self) -> int | None:
         """The committed step with the best `best_metric`; None without one (or without a metric)."""
-        return retention.best(steps.scan(self.directory).committed, self.policy)
+        return retention.best(self._folder.scan().committed, self.policy)
 
     def should_save(self, step: int) -> bool:
         """True when `step` is to be saved: every `save_interval_steps`, and at an agreed preemption step.
@@ -139,6 +137,7 @@ class CheckpointManager:
         """
         self._check_open()
         step = steps.check_step(step)
+        self._folder.renew()  # object storage: the lease, renewed once half of it is spent
         return self._preempting(step, deciding=True) or self._regular(step)
 
     def reached_preemption(self, step: int) -> bool:
@@ -187,15 +186,18 @@ class CheckpointManager:
                     f"{self._preemption.grace_s:g} s after SIGTERM ran out first; nothing was written",
                     stage="preemption")
             opts = dataclasses.replace(opts, timeout_s=min(opts.timeout_s, left))
-        folder = self.directory / str(step)
         record = {"format": steps.STEP_FORMAT, "version": steps.STEP_VERSION, "step": step,
                   "layout": self.layout, "checkpoint": steps.checkpoint_name(self.layout),
                   "metrics": metrics, "best_metric": self.policy.best_metric,
                   "best_mode": self.policy.best_mode, "world": self._world, "time_unix": time.time()}
-        agreement.decide("manager save", str(folder.absolute()), {"step": step}, Watch.of(opts),
-                         prepare=lambda op: steps.prepare(op, folder, record))
+        def prepare(op) -> None:
+            self._folder.renew(op, opts.timeout_s)  # object storage: the lease covers the save
+            self._folder.prepare(op, step, record)
+
+        agreement.decide("manager save", self._folder.identity(step), {"step": step}, Watch.of(opts),
+                         prepare=prepare)
         previous, self._last = self._last, step if self._last is None else max(self._last, step)
-        target = folder / record["checkpoint"]
+        target = self._folder.target(step, record)
         from xlakit import checkpoint
 
         try:
@@ -234,7 +236,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._finish_pending()
-        found = steps.scan(self.directory)
+        found = self._folder.scan()
         if step is None:
             step = found.latest
             if step is None:
@@ -247,7 +249,7 @@ class CheckpointManager:
                                                 f"{found.pending[step].problem}; committed: "
                                                 f"{sorted(found.committed)}")
             raise FileNotFoundError(errno.ENOENT, f"no committed step {step} in {self.directory}; "
-                                    f"committed: {sorted(found.committed)}", str(self.directory / str(step)))
+                                    f"committed: {sorted(found.committed)}", str(self._folder.step_path(step)))
         chosen = found.committed[step]
         from xlakit import checkpoint
 
@@ -311,11 +313,11 @@ class CheckpointManager:
     def _hold_folder(self, op) -> None:
         """(Rank 0, which deletes.) Lock the folder: a second manager or job on it is refused."""
         # A manager dropped without close() releases it when collected (or at exit).
-        self._lock = weakref.finalize(self, os.close, steps.lock_folder(self.directory))
+        self._lock = weakref.finalize(self, self._folder.hold(op))
 
     def _release(self) -> None:
         if self._lock is not None:
-            self._lock()  # closes the descriptor: the folder's lock is released
+            self._lock()  # the folder's lock is released
             self._lock = None
 
     def __enter__(self) -> "CheckpointManager":
@@ -340,7 +342,7 @@ class CheckpointManager:
             raise RuntimeError(f"the checkpoint manager of {self.directory} is closed")
 
     def _path(self) -> str:
-        return str(self.directory.absolute())
+        return self._folder.identity()
 
     def _watch(self) -> Watch:
         return Watch.of(self._options)
@@ -375,19 +377,30 @@ class CheckpointManager:
 
     def _committed(self, step: int) -> None:
         self._steps.add(step)
-        found = steps.scan(self.directory)
+        found = self._folder.scan()
         doomed = retention.doomed(found, self.policy, saved=step)
 
         def discard() -> None:
-            for s in doomed:
-                steps.to_trash(self.directory / str(s))
-            paths.fsync_dir(self.directory)
+            self._folder.renew()  # object storage: still this manager's to delete in (or it raises)
+            self._folder.discard(doomed)
 
         agreement.decide("retention", self._path(), {"after": step, "doomed": doomed}, self._watch(),
                          act=discard if doomed else None)
         self._steps.difference_update(doomed)
         if self._rank == 0 and not self._preempt_saved:  # preempted: the grace is for the save
-            steps.clean(self.directory)
+            self._folder.clean()
+
+
+def folder_at(directory: str | os.PathLike) -> "steps.LocalFolder | objsteps.BucketFolder":
+    """The manager folder: on a file system, or a URL on object storage (storage/objsteps.py)."""
+    from xlakit.checkpoint import storage
+
+    storage.check_url(directory)
+    if storage.is_url(directory):
+        from xlakit.checkpoint.storage import objsteps
+
+        return objsteps.BucketFolder(directory)
+    return steps.LocalFolder(Path(directory))
 
 
 def _save_options(options: SaveOptions | None, layout: str, asynchronous: bool) -> SaveOptions:

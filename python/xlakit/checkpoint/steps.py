@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,6 +123,11 @@ def read_record(folder: Path) -> dict | None:
         text = (folder / STEP_RECORD).read_text()
     except FileNotFoundError:
         return None
+    return check_record(text, folder.name)
+
+
+def check_record(text: str | bytes, name: str) -> dict:
+    """The step record `text` of the step folder (or prefix) `name`; raises ValueError when it is not one."""
     record = json.loads(text)  # a ValueError names what is wrong
     if not isinstance(record, dict) or record.get("format") != STEP_FORMAT:
         raise ValueError(f"format {record.get('format') if isinstance(record, dict) else None!r}, "
@@ -133,8 +139,8 @@ def read_record(folder: Path) -> dict | None:
     if (record.get("layout") not in LAYOUTS or record.get("checkpoint") != checkpoint_name(record["layout"])
             or not isinstance(record.get("metrics", {}), dict)):
         raise ValueError(f"layout {record.get('layout')!r} with checkpoint {record.get('checkpoint')!r}")
-    if str(record.get("step")) != folder.name:
-        raise ValueError(f"it records step {record.get('step')!r} in folder {folder.name!r}")
+    if str(record.get("step")) != name:
+        raise ValueError(f"it records step {record.get('step')!r} in folder {name!r}")
     return record
 
 
@@ -289,3 +295,55 @@ def folder_bytes(path: Path) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+class LocalFolder:
+    """A manager folder on a file system, as `CheckpointManager` uses it (`storage/objsteps.py` is
+    the same on object storage)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def make(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            what = "it is a file" if self.directory.is_file() else e.strerror
+            raise CheckpointWriteError(e.errno, f"cannot use {self.directory} as a manager folder: "
+                                       f"{what}") from e
+
+    def identity(self, step: int | None = None) -> str:
+        """What every rank must name alike: the folder, or one step's."""
+        return str((self.directory if step is None else self.step_path(step)).absolute())
+
+    def step_path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def target(self, step: int, record: dict) -> Path:
+        return self.step_path(step) / record["checkpoint"]
+
+    def scan(self) -> Scan:
+        return scan(self.directory)
+
+    def prepare(self, op, step: int, record: dict) -> None:
+        prepare(op, self.step_path(step), record)
+
+    def hold(self, op) -> Callable[[], None]:
+        """Lock the folder (`lock_folder`); the call that releases it."""
+        fd = lock_folder(self.directory)
+        return lambda: os.close(fd)
+
+    def renew(self, op=None, cover_s: float = 0.0) -> None:
+        """A lock held by the kernel needs no renewing."""
+
+    def step_bytes(self, step: StepFolder) -> int:
+        return folder_bytes(step.path)
+
+    def discard(self, doomed: list[int]) -> None:
+        """Take steps out of every scan at once (to the trash); `clean` removes them."""
+        for s in doomed:
+            to_trash(self.step_path(s))
+        paths.fsync_dir(self.directory)
+
+    def clean(self) -> list:
+        return clean(self.directory)

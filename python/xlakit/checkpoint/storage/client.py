@@ -200,14 +200,28 @@ class Store:
         return err
 
     # -- requests ----------------------------------------------------------------------------
-    def list(self, op: "Operation | None", prefix: Location) -> dict[str, int]:
-        """Every object under `prefix/` (recursively): its name relative to the prefix, and its size."""
+    def list(self, op: "Operation | None", prefix: Location, *, starting: str = "") -> dict[str, int]:
+        """Every object under `prefix/` (recursively) whose name there begins with `starting`: its
+        name relative to the prefix, and its size."""
         async def find() -> dict:
-            return await self.fs._find(prefix.path + "/", detail=True)
+            return await self.fs._find(prefix.path + "/", detail=True, prefix=starting)
 
-        found = self.run(op, f"listing {prefix}/", find)
+        found = self.run(op, f"listing {prefix}/{starting}", find)
         return {prefix.relative(p): int(info.get("size") or 0) for p, info in found.items()
-                if info.get("type", "file") == "file" and p.startswith(prefix.path + "/")}
+                if info.get("type", "file") == "file" and p.startswith(prefix.path + "/" + starting)}
+
+    def get_many(self, op: "Operation | None", locs: list[Location]) -> list[bytes | None]:
+        """Small objects read at once; None for one that is gone."""
+        async def cat(loc: Location) -> bytes | None:
+            try:
+                return await self.fs._cat_file(loc.path)
+            except FileNotFoundError:
+                return None
+
+        async def cat_all() -> list[bytes | None]:
+            return list(await asyncio.gather(*(cat(loc) for loc in locs)))
+
+        return self.run(op, f"reading {len(locs)} object(s) under {locs[0]}", cat_all) if locs else []
 
     def exists(self, op: "Operation | None", loc: Location) -> bool:
         async def info() -> bool:

@@ -65,6 +65,15 @@ def commit_name(generation: int) -> str:
     return f"xlakit-commit.{generation:020d}.json"
 
 
+def is_commit_name(name: str) -> bool:
+    return _COMMIT.fullmatch(name) is not None
+
+
+def is_data_name(name: str) -> bool:
+    """Whether `name` (under a checkpoint's prefix) has the shape of a save's data object."""
+    return _DATA.fullmatch(name) is not None
+
+
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", paths.host())
 

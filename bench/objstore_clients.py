@@ -33,10 +33,6 @@ from measure import high_water_mark, rss as _rss  # noqa: E402
 PIECE = 16 << 20
 
 
-
-
-
-
 def _fsspec_fs(url: str):
     if url.startswith("gs://"):
         from gcsfs.core import GCSFileSystem

@@ -39,7 +39,7 @@ CLOSED_METADATA = {
     "AWS_EC2_METADATA_DISABLED": "true", "AWS_EC2_METADATA_SERVICE_ENDPOINT": f"http://{CLOSED_PORT}",
     "AWS_METADATA_ENDPOINT": f"http://{CLOSED_PORT}",  # obstore (object_store)
 }
-REFUSED = "objstore test guard: refused a connection off this machine"
+REFUSED = "objstore test guard: refused a connection off this machine or to a metadata endpoint"
 refused: list[str] = []  # what the guard refused in this process
 
 
@@ -62,14 +62,18 @@ def _guard(event: str, args: tuple) -> None:
     if event == "socket.connect":
         address = args[1]
         host = address[0] if isinstance(address, tuple) else None  # AF_UNIX: a path
+        probe = isinstance(address, tuple) and f"{host}:{address[1]}" == CLOSED_PORT
     elif event == "socket.getaddrinfo":
-        host = args[0]
+        host, probe = args[0], False
     else:
         return
-    if not _loopback(host):
-        refused.append(f"{event} {host!r}")
-        print(f"{REFUSED}: {event} {host!r}", file=sys.stderr, flush=True)
-        raise ConnectionRefusedError(111, f"{REFUSED} ({host!r})")
+    if probe or not _loopback(host):
+        # A metadata probe goes to the closed port (harmless), but it means a library looked for
+        # cloud credentials against an emulator: a test must see it.
+        what = f"{event} {host!r}" + (" (a cloud metadata endpoint)" if probe else "")
+        refused.append(what)
+        print(f"{REFUSED}: {what}", file=sys.stderr, flush=True)
+        raise ConnectionRefusedError(111, f"{REFUSED} ({what})")
 
 
 _guarding = False

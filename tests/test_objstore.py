@@ -50,6 +50,18 @@ def test_each_server_lets_exactly_one_of_two_creates_of_one_name_succeed(bucket)
     assert store.get(None, loc) == b"first"
 
 
+def test_no_credential_lookup_leaves_the_machine_in_the_test_environment(loopback_only):
+    # Guards the GCE metadata probe stage 1 saw: google-auth honours NO_GCE_CHECK only when it is "true".
+    import google.auth
+    from google.auth.compute_engine import _metadata
+
+    from tests.objstore_servers import CLOSED_PORT
+
+    with pytest.raises(google.auth.exceptions.DefaultCredentialsError):
+        google.auth.default()  # no GCE check, so no request at all (the fixture fails on any)
+    assert CLOSED_PORT in _metadata._get_metadata_root(False)  # and a direct one would go nowhere
+
+
 def test_round_trip_is_bit_exact_and_saving_again_keeps_the_previous_generation(bucket):
     url = f"{bucket}/run/latest.pt"
     for seed in (1, 2, 3):
@@ -121,12 +133,16 @@ def test_dcp_save_commits_a_record_naming_every_file_and_load_verifies_them(buck
     assert torch.equal(state["model"]["w"], saved["model"]["w"]) and state["step"] == 4
     with pytest.raises(xlakit.CheckpointFormatError, match="dcp_load"):
         xlakit.load(url)
+    from xlakit import cli
+
+    assert cli.main(["ckpt", "verify", url]) == 0  # every file read and checked against the record
     (data,) = [n for n in record["objects"] if n.endswith(".distcp")]
     body = bytearray(store_for(loc).get(None, loc.child(data)))
     body[len(body) // 2] ^= 0x01
     store_for(loc).put(None, loc.child(data), bytes(body))
     with pytest.raises(xlakit.CheckpointCorruptError, match=r"__0_0\.distcp"):
         xlakit.dcp_load(state, url)
+    assert cli.main(["ckpt", "verify", url]) == 1
 
 
 def _worker(scenario: str, url: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
@@ -195,7 +211,8 @@ def test_kill_9_mid_upload_leaves_the_previous_checkpoint_and_no_commit(bucket):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
-def test_a_server_that_stops_answering_raises_the_deadline_naming_the_object(scheme, tmp_path, monkeypatch):
+def test_a_server_that_stops_answering_raises_the_deadline_naming_the_object(scheme, tmp_path, monkeypatch,
+                                                                            loopback_only):
     from tests.objstore_servers import Server
 
     server = Server(scheme, tmp_path / "server")  # its own: it is stopped with SIGSTOP

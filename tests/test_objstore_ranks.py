@@ -94,6 +94,9 @@ def test_an_asynchronous_sharded_save_commits_one_record_naming_every_rank_s_sha
     assert [n.rsplit(".shard-", 1)[1] for n in record["shards"]] == [
         f"{r:05d}-of-{WORLD:05d}.pt" for r in range(WORLD)]
     assert {e["rank"] for e in record["objects"].values()} == set(range(WORLD))
+    from xlakit import cli
+
+    assert cli.main(["ckpt", "verify", f"{url}/sharded"]) == 0  # every shard read and verified
 
 
 def test_a_replicated_save_is_written_by_its_writer_rank_and_loaded_by_every_rank(here):

@@ -233,20 +233,20 @@ class _Bar:
 
 
 def _verify_url(args: argparse.Namespace) -> int:
-    """A file checkpoint on object storage: its newest committed generation read whole, every record
-    verified as read (xlakit.load)."""
-    from xlakit import checkpoint
+    """A checkpoint on object storage: every object of its newest committed generation read whole and
+    verified (a file's and each shard's records as `xlakit.load` reads them; DCP files against the
+    commit record)."""
+    from xlakit.checkpoint.options import LoadOptions
+    from xlakit.checkpoint.storage import objranks
 
-    done = []
     try:
-        checkpoint.load(args.path, progress_callback=lambda p: done.append(p.bytes_done))
+        kind, checked = objranks.verify(args.path, LoadOptions())
     except CheckpointCorruptError as e:
         _emit(args, {"path": args.path, "status": "damaged", "tensor": getattr(e, "tensor", None),
                      "message": str(e)}, [f"DAMAGED: {e}"])
         return DIFFERENT
-    checked = done[-1] if done else 0
-    _emit(args, {"path": args.path, "kind": "xlakit-file", "status": "ok", "bytes": checked},
-          [f"OK: {args.path} (xlakit-file on object storage): every checksum over {_size(checked)} matches"])
+    _emit(args, {"path": args.path, "kind": f"xlakit-{kind}", "status": "ok", "bytes": checked},
+          [f"OK: {args.path} (xlakit-{kind} on object storage): every checksum over {_size(checked)} matches"])
     return OK
 
 

@@ -52,7 +52,7 @@ class CoordinatedSave:
         self.opts, self.target = opts, path
         replicated = opts.layout == "replicated"
         self.coord = Coordination("save", {
-            "path": os.path.abspath(path), "layout": opts.layout, "asynchronous": opts.asynchronous,
+            "path": self.identity(path), "layout": opts.layout, "asynchronous": opts.asynchronous,
             "writer_rank": opts.writer_rank if replicated else None},
             committer=opts.writer_rank if replicated else 0)
         self.rank, self.world = self.coord.rank, self.coord.world
@@ -67,6 +67,11 @@ class CoordinatedSave:
             self.job = self._prepare(obj)
         except (CheckpointError, OSError, ValueError, TypeError) as e:
             self.error = e  # published with the proposal, so every rank learns it at once
+
+    @staticmethod
+    def identity(path: Path) -> str:
+        """What every rank must name alike (object storage: the URL, storage/objranks.py)."""
+        return os.path.abspath(path)
 
     def _prepare(self, obj: Any) -> pipeline.FileSave | None:
         if self.opts.layout == "replicated":
@@ -184,9 +189,11 @@ def _rename_shard(op: Operation, tmp: Path, final: Path) -> None:
     op.own(final, pending=True)  # removed once this save is surely off; the next commit otherwise
 
 
-def save(obj: Any, path: Path, opts: SaveOptions) -> background.SaveHandle | None:
-    """`xlakit.save` with layout 'replicated' or 'sharded' (see the module docstring)."""
-    save_ = CoordinatedSave(obj, path, opts)
+def save(obj: Any, path: Path, opts: SaveOptions, *,
+         saver: type[CoordinatedSave] = CoordinatedSave) -> background.SaveHandle | None:
+    """`xlakit.save` with layout 'replicated' or 'sharded' (see the module docstring); `saver`
+    is this rank's part (object storage: `storage/objranks.py`)."""
+    save_ = saver(obj, path, opts)
     if opts.asynchronous:
         job = save_.job or pipeline.FileSave(path, opts, _empty_plan(), b"", b"")
         return background.start(job, save_.stage, save_.write, gate=save_.coord.gate, rank=save_.rank)

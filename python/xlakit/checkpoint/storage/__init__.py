@@ -16,8 +16,9 @@ fsync). A URL comes here, decided once at each entry point (`is_url`):
   naming them. Two writers of one generation cannot both commit; readers take
   the highest committed generation; saving again writes the next one;
 * `objfile.py` (one file: save, load, restore), `objranks.py` (replicated and
-  sharded), `objdcp.py` (torch.distributed.checkpoint), `objsteps.py` (the
-  manager's steps) on top.
+  sharded, agreed as in `ranks.py`), `objdcp.py` (torch.distributed.checkpoint
+  through its fsspec storage), `objsteps.py` (a manager's steps) with
+  `lease.py` (one manager per URL) on top.
 
 docs/object-storage.md says why fsspec (measured), what each test server
 emulates, and the protocol's guarantees.

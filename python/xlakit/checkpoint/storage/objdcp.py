@@ -33,7 +33,7 @@ import xxhash
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
-from xlakit.checkpoint import dcp, dcp_ranks, operation
+from xlakit.checkpoint import dcp, dcp_ranks, loading, operation
 from xlakit.checkpoint.agreement import Coordination, world_size
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
@@ -284,6 +284,14 @@ def load(state: dict, url: str, opts: LoadOptions) -> None:
     finally:
         if coord is not None:
             coord.close()
+
+
+def verify(loc: Location, record: dict, opts: LoadOptions) -> None:
+    """Every file of the DCP checkpoint `record` (a commit record at `loc`) read and checked."""
+    store = store_for(loc)
+    op = Operation("verify", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED,
+                   bytes_total=sum(e["nbytes"] for e in record["objects"].values()))
+    op.run(lambda op: [verify_object(op, store, loc, n, e) for n, e in sorted(record["objects"].items())])
 
 
 def verify_object(op: Operation, store: Store, loc: Location, name: str, expected: dict) -> None:

@@ -36,11 +36,10 @@ import dataclasses
 import secrets
 from typing import Any
 
-from xlakit.checkpoint import background, loading, operation, pipeline
+from xlakit.checkpoint import background, loading, pipeline, ranks
 from xlakit.checkpoint.agreement import Coordination, dist, world_size
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
-from xlakit.checkpoint.state import Plan
 from xlakit.checkpoint.storage import generations, objfile
 from xlakit.checkpoint.storage.client import Location, store_for
 from xlakit.errors import CheckpointError, CheckpointFormatError
@@ -52,37 +51,26 @@ def shard_suffix(rank: int, world: int) -> str:
     return f".shard-{rank:05d}-of-{world:05d}.pt"
 
 
-class ObjectSave:
-    """One rank's part of a replicated or sharded save to a bucket."""
+class ObjectSave(ranks.CoordinatedSave):
+    """One rank's part of a replicated or sharded save to a bucket: the phases of a coordinated
+    save on disk (agree, stage, write, vote, commit), with a generation's objects and record."""
 
     def __init__(self, obj: Any, url: str, opts: SaveOptions):
         self.loc = Location.parse(url)
         self.store = store_for(self.loc)
-        self.opts, self.url = opts, self.loc.url
-        replicated = opts.layout == "replicated"
-        self.committer = opts.writer_rank if replicated else 0
-        self.coord = Coordination("save", {
-            "path": self.url, "layout": opts.layout, "asynchronous": opts.asynchronous,
-            "writer_rank": opts.writer_rank if replicated else None}, committer=self.committer)
-        self.rank, self.world = self.coord.rank, self.coord.world
-        self.error: BaseException | None = None
-        self.job: pipeline.FileSave | None = None
+        self.url = self.loc.url
+        self.committer = opts.writer_rank if opts.layout == "replicated" else 0
         self.generation, self.token = 0, ""
-        try:
-            operation.check_idle()
-            if replicated and opts.writer_rank >= self.world:
-                raise ValueError(f"writer_rank={opts.writer_rank} is not a rank of this job "
-                                 f"(0..{self.world - 1})")
-            if not replicated or self.rank == opts.writer_rank:
-                self.job = pipeline.prepare(obj, self.url, opts, check_target=False)
-        except (CheckpointError, OSError, ValueError, TypeError) as e:
-            self.error = e  # published with the proposal, so every rank learns it at once
+        super().__init__(obj, self.url, opts)
 
-    def operation(self, kind: str) -> Operation:
-        op = Operation(kind, self.url, Watch.of(self.opts), bytes_total=self.job.plan.nbytes if self.job else 0,
-                       gate=self.coord.gate, rank=self.rank)
-        self.coord.op = op
-        return op
+    @staticmethod
+    def identity(path: str) -> str:
+        return path
+
+    def _prepare(self, obj: Any) -> pipeline.FileSave | None:
+        if self.opts.layout == "replicated" and self.rank != self.opts.writer_rank:
+            return None
+        return pipeline.prepare(obj, self.url, self.opts, check_target=False)
 
     @property
     def operation_id(self) -> str:
@@ -104,30 +92,11 @@ class ObjectSave:
         chosen = self.coord.proposals[self.committer]
         self.generation, self.token = chosen["generation"], chosen["token"]
 
-    def stage(self, op: Operation) -> Any:
-        """Phase one of an asynchronous save (the caller's thread): agree, copy to the host."""
-        with self.coord.giving_up(op):
-            self.agree(op)
-            return background.stage(op, self.job) if self.job else []
-
-    def write(self, op: Operation, items: Any) -> None:
-        """Upload this rank's part, vote, and commit (or learn the outcome)."""
-        self.coord.op = op
-        with self.coord.giving_up(op):
-            if self.rank == self.committer:
-                # Agreed: what no commit can name any more may go (never this save's objects).
-                op.enter("tidy")
-                generations.tidy(self.store, op, self.loc)
-            if self.opts.layout == "replicated":
-                self._write_replicated(op, items)
-            else:
-                self._write_sharded(op, items)
-
-    def run(self, op: Operation) -> None:
-        """The synchronous save: agree, then transfer and upload on the fly."""
-        with self.coord.giving_up(op):
-            self.agree(op)
-        self.write(op, pipeline.device_batches(op, self.job.plan, self.opts) if self.job else [])
+    def _tidy(self, op: Operation) -> None:
+        """(The committing rank, agreed.) What no commit can name any more goes (never this save's)."""
+        if self.rank == self.committer:
+            op.enter("tidy")
+            generations.tidy(self.store, op, self.loc)
 
     def _upload(self, op: Operation, items: Any, suffix: str) -> tuple[str, dict, generations.Leftover]:
         name = generations.data_name(self.generation, self.operation_id, suffix)
@@ -144,6 +113,7 @@ class ObjectSave:
         objfile.tidy_after(op, self.store, self.loc, record)
 
     def _write_replicated(self, op: Operation, items: Any) -> None:
+        self._tidy(op)
         self.coord.vote({})
         if self.rank != self.committer:
             self.coord.expect_commit(op, self.url)
@@ -155,6 +125,7 @@ class ObjectSave:
         self._commit(op, record, [name])
 
     def _write_sharded(self, op: Operation, items: Any) -> None:
+        self._tidy(op)
         name, meta, _ = self._upload(op, items, shard_suffix(self.rank, self.world))
         self.coord.vote({"name": name, **meta})
         if self.rank != self.committer:
@@ -169,16 +140,9 @@ class ObjectSave:
         self._commit(op, record, names)
 
 
-
 def save(obj: Any, url: str, opts: SaveOptions) -> background.SaveHandle | None:
     """`xlakit.save("gs://...", layout="replicated"|"sharded")` on every rank of the job."""
-    save_ = ObjectSave(obj, url, opts)
-    if opts.asynchronous:
-        job = save_.job or pipeline.FileSave(save_.url, opts, Plan({}, []), b"", b"")
-        return background.start(job, save_.stage, save_.write, gate=save_.coord.gate, rank=save_.rank)
-    op = save_.operation("save")
-    op.run(save_.run)
-    return None
+    return ranks.save(obj, url, opts, saver=ObjectSave)
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -268,3 +232,19 @@ def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
         return result
 
     return op.run(work)
+
+
+def verify(url: str, opts: LoadOptions) -> tuple[str, int]:
+    """Every object of the newest committed checkpoint at `url` read whole and verified; its kind and
+    the bytes checked (`xlakit ckpt verify`)."""
+    loc = Location.parse(url)
+    record = objfile.peek(loc, opts)
+    kind = record.get("kind")
+    if kind == "dcp":
+        from xlakit.checkpoint.storage import objdcp
+
+        objdcp.verify(loc, record, opts)
+    else:
+        for shard in range(record["world"]) if kind == SHARDED else [None]:
+            objfile.load_file(loc, opts, lambda r, s=shard: part_of(loc, r, s), record)
+    return kind, sum(e["nbytes"] for e in record["objects"].values())

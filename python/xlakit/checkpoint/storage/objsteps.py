@@ -145,9 +145,10 @@ class BucketFolder:
             if _commits(inside, record["checkpoint"]):
                 raise ValueError(f"step {step} is already committed in {self.loc}")
         body = json.dumps(record, indent=1, sort_keys=True).encode()
-        with op.guarded():  # no write once the owner gave up
-            self.store.put(op, prefix.child(steps.STEP_RECORD), body,
-                           create_only=steps.STEP_RECORD not in inside)
+        # Not a commit (the checkpoint's record is): a record a cancelled save still wrote makes an
+        # interrupted step, which retention drops. So the request is cancelled, not fenced by the gate.
+        op.check()
+        self.store.put(op, prefix.child(steps.STEP_RECORD), body, create_only=steps.STEP_RECORD not in inside)
 
     def hold(self, op) -> Callable[[], None]:
         """Take the URL's lease (waiting for an expiring one within `op`'s deadline); the call that

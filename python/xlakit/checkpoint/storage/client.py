@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import threading
 import time
@@ -206,7 +207,12 @@ class Store:
         async def find() -> dict:
             return await self.fs._find(prefix.path + "/", detail=True, prefix=starting)
 
-        found = self.run(op, f"listing {prefix}/{starting}", find)
+        try:
+            found = self.run(op, f"listing {prefix}/{starting}", find)
+        except FileNotFoundError as e:  # a missing prefix lists empty: the bucket is missing
+            raise FileNotFoundError(errno.ENOENT, f"{prefix}: the bucket {prefix.bucket!r} does not exist "
+                                    f"at this endpoint ({e}); create it first, or check the URL and the "
+                                    f"endpoint variables", prefix.url) from e
         return {prefix.relative(p): int(info.get("size") or 0) for p, info in found.items()
                 if info.get("type", "file") == "file" and p.startswith(prefix.path + "/" + starting)}
 

@@ -53,7 +53,8 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
             strings, bools, None; e.g. ``{"model": m.state_dict(), "step": 10}``.
             Tensors sharing a storage are written once and load back sharing it.
         path: the checkpoint file (its folder must exist), or with ``layout="sharded"``
-            the checkpoint folder.
+            the checkpoint folder; or a ``gs://`` / ``s3://`` URL, any layout
+            (docs/object-storage.md).
         options: a `SaveOptions`; keyword overrides (``timeout_s=600``) win over it.
             ``layout="replicated"|"sharded"`` coordinates the ranks of a torch.distributed
             job; ``asynchronous=True`` returns once the state is on the host.
@@ -113,7 +114,8 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     Args:
         path: a file written by `xlakit.save` (with ``verify=False``, any torch.save file),
             or the folder of a sharded checkpoint: inside the job each rank gets its own
-            shard (all ranks load, or all raise); elsewhere pass ``shard=N``.
+            shard (all ranks load, or all raise); elsewhere pass ``shard=N``. Or the
+            ``gs://`` / ``s3://`` URL it was saved to (its newest committed save).
         options: a `LoadOptions`; keyword overrides (``verify=False``) win over it.
 
     Raises:
@@ -183,7 +185,8 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     Args:
         path: a file written by `xlakit.save` (any torch.save file works, read whole);
             a sharded folder's shard with ``shard=N`` (inside the job, this rank's by
-            default); a DCP folder is restored through `dcp_load`.
+            default); a DCP folder is restored through `dcp_load`. Any of these by its
+            ``gs://`` / ``s3://`` URL.
         template: the state to fill, e.g. ``{"model": model.state_dict(),
             "optimizer": opt.state_dict()}`` (an optimizer needs state to receive it:
             take a step, or restore only the model).
@@ -257,7 +260,8 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
         path: the checkpoint folder; its parent must exist. An existing checkpoint
             there (committed or not) is replaced only once the new one is durable.
             Under torch.distributed every rank passes the same path, on storage
-            every rank sees; rank 0 commits once every rank's files are durable.
+            every rank sees; rank 0 commits once every rank's files are durable. A
+            ``gs://`` / ``s3://`` URL works too (docs/object-storage.md).
         options: a `SaveOptions` (``compute_crc32``, ``asynchronous`` and ``layout``
             do not apply); keyword overrides win.
 
@@ -308,7 +312,7 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
 
     Args:
         state: the template: a state dict with tensors of the saved shapes and dtypes.
-        path: the checkpoint folder.
+        path: the checkpoint folder, or the ``gs://`` / ``s3://`` URL it was saved to.
         options: a `LoadOptions` (``mmap``, ``layout`` and ``shard`` do not apply);
             ``verify`` checks every file against the commit record first.
 

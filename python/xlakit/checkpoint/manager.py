@@ -4,8 +4,10 @@ The manager adds policy, not a new way to write: each step is one
 `xlakit.save` (or `dcp_save`) into `<directory>/<step>/`, committed by that
 save's own commit point, and the steps are whatever `steps.scan` finds
 committed on disk (see `steps.py` for the layout and why a crash at any
-moment leaves a consistent view). In a torch.distributed job every decision
-goes through the job's agreement (`agreement.decide`): the configuration
+moment leaves a consistent view; `storage/objsteps.py` for the same on
+object storage, where a lease replaces the folder's lock). In a
+torch.distributed job every decision goes through the job's agreement
+(`agreement.decide`): the configuration
 when the managers start, the step before each save (rank 0 writes its
 record, or every rank learns why it could not), and the set of steps to
 delete after each commit (rank 0 moves them to the trash only once every
@@ -52,7 +54,8 @@ class CheckpointManager:
     """Saves a training state every few steps, keeps the steps a policy names, resumes from them.
 
     Args:
-        directory: the manager folder (made if missing); each step is `<directory>/<step>/`.
+        directory: the manager folder (made if missing); each step is `<directory>/<step>/`. A
+            `gs://` or `s3://` URL keeps the steps in a bucket (docs/object-storage.md).
         max_to_keep: keep the N most recent steps (None: all). The latest step, the best
             step and a step being written are never deleted.
         keep_every_n_steps: also keep every step divisible by N.
@@ -190,6 +193,7 @@ class CheckpointManager:
                   "layout": self.layout, "checkpoint": steps.checkpoint_name(self.layout),
                   "metrics": metrics, "best_metric": self.policy.best_metric,
                   "best_mode": self.policy.best_mode, "world": self._world, "time_unix": time.time()}
+
         def prepare(op) -> None:
             self._folder.renew(op, opts.timeout_s)  # object storage: the lease covers the save
             self._folder.prepare(op, step, record)

@@ -263,23 +263,22 @@ def load(path: Path, opts: LoadOptions) -> Any:
                    untouched=loading.NOTHING_CHANGED)
     coord.op = op
 
+    def part() -> Any:
+        if sharded:
+            record = read_commit(path)
+            check_world(path, record["world"], coord.world)
+            return loading.read_file(op, shard_path(path, record, coord.rank, opts), opts)
+        return loading.read_file(op, path, opts)
+
     def work(op: Operation) -> Any:
         coord.agree(op)
-        try:
-            if sharded:
-                record = read_commit(path)
-                if record["world"] != coord.world:
-                    raise ValueError(f"{path} was saved by {record['world']} ranks and this job has "
-                                     f"{coord.world}; load one shard with shard=N, or save with "
-                                     f"xlakit.dcp_save to reshard")
-                result = loading.read_file(op, shard_path(path, record, coord.rank, opts), opts)
-            else:
-                result = loading.read_file(op, path, opts)
-        except BaseException as e:
-            coord.abort(e, stage=op.stage)
-            raise
-        coord.vote({})
-        coord.votes(op)
-        return result
+        return coord.all_or_none(op, part)
 
     return op.run(work)
+
+
+def check_world(where: object, saved: int, world: int) -> None:
+    """A sharded checkpoint loads in a job of the world size that saved it."""
+    if saved != world:
+        raise ValueError(f"{where} was saved by {saved} ranks and this job has {world}; load one shard "
+                         f"with shard=N, or save with xlakit.dcp_save to reshard")

@@ -217,19 +217,16 @@ def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
             except (CheckpointError, OSError, ValueError) as e:
                 error = e
         coord.agree(op, prepared, error)
-        try:
+
+        def part() -> Any:
             record = generations.read_record(store, op, loc, coord.proposals[0]["generation"])
-            if record["kind"] == SHARDED and record["world"] != coord.world:
-                raise ValueError(f"{loc} was saved by {record['world']} ranks and this job has {coord.world}; "
-                                 f"load one shard with shard=N, or save with xlakit.dcp_save to reshard")
-            name, entry = part_of(loc, record, coord.rank if record["kind"] == SHARDED else None)
-            result = objfile.read_object(op, store, loc, name, entry, opts)
-        except BaseException as e:
-            coord.abort(e, stage=op.stage)
-            raise
-        coord.vote({})
-        coord.votes(op)
-        return result
+            sharded = record.get("kind") == SHARDED
+            if sharded:
+                ranks.check_world(loc, record["world"], coord.world)
+            name, entry = part_of(loc, record, coord.rank if sharded else None)
+            return objfile.read_object(op, store, loc, name, entry, opts)
+
+        return coord.all_or_none(op, part)
 
     return op.run(work)
 

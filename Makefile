@@ -57,6 +57,7 @@ bench: setup
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_async.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_load.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_compile.py
+	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_objstore.py
 
 # Source build (build/xlakit_build.py; `BUILD_ARGS=--dry-run` prints the plan).
 XB := $(PYTHON) build/xlakit_build.py

@@ -4,8 +4,10 @@ The manager adds policy, not a new way to write: each step is one
 `xlakit.save` (or `dcp_save`) into `<directory>/<step>/`, committed by that
 save's own commit point, and the steps are whatever `steps.scan` finds
 committed on disk (see `steps.py` for the layout and why a crash at any
-moment leaves a consistent view). In a torch.distributed job every decision
-goes through the job's agreement (`agreement.decide`): the configuration
+moment leaves a consistent view; `storage/objsteps.py` for the same on
+object storage, where a lease replaces the folder's lock). In a
+torch.distributed job every decision goes through the job's agreement
+(`agreement.decide`): the configuration
 when the managers start, the step before each save (rank 0 writes its
 record, or every rank learns why it could not), and the set of steps to
 delete after each commit (rank 0 moves them to the trash only once every
@@ -35,15 +37,17 @@ import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xlakit import _knobs
-from xlakit.checkpoint import agreement, paths, retention, steps
+from xlakit.checkpoint import agreement, retention, steps
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
-from xlakit.errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointTimeoutError,
-                           CheckpointWriteError, RuntimeFeatureError)
+from xlakit.errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointTimeoutError, RuntimeFeatureError
+
+if TYPE_CHECKING:
+    from xlakit.checkpoint.storage import objsteps
 
 log = logging.getLogger("xlakit")
 _managers = itertools.count()  # managers made by this process: every rank counts the same
@@ -54,7 +58,8 @@ class CheckpointManager:
     """Saves a training state every few steps, keeps the steps a policy names, resumes from them.
 
     Args:
-        directory: the manager folder (made if missing); each step is `<directory>/<step>/`.
+        directory: the manager folder (made if missing); each step is `<directory>/<step>/`. A
+            `gs://` or `s3://` URL keeps the steps in a bucket (docs/object-storage.md).
         max_to_keep: keep the N most recent steps (None: all). The latest step, the best
             step and a step being written are never deleted.
         keep_every_n_steps: also keep every step divisible by N.
@@ -85,7 +90,8 @@ class CheckpointManager:
         if layout not in steps.LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(map(repr, steps.LAYOUTS))}, got {layout!r}")
         _bool("asynchronous", asynchronous)
-        self.directory, self.layout, self.asynchronous = Path(directory), layout, asynchronous
+        self._folder = folder_at(directory)
+        self.directory, self.layout, self.asynchronous = self._folder.directory, layout, asynchronous
         self.save_interval_steps = save_interval_steps
         self._options = _save_options(options, layout, asynchronous)
         self._world = agreement.world_size()
@@ -97,12 +103,7 @@ class CheckpointManager:
             raise ValueError(f"layout='single' writes from one process, and this job has {self._world} "
                              f"ranks; use 'replicated' (one writer), 'sharded' or 'dcp'")
         self._prefix = f"xlakit/manager/{next(_managers)}"
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            what = "it is a file" if self.directory.is_file() else e.strerror
-            raise CheckpointWriteError(e.errno, f"cannot use {self.directory} as a manager folder: "
-                                       f"{what}") from e
+        self._folder.make()
         self._lock = None  # rank 0's hold on the folder (see _hold_folder)
         self._damage_told: set[tuple[int, str]] = set()
         found = self._scan()
@@ -123,7 +124,7 @@ class CheckpointManager:
             self._release()
             raise
         if self._rank == 0:
-            steps.clean(self.directory)  # what a killed retention or save left
+            self._folder.clean()  # what a killed retention or save left
         _open.add(self)
 
     # -- queries ----------------------------------------------------------------------------------
@@ -149,6 +150,7 @@ class CheckpointManager:
         """
         self._check_open()
         step = steps.check_step(step)
+        self._folder.renew()  # object storage: the lease, renewed once half of it is spent
         return self._preempting(step, deciding=True) or self._regular(step)
 
     def reached_preemption(self, step: int) -> bool:
@@ -197,15 +199,19 @@ class CheckpointManager:
                     f"{self._preemption.grace_s:g} s after SIGTERM ran out first; nothing was written",
                     stage="preemption")
             opts = dataclasses.replace(opts, timeout_s=min(opts.timeout_s, left))
-        folder = self.directory / str(step)
         record = {"format": steps.STEP_FORMAT, "version": steps.STEP_VERSION, "step": step,
                   "layout": self.layout, "checkpoint": steps.checkpoint_name(self.layout),
                   "metrics": metrics, "best_metric": self.policy.best_metric,
                   "best_mode": self.policy.best_mode, "world": self._world, "time_unix": time.time()}
-        agreement.decide("manager save", str(folder.absolute()), {"step": step}, Watch.of(opts),
-                         prepare=lambda op: steps.prepare(op, folder, record))
+
+        def prepare(op) -> None:
+            self._folder.renew(op, opts.timeout_s)  # object storage: the lease covers the save
+            self._folder.prepare(op, step, record)
+
+        agreement.decide("manager save", self._folder.identity(step), {"step": step}, Watch.of(opts),
+                         prepare=prepare)
         previous, self._last = self._last, step if self._last is None else max(self._last, step)
-        target = folder / record["checkpoint"]
+        target = self._folder.target(step, record)
         from xlakit import checkpoint
 
         try:
@@ -257,14 +263,14 @@ class CheckpointManager:
                 err = CheckpointCorruptError(f"step {step} in {self.directory} is not a step: its "
                                              f"{steps.STEP_RECORD} is damaged ({found.damaged[step]}); "
                                              f"committed: {sorted(found.committed)}")
-                err.add_note(steps.damage_note(self.directory / str(step)))
+                err.add_note(steps.damage_note(self._folder.step_path(step)))
                 raise err
             if step in found.pending:
                 raise CheckpointIncompleteError(f"step {step} in {self.directory} was never committed: "
                                                 f"{found.pending[step].problem}; committed: "
                                                 f"{sorted(found.committed)}")
             raise FileNotFoundError(errno.ENOENT, f"no committed step {step} in {self.directory}; "
-                                    f"committed: {sorted(found.committed)}", str(self.directory / str(step)))
+                                    f"committed: {sorted(found.committed)}", str(self._folder.step_path(step)))
         chosen = found.committed[step]
         from xlakit import checkpoint
 
@@ -328,11 +334,11 @@ class CheckpointManager:
     def _hold_folder(self, op) -> None:
         """(Rank 0, which deletes.) Lock the folder: a second manager or job on it is refused."""
         # A manager dropped without close() releases it when collected (or at exit).
-        self._lock = weakref.finalize(self, os.close, steps.lock_folder(self.directory))
+        self._lock = weakref.finalize(self, self._folder.hold(op))
 
     def _release(self) -> None:
         if self._lock is not None:
-            self._lock()  # closes the descriptor: the folder's lock is released
+            self._lock()  # the folder's lock is released
             self._lock = None
 
     def __enter__(self) -> "CheckpointManager":
@@ -357,7 +363,7 @@ class CheckpointManager:
             raise RuntimeError(f"the checkpoint manager of {self.directory} is closed")
 
     def _path(self) -> str:
-        return str(self.directory.absolute())
+        return self._folder.identity()
 
     def _watch(self) -> Watch:
         return Watch.of(self._options)
@@ -369,13 +375,13 @@ class CheckpointManager:
 
     def _scan(self) -> steps.Scan:
         """The folder as it is now; a step with a damaged record is named (once), never left out silently."""
-        found = steps.scan(self.directory)
+        found = self._folder.scan()
         for step, why in sorted(found.damaged.items()):
             if (step, why) not in self._damage_told:
                 self._damage_told.add((step, why))
                 log.warning("xlakit: %s is not a step of the manager: its %s is damaged (%s). %s",
-                            self.directory / str(step), steps.STEP_RECORD, why,
-                            steps.damage_note(self.directory / str(step)))
+                            self._folder.step_path(step), steps.STEP_RECORD, why,
+                            steps.damage_note(self._folder.step_path(step)))
         return found
 
     def _preempting(self, step: int, *, deciding: bool) -> bool:
@@ -409,15 +415,26 @@ class CheckpointManager:
         doomed = retention.doomed(found, self.policy, saved=step)
 
         def discard() -> None:
-            for s in doomed:
-                steps.to_trash(self.directory / str(s))
-            paths.fsync_dir(self.directory)
+            self._folder.renew()  # object storage: still this manager's to delete in (or it raises)
+            self._folder.discard(doomed)
 
         agreement.decide("retention", self._path(), {"after": step, "doomed": doomed}, self._watch(),
                          act=discard if doomed else None)
         self._steps.difference_update(doomed)
         if self._rank == 0 and not self._preempt_saved:  # preempted: the grace is for the save
-            steps.clean(self.directory)
+            self._folder.clean()
+
+
+def folder_at(directory: str | os.PathLike) -> "steps.LocalFolder | objsteps.BucketFolder":
+    """The manager folder: on a file system, or a URL on object storage (storage/objsteps.py)."""
+    from xlakit.checkpoint import storage
+
+    storage.check_url(directory)
+    if storage.is_url(directory):
+        from xlakit.checkpoint.storage import objsteps
+
+        return objsteps.BucketFolder(directory)
+    return steps.LocalFolder(Path(directory))
 
 
 @atexit.register  # after operation.py's hook is registered, so it runs before it (and its saves still commit)

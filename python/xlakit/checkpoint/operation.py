@@ -143,6 +143,7 @@ class Operation:
         # What the failure left as it was, for the error's note.
         self.untouched = untouched or f"the previous checkpoint at {self.path}, if any, is untouched"
         self.stage, self.tensor = "start", None
+        self.object: str | None = None  # the object-storage object a request is in flight for
         self.bytes_done, self.bytes_total = 0, bytes_total
         self.last_progress = self.started
         self.background = False  # an asynchronous save's write: waited for at exit
@@ -185,8 +186,9 @@ class Operation:
         self.bytes_done += nbytes
         self.last_progress = time.monotonic()
 
-    def own(self, path: Path, *, pending: bool = False) -> Path:
-        """Register a file or folder this operation made, to remove unless it is committed.
+    def own(self, path: Any, *, pending: bool = False) -> Any:
+        """Register a file or folder this operation made, to remove unless it is committed
+        (or an object-storage object: anything with a `remove()` that never blocks).
 
         A scratch file (the default) goes whenever the operation fails. A `pending` one
         (a shard, complete, that another rank's commit record may name) goes only once
@@ -196,7 +198,7 @@ class Operation:
             (self._pending if pending else self._temps).append(path)
         return path
 
-    def disown(self, path: Path) -> None:
+    def disown(self, path: Any) -> None:
         with self._temps_lock:
             self._temps = [p for p in self._temps if p != path]
 
@@ -206,7 +208,10 @@ class Operation:
             if self.gate.may_discard():
                 temps, self._pending = temps + self._pending, []
         for p in temps:
-            remove_path(p)
+            if isinstance(p, Path):
+                remove_path(p)
+            else:  # an object of an object store (storage.generations.Leftover): removed without waiting
+                p.remove()
 
     @contextlib.contextmanager
     def commit_point(self) -> Iterator[None]:
@@ -362,6 +367,7 @@ class Operation:
             f"{self.kind} of {self.path} timed out after {elapsed:.1f} s "
             f"(timeout_s={self.watch.timeout_s:g}) in stage {self.stage!r}"
             + (f" with tensor {self.tensor!r} in flight" if self.tensor else "")
+            + (f"; a request for object {self.object} was in flight" if self.object else "")
             + f"; {human_bytes(self.bytes_done)} of {human_bytes(self.bytes_total)} done"
             + (f"; {waiting}" if waiting else ""),
             stage=self.stage, tensor=self.tensor, bytes_done=self.bytes_done, elapsed_s=elapsed,

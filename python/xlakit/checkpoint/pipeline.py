@@ -98,14 +98,7 @@ def write(op: Operation, job: FileSave, items: HostItems, *, commit: Commit | No
     op.enter("open")
     try:
         with open(tmp, "xb") as f:
-            writer = archive.ArchiveWriter(f, compute_crc32=job.opts.compute_crc32)
-            writer.write_header(job.pickled, job.structure)
-            for batch, hosts, *_ in items:
-                for entry, host in zip(batch, hosts):
-                    op.enter("write", entry.path)
-                    writer.write_storage(entry, archive.tensor_bytes(host), on_chunk=op.advance)
-                del hosts
-            writer.finish()
+            write_archive(op, job, f, items)
             op.enter("commit")
             f.flush()
             os.fsync(f.fileno())
@@ -114,6 +107,18 @@ def write(op: Operation, job: FileSave, items: HostItems, *, commit: Commit | No
         if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
             raise
         raise paths.write_error(e, final, stage=op.stage, bytes_done=op.bytes_done) from e
+
+
+def write_archive(op: Operation, job: FileSave, f: Any, items: HostItems) -> None:
+    """Stream the archive of `job` into the writable binary `f` (a file, or an object's upload)."""
+    writer = archive.ArchiveWriter(f, compute_crc32=job.opts.compute_crc32)
+    writer.write_header(job.pickled, job.structure)
+    for batch, hosts, *_ in items:
+        for entry, host in zip(batch, hosts):
+            op.enter("write", entry.path)
+            writer.write_storage(entry, archive.tensor_bytes(host), on_chunk=op.advance)
+        del hosts
+    writer.finish()
 
 
 def commit_file(op: Operation, tmp: Path, final: Path) -> None:

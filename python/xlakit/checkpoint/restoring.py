@@ -65,24 +65,29 @@ def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any
             op.enter("copy")
             _apply(op, [(t, t.source) for t in targets])
             return rebuild(saved, targets, extra)
-        reader = loading.RecordReader(f, path)
-        layout = loading.read_structure(op, reader, index, opts.verify)
-        saved = structure.decode(layout, structure.spec, str(path))
-        targets, extra = match(saved, template, path, opts, index["storages"][HASH])
-        op.bytes_total = sum(index["storages"]["nbytes"][r] for r in {t.source.storage for t in targets})
-        arena = Arena()
-        filled = 0
-        try:
-            for batch in _batches(targets, index, opts.max_inflight_bytes):
-                _restore_batch(op, reader, index, batch, opts.verify, arena)
-                filled += len(batch)
-        except Exception as e:
-            e.add_note(f"The template is partly restored: {filled} of {len(targets)} tensors hold the "
-                       f"checkpoint's values, those of the batch being read (the tensor named above among "
-                       f"them) may hold its bytes as read, the rest their previous values. Restore again "
-                       f"from a good checkpoint before using it.")
-            raise
-        return rebuild(saved, targets, extra)
+        return restore_records(op, f, path, index, template, opts)
+
+
+def restore_records(op: Operation, f, path: Path, index: dict, template: Any, opts: LoadOptions) -> Any:
+    """Restore from an open xlakit file `f` with index `index` (a local file, or an object's reader)."""
+    reader = loading.RecordReader(f, path)
+    layout = loading.read_structure(op, reader, index, opts.verify)
+    saved = structure.decode(layout, structure.spec, str(path))
+    targets, extra = match(saved, template, path, opts, index["storages"][HASH])
+    op.bytes_total = sum(index["storages"]["nbytes"][r] for r in {t.source.storage for t in targets})
+    arena = Arena()
+    filled = 0
+    try:
+        for batch in _batches(targets, index, opts.max_inflight_bytes):
+            _restore_batch(op, reader, index, batch, opts.verify, arena)
+            filled += len(batch)
+    except Exception as e:
+        e.add_note(f"The template is partly restored: {filled} of {len(targets)} tensors hold the "
+                   f"checkpoint's values, those of the batch being read (the tensor named above among "
+                   f"them) may hold its bytes as read, the rest their previous values. Restore again "
+                   f"from a good checkpoint before using it.")
+        raise
+    return rebuild(saved, targets, extra)
 
 
 # -- reading and placing ----------------------------------------------------------------------

@@ -38,6 +38,7 @@ import os
 import re
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,11 +149,7 @@ def record_of(folder: Path) -> dict | None:
         return None
     except OSError as e:
         raise ValueError(f"it cannot be read ({e.strerror})") from e
-    try:
-        record = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"it is not whole JSON, truncated or altered: {e}") from e
-    return _check_record(folder, record)
+    return check_record(text, folder.name)
 
 
 def damage_note(folder: Path) -> str:
@@ -162,7 +159,12 @@ def damage_note(folder: Path) -> str:
             f"what it holds.")
 
 
-def _check_record(folder: Path, record: object) -> dict:
+def check_record(text: str | bytes, name: str) -> dict:
+    """The step record `text` of the step folder (or prefix) `name`; raises ValueError when it is not one."""
+    try:
+        record = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"it is not whole JSON, truncated or altered: {e}") from e
     if not isinstance(record, dict) or record.get("format") != STEP_FORMAT:
         raise ValueError(f"format {record.get('format') if isinstance(record, dict) else None!r}, "
                          f"expected {STEP_FORMAT!r}")
@@ -173,8 +175,8 @@ def _check_record(folder: Path, record: object) -> dict:
     if (record.get("layout") not in LAYOUTS or record.get("checkpoint") != checkpoint_name(record["layout"])
             or not isinstance(record.get("metrics", {}), dict)):
         raise ValueError(f"layout {record.get('layout')!r} with checkpoint {record.get('checkpoint')!r}")
-    if str(record.get("step")) != folder.name:
-        raise ValueError(f"it records step {record.get('step')!r} in folder {folder.name!r} (a copy of "
+    if str(record.get("step")) != name:
+        raise ValueError(f"it records step {record.get('step')!r} in folder {name!r} (a copy of "
                          f"another step's folder?)")
     return record
 
@@ -337,3 +339,55 @@ def folder_bytes(path: Path) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+class LocalFolder:
+    """A manager folder on a file system, as `CheckpointManager` uses it (`storage/objsteps.py` is
+    the same on object storage)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def make(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            what = "it is a file" if self.directory.is_file() else e.strerror
+            raise CheckpointWriteError(e.errno, f"cannot use {self.directory} as a manager folder: "
+                                       f"{what}") from e
+
+    def identity(self, step: int | None = None) -> str:
+        """What every rank must name alike: the folder, or one step's."""
+        return str((self.directory if step is None else self.step_path(step)).absolute())
+
+    def step_path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def target(self, step: int, record: dict) -> Path:
+        return self.step_path(step) / record["checkpoint"]
+
+    def scan(self) -> Scan:
+        return scan(self.directory)
+
+    def prepare(self, op, step: int, record: dict) -> None:
+        prepare(op, self.step_path(step), record)
+
+    def hold(self, op) -> Callable[[], None]:
+        """Lock the folder (`lock_folder`); the call that releases it."""
+        fd = lock_folder(self.directory)
+        return lambda: os.close(fd)
+
+    def renew(self, op=None, cover_s: float = 0.0) -> None:
+        """A lock held by the kernel needs no renewing."""
+
+    def step_bytes(self, step: StepFolder) -> int:
+        return folder_bytes(step.path)
+
+    def discard(self, doomed: list[int]) -> None:
+        """Take steps out of every scan at once (to the trash); `clean` removes them."""
+        for s in doomed:
+            to_trash(self.step_path(s))
+        paths.fsync_dir(self.directory)
+
+    def clean(self) -> list:
+        return clean(self.directory)

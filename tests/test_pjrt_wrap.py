@@ -370,6 +370,8 @@ def test_status_without_a_runtime_and_the_library_it_reports():
     s = pjrt_wrap.status()
     pin = _pins.load()["pjrt_wrap"]["header"]["api_version"]
     assert s["built"] and not s["loaded"] and not s["active"] and s["built_api"] == pin
+    # Regression (CI): status() maps the file itself; a second call must not call that a runtime's load.
+    assert not pjrt_wrap.status()["loaded"]
     out = subprocess.run([sys.executable, "-m", "xlakit", "pjrt", "path"], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == str(pjrt_wrap.library_path())

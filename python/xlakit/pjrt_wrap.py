@@ -71,7 +71,7 @@ def status() -> dict[str, Any]:
     Returns:
         `{"library", "built", "loaded", ...}`: `built` False (with `why_not`)
         when the library is missing; `loaded` whether a runtime of this
-        process loaded it; then the wrapper's own report: `built_api` (the
+        process started it (called its `GetPjrtApi`); then the wrapper's own report: `built_api` (the
         PJRT C API it was compiled for), `active`, `plugin`, `plugin_api`,
         `refused` (why it would not start), `cache` (`dir`, `on`, `why_off`,
         `folder`, `authenticated`, `read_only`) and `counts` (`compiles`,
@@ -82,16 +82,15 @@ def status() -> dict[str, Any]:
     if not out["built"]:
         out["why_not"] = "this xlakit was installed without the PJRT wrapping plugin"
         return out
-    try:  # RTLD_NOLOAD: found only when a runtime of this process loaded the same file
-        handle = ctypes.CDLL(str(LIBRARY), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-        out["loaded"] = True
-    except OSError:
-        try:
-            handle = ctypes.CDLL(str(LIBRARY))  # loading runs nothing until GetPjrtApi is called
-        except OSError as e:
-            out.update(built=False, why_not=f"the library does not load here: {e}")
-            return out
+    try:  # loading runs nothing until GetPjrtApi is called; a file already loaded is the same handle
+        handle = ctypes.CDLL(str(LIBRARY))
+    except OSError as e:
+        out.update(built=False, why_not=f"the library does not load here: {e}")
+        return out
     out.update(_report(handle))
+    # Only a runtime calls GetPjrtApi, and only then does the report name a plugin (or why it refused):
+    # whether the file is mapped says nothing, as this function itself maps it.
+    out["loaded"] = "plugin" in out
     return out
 
 

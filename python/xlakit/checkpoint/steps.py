@@ -152,10 +152,10 @@ def record_of(folder: Path) -> dict | None:
     return check_record(text, folder.name)
 
 
-def damage_note(folder: Path) -> str:
-    """How to mend a step folder whose record is damaged."""
+def damage_note(folder: Path | str) -> str:
+    """How to mend a step folder (or a step's prefix on object storage) whose record is damaged."""
     return (f"xlakit never deletes or reuses {folder}: move it away (or delete it, if its checkpoint is not "
-            f"needed); `xlakit ckpt inspect {folder / CHECKPOINT_FILE}` (or {CHECKPOINT_FOLDER}/) shows "
+            f"needed); `xlakit ckpt inspect {folder}/{CHECKPOINT_FILE}` (or {CHECKPOINT_FOLDER}/) shows "
             f"what it holds.")
 
 

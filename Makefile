@@ -37,7 +37,7 @@ $(SETUP_STAMP): VERSIONS.toml pyproject.toml setup.py
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "xlakit needs Python 3.11+, found " + sys.version.split()[0])'
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip setuptools wheel
-	$(VPY) -m pip install $$($(PYTHON) build/xlakit_build.py requirements --profile $(PROFILE))
+	$(VPY) -m pip install $$($(PYTHON) build/xlakit_build.py requirements --profile $(PROFILE) --test-tools)
 	$(VPY) -m pip install -e '.[test]'
 	touch $@
 
@@ -56,6 +56,8 @@ bench: setup
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_save.py $(BENCH_ARGS)
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_async.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_load.py
+	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_compile.py
+	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_objstore.py
 
 # Source build (build/xlakit_build.py; `BUILD_ARGS=--dry-run` prints the plan).
 XB := $(PYTHON) build/xlakit_build.py

@@ -22,6 +22,20 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def high_water_mark() -> int:
+    """The process's peak RSS so far (VmHWM); `reset_high_water_mark` starts it again from now."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_high_water_mark() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": the high-water mark restarts at the current RSS
+        f.write("5")
+
+
 class PeakRss:
     """Samples this process's RSS every few ms; `peak` is the highest seen."""
 

@@ -73,6 +73,12 @@ def requirements(name: str, data: dict | None = None) -> list[str]:
     return lines
 
 
+def test_tool_requirements(data: dict | None = None) -> list[str]:
+    """pip requirement lines (exact pins) for the PJRT wrapper's test plugins and the framework driving them."""
+    data = data if data is not None else load()
+    return [f"{pkg}=={version}" for pkg, version in data.get("pjrt_wrap", {}).get("test_packages", {}).items()]
+
+
 def patch_level(data: dict | None = None) -> int:
     data = data if data is not None else load()
     return int(data["xlakit"]["patch_level"])

@@ -43,7 +43,8 @@ def _config(args: argparse.Namespace) -> pipeline.Config:
 
 
 def cmd_requirements(args: argparse.Namespace) -> int:
-    print("\n".join(pins.requirements(args.profile)))
+    lines = pins.requirements(args.profile) + (pins.test_tool_requirements() if args.test_tools else [])
+    print("\n".join(lines))
     return 0
 
 
@@ -201,6 +202,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("requirements", help="print pip requirement lines for a profile")
     r.add_argument("--profile", default="cpu-dev")
+    r.add_argument("--test-tools", action="store_true",
+                   help="add the PJRT wrapper's test plugins and framework (VERSIONS.toml [pjrt_wrap.test_packages])")
     r.set_defaults(func=cmd_requirements)
     e = sub.add_parser("export-series", help="rewrite patches/ from a branch of torch_xla commits")
     e.add_argument("--repo", required=True, help="torch_xla checkout whose HEAD carries the patches")

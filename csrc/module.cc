@@ -6,8 +6,10 @@
 #include "bindings.h"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "xlakit's C++ core (cache envelope, transfer planning, devices)";
+  m.doc() = "xlakit's C++ core (cache envelope and folder trust, transfer planning, devices)";
   xlakit::BindCache(m);
   xlakit::BindTransfer(m);
   xlakit::BindDevice(m);
+  xlakit::BindTrust(m);
+  xlakit::BindPjrtWrap(m);
 }

@@ -1,7 +1,8 @@
 """Test configuration: run XLA on the CPU PJRT client, skip hardware we lack.
 
 Markers (declared in pyproject.toml): `xla` needs torch_xla, `cuda` a CUDA
-device, `build` an upstream torch_xla source in XLAKIT_TORCH_XLA_GIT.
+device, `build` an upstream torch_xla source in XLAKIT_TORCH_XLA_GIT, `pjrt`
+jax and the PJRT CPU plugins from PyPI.
 """
 
 from __future__ import annotations
@@ -11,8 +12,13 @@ import os
 
 import pytest
 
+from tests.objstore_servers import CLOSED_METADATA
+
 # Before any torch_xla import: the test bed is the CPU PJRT client.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# Before any client library is imported (google-auth reads these at import): every cloud metadata
+# endpoint points at a closed port here, so no credential lookup can leave the machine.
+os.environ.update(CLOSED_METADATA)
 
 
 def pytest_configure(config):
@@ -41,6 +47,9 @@ def pytest_collection_modifyitems(config, items):
         reasons["xla"] = "torch_xla is not installed (run `make setup`)"
     if "cuda" in {m for item in items for m in item.keywords} and not _has_cuda():
         reasons["cuda"] = "no CUDA device on this machine"
+    missing = [m for m in ("jax", "lammps_jax_pjrt_cpu", "xla_plugins") if importlib.util.find_spec(m) is None]
+    if missing:
+        reasons["pjrt"] = f"{', '.join(missing)} not installed (run `make setup`)"
     if not os.environ.get("XLAKIT_TORCH_XLA_GIT"):
         reasons["build"] = "set XLAKIT_TORCH_XLA_GIT to a torch_xla git URL or local mirror"
     for item in items:
@@ -59,3 +68,49 @@ def no_pending_save():
     if pending is not None:
         pending._finished.wait(30)
         background._pending = None
+
+
+# -- object storage: real servers on 127.0.0.1, shared by the session -----------------------------
+
+@pytest.fixture(scope="session")
+def objstore_servers(tmp_path_factory):
+    """Started on first use, one per scheme, stopped at the end of the session."""
+    from tests import objstore_servers as servers
+
+    started: dict = {}
+
+    def get(scheme: str):
+        why = servers.installed()[scheme]
+        if why is not None:
+            pytest.skip(f"no {scheme}:// test server: {why}")
+        if scheme not in started:
+            started[scheme] = servers.Server(scheme, tmp_path_factory.mktemp(f"{scheme}-server"))
+        return started[scheme]
+
+    yield get
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture
+def loopback_only():
+    """No connection and no name lookup off this machine during the test (and it fails if one was
+    tried, even where the client library swallowed the refusal)."""
+    from tests import objstore_servers as servers
+
+    before = len(servers.refused)
+    servers.loopback_only(True)
+    try:
+        yield
+    finally:
+        servers.loopback_only(False)
+    assert servers.refused[before:] == [], "a client tried to reach a host off this machine"
+
+
+@pytest.fixture(params=["gs", "s3"])
+def bucket(request, objstore_servers, monkeypatch, loopback_only):
+    """A fresh bucket's URL on each server, the clients pointed at it by their standard variables."""
+    server = objstore_servers(request.param)
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    return server.bucket()

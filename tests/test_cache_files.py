@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 import xlakit
-from xlakit import _C, cache_files
+from xlakit import _C, cache_files, compile_cache
+from xlakit.compile_cache import KEY_FILE
 from xlakit.cli import main
 
 IDENTITY = dict(platform_name="tpu", platform_version="v1", patch_series_id="xlakit1:abc")
@@ -124,7 +125,22 @@ def test_prune_leaves_what_it_cannot_identify_alone(mixed, capsys):
     strangers = ("__init__.py", ".gitkeep", "cache.lock", "empty", "README", "notes.bin")
     assert {n: st[n] for n in strangers} == dict.fromkeys(strangers, "other")
     assert st["12345"] == st["678"] == st["679"] == "foreign"
-    assert "4242" not in st and "sub" not in st  # links and folders are not even listed
+    assert st["4242"] == st["sub"] == "other"  # a link and a subfolder: listed, never read nor removed
+
+
+# Regression (issue 19): `cache ls` and `verify` left out a link or a subfolder named like an entry,
+# although both are documented as listed (`other`).
+def test_links_and_subfolders_named_like_entries_are_listed_as_other(cache, capsys):
+    (cache / "888").mkdir()
+    (cache / "999").symlink_to(cache / "111")
+    for command in ("ls", "verify"):
+        rc, st = _statuses(capsys, "cache", command, str(cache))
+        assert st["888"] == st["999"] == "other", (command, st)
+    assert main(["cache", "ls", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "a subfolder named like an entry" in out and "a link named like an entry" in out
+    assert main(["cache", "prune", str(cache)]) == 0
+    assert (cache / "888").is_dir() and (cache / "999").is_symlink()
 
 
 def test_foreign_is_refused_outside_a_folder_xlakit_made(mixed, capsys):
@@ -277,8 +293,16 @@ def test_with_the_key_verify_refuses_what_the_keyed_runtime_refuses(keyed, capsy
     assert rc == 1 and st == {"1": "ok", "2": "bad_tag", "3": "unauthenticated", "4": "bad_tag"}
     assert main(["cache", "verify", str(keyed)]) == 1
     assert "4 entries (3 not loadable)" in capsys.readouterr().out
+    # A folder not made for this key may hold other jobs' good entries (the PJRT wrapper keeps every key in
+    # one folder): prune keeps what is refused only for its tag.
     assert main(["cache", "prune", str(keyed)]) == 0
-    assert sorted(p.name for p in keyed.iterdir()) == ["1"]
+    assert sorted(p.name for p in keyed.iterdir()) == ["1", "2", "3", "4"]
+    assert capsys.readouterr().out.count("kept: ") == 3
+    # In the folder enable_persistent_cache made for this key they are positively not this key's: removed.
+    (keyed / KEY_FILE).write_text(json.dumps({"patch_set": "xlakit3", "platform_version": "v",
+                                              "key_id": compile_cache.key_id(KEY.encode())}))
+    assert main(["cache", "prune", str(keyed)]) == 0
+    assert sorted(p.name for p in keyed.iterdir()) == ["1", KEY_FILE]
 
 
 def test_without_the_key_tags_are_not_checked_and_say_so(keyed, capsys, monkeypatch):

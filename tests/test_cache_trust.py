@@ -109,7 +109,7 @@ def test_the_cache_folder_itself_may_not_be_sticky_and_world_writable(tmp_path):
     (tmp_path / "c").chmod(0o1777)
     verdict = cache_trust.judge(tmp_path / "c")
     assert not verdict.trusted and "its sticky bit does not stop others adding entries" in verdict.problem
-    assert verdict.fix == f"chmod 700 {tmp_path / 'c'}"
+    assert verdict.fix.endswith(f"or chmod 700 {tmp_path / 'c'} if nobody else uses it")
 
 
 @pytest.mark.xla
@@ -236,3 +236,44 @@ def test_a_link_is_judged_by_the_folder_it_leads_to(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "open")
     verdict = cache_trust.judge(tmp_path / "link" / "cache")
     assert not verdict.trusted and verdict.fix.startswith(f"chmod o-w {tmp_path / 'open'}")
+
+
+# Regression (issue 19): a cache folder holding an entry other users can write, or another user's entry,
+# was reported "owner-only" by `xlakit cache ls` and accepted by enable_persistent_cache.
+def test_entries_others_can_rewrite_make_the_folder_untrusted(tmp_path, capsys):
+    from xlakit.cli import main
+
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    entry = folder / "1234"
+    entry.write_bytes(b"entry")
+    entry.chmod(0o600)
+    (folder / "5678").symlink_to(tmp_path / "elsewhere")  # dangling: nothing is read through it
+    assert cache_trust.judge(folder).state == "owner-only"
+    entry.chmod(0o666)
+    verdict = cache_trust.judge(folder)
+    assert verdict.state == "untrusted" and f"{entry} (owner root" in verdict.problem
+    assert "is writable by every user" in verdict.problem and verdict.fix == f"chmod go-w {entry}"
+    assert main(["cache", "ls", str(folder)]) == 0
+    assert f"folder {folder}: untrusted: {entry}" in capsys.readouterr().out
+    entry.chmod(0o600)
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    (tmp_path / "elsewhere").chmod(0o666)  # the link now leads to a file anyone can write
+    verdict = cache_trust.judge(folder)
+    assert not verdict.trusted and f"{folder / '5678'}" in verdict.problem
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user or group needs root")
+def test_an_entry_another_user_owns_or_another_group_can_write_makes_the_folder_untrusted(tmp_path):
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    (folder / "1234").write_bytes(b"entry")
+    os.chown(folder / "1234", OTHER, OTHER)
+    verdict = cache_trust.judge(folder)
+    assert not verdict.trusted and f"is owned by uid {OTHER}, not by you or root" in verdict.problem
+    os.chown(folder / "1234", 0, OTHER)
+    (folder / "1234").chmod(0o620)  # writable by a group that is not root's own
+    verdict = cache_trust.judge(folder)
+    assert not verdict.trusted and f"is writable by group gid {OTHER}" in verdict.problem
+    os.chown(folder / "1234", 0, 0)  # root's own group: what a stock runtime writes under umask 002
+    assert cache_trust.judge(folder).state == "owner-only"

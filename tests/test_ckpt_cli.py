@@ -113,6 +113,45 @@ def test_ls_lists_steps_commit_state_sizes_and_the_best(tmp_path, capsys):
     assert code == 0 and "best 20 by loss (min)" in out and "interrupted" in out and "(best)" in out
 
 
+# Regression (issue 19): `ls` on a DCP, sharded or step folder exited 0 listing "0 committed step(s)".
+def test_ls_refuses_what_is_not_a_manager_folder_saying_what_it_is(files, sharded, tmp_path, capsys):
+    with xlakit.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+    (tmp_path / "empty").mkdir()
+    for path, what in ((files["dcp"], "a torch.distributed.checkpoint folder"), (sharded, "a sharded checkpoint folder"),
+                       (tmp_path / "run" / "1", "one step of a manager folder"),
+                       (files["xlakit"], "an xlakit checkpoint file"), (tmp_path / "empty", "it is empty")):
+        code, out, err = ckpt(capsys, "ls", path)
+        assert code == 2 and out == "" and what in err and "not a CheckpointManager folder" in err, (path, err)
+
+
+# Regression (issue 19): a truncated step record made `verify <dir>` say OK while `verify <dir>/20` said
+# damaged, and `ls` left the step out; a manager folder that never saved made `verify` exit 2, not 3.
+def test_a_damaged_step_record_is_a_finding_in_ls_and_verify(tmp_path, capsys):
+    run = tmp_path / "run"
+    with xlakit.CheckpointManager(run) as mgr:
+        code, data = ckpt_json(capsys, "verify", run)  # only the manager's lock file: nothing saved yet
+        assert code == 3 and data["status"] == "no-committed-step"
+        code, data = ckpt_json(capsys, "ls", run)
+        assert code == 0 and data["steps"] == []
+        for step in (10, 20):
+            mgr.save(step, {"w": torch.full((64,), float(step))})
+    record = run / "20" / steps.STEP_RECORD
+    record.write_text(record.read_text()[:40])
+    for path in (run, run / "20"):
+        code, out, _ = ckpt(capsys, "verify", path)
+        assert code == 1 and out.startswith("DAMAGED:") and "20/xlakit-step.json is damaged" in out, out
+    code, data = ckpt_json(capsys, "ls", run)
+    assert code == 0 and [(r["step"], r["state"]) for r in data["steps"]] == [(10, "committed"), (20, "damaged")]
+    assert "not whole JSON" in data["steps"][1]["problem"] and data["latest"] == 10
+    code, out, _ = ckpt(capsys, "ls", run)
+    assert "DAMAGED: step(s) 20" in out and "damaged" in out.splitlines()[-1]
+    shutil.copytree(run / "10", run / "30")  # a step folder copied under another number
+    record.write_text(json.dumps({**json.loads((run / "10" / steps.STEP_RECORD).read_text()), "step": 20}))
+    code, out, _ = ckpt(capsys, "verify", run)
+    assert code == 1 and "step 30" in out and "records step 10 in folder '30'" in out, out
+
+
 # -- inspect -----------------------------------------------------------------------------------
 
 def test_inspect_an_xlakit_file_lists_tensors_storages_and_checksums(files, capsys):
@@ -493,6 +532,18 @@ def test_convert_to_safetensors_loads_bit_exactly(files, tmp_path, capsys):
         assert torch.equal(bits(loaded[name]), bits(t)), name
     with safe_open(out, "pt") as f:
         assert json.loads(f.metadata()["xlakit.values"]) == {"step": 7, "name": "run"}
+
+
+def test_convert_writes_strict_json_values_when_floats_are_not_finite(tmp_path, capsys):
+    # Regression (issue 19): NaN and Infinity went into the safetensors metadata, which is not JSON.
+    from safetensors import safe_open
+
+    xlakit.save({"w": torch.ones(2), "loss": math.nan, "best": math.inf, "worst": [-math.inf, 1.5]}, tmp_path / "a.pt")
+    code, _ = ckpt_json(capsys, "convert", tmp_path / "a.pt", "--to", "safetensors", tmp_path / "a.safetensors")
+    assert code == 0
+    with safe_open(tmp_path / "a.safetensors", "pt") as f:
+        values = strict_json(f.metadata()["xlakit.values"])
+    assert values == {"loss": "NaN", "best": "Infinity", "worst/0": "-Infinity", "worst/1": 1.5}
 
 
 def test_convert_a_plain_torch_file_and_a_dcp_folder(files, tmp_path, capsys):

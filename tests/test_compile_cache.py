@@ -82,7 +82,7 @@ def test_enable_places_entries_in_a_keyed_subfolder_of_a_fresh_process(tmp_path)
     assert json.loads((where / compile_cache.KEY_FILE).read_text())["patch_set"] == "stock"
     assert [p for p in where.iterdir() if p.name != compile_cache.KEY_FILE], "no cache entry was written"
     assert out["stats"] == {"path": str(where), "readonly": False, "hits": 0, "misses": 1,
-                            "deserialize_failures": 0}
+                            "deserialize_failures": 0, "via": "torch_xla"}
     assert "install the xlakit wheels" in run.stderr  # stock builds are told their cache will not load
 
 
@@ -123,7 +123,7 @@ def test_stats_read_the_counters(monkeypatch):
     monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", "/cache/cpu-stock-0123")
     monkeypatch.delenv("XLA_PERSISTENT_CACHE_READ_ONLY", raising=False)
     assert xlakit.cache_stats() == {"path": "/cache/cpu-stock-0123", "readonly": False, "hits": 3, "misses": 0,
-                                    "deserialize_failures": 1}
+                                    "deserialize_failures": 1, "via": "torch_xla"}
 
 
 @pytest.fixture
@@ -167,7 +167,8 @@ def test_folder_report_records_trust_and_authentication(monkeypatch, tmp_path):
     monkeypatch.delenv("XLA_PERSISTENT_CACHE_PATH", raising=False)
     assert compile_cache.folder_report()["folder"] is None
     monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", str(tmp_path))
-    assert compile_cache.folder_report() == {"path": str(tmp_path), "folder": "owner-only", "authenticated": False}
+    assert compile_cache.folder_report() == {"path": str(tmp_path), "folder": "owner-only", "authenticated": False,
+                                             "via": "torch_xla"}
     monkeypatch.setenv("XLAKIT_CACHE_KEY", "k" * 32)
     report = compile_cache.folder_report()
     assert not report["authenticated"] and "stock torch_xla writes entries without a tag" in \

@@ -36,3 +36,22 @@ def test_every_relative_link_resolves():
             assert dest.exists(), f"{page.relative_to(ROOT)} links {target}, which does not exist"
             if anchor and dest.suffix == ".md":
                 assert anchor in _anchors(dest), f"{page.relative_to(ROOT)} links {target}{anchor}: no such heading"
+
+
+def test_the_error_list_names_every_checkpoint_error():
+    # Regression (issue 19): the documented error list lacked CheckpointMismatchError.
+    import xlakit
+    from xlakit import errors
+
+    page = (ROOT / "docs" / "checkpoints.md").read_text()
+    listed = page[page.index("Errors:"):]
+    public = [name for name in xlakit.__all__ if name.startswith("Checkpoint") and name.endswith("Error")
+              and isinstance(getattr(errors, name, None), type)]
+    assert public and [n for n in public if f"`{n}" not in listed] == []
+
+
+def test_dir_lists_the_public_names_also_those_loaded_on_first_use():
+    # Regression (issue 19): dir(xlakit) hid save, load, restore, CheckpointManager (loaded lazily).
+    import xlakit
+
+    assert set(xlakit.__all__) <= set(dir(xlakit))

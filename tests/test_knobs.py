@@ -9,6 +9,7 @@ import torch
 import xlakit
 from xlakit import _knobs
 from xlakit.checkpoint import transfer
+from xlakit.checkpoint.storage import upload
 
 # How each knob is read where xlakit reads it, and values that must be refused.
 _READERS = {
@@ -22,12 +23,21 @@ _READERS = {
     _knobs.CACHE_TRUST_SHARED: (lambda: _knobs.get_flag(_knobs.CACHE_TRUST_SHARED), ["ture", "2"]),
     _knobs.CACHE_KEY: (_knobs.get_cache_key, ["short"]),
     _knobs.PROFILE: (lambda: xlakit.manifest(), ["no-such-profile"]),
+    _knobs.OBJECT_PART_BYTES: (upload.part_bytes, ["16M", "0", "nan"]),
+    _knobs.OBJECT_PARTS_IN_FLIGHT: (upload.parts_in_flight, ["four", "0", "-1"]),
+    _knobs.OBJECT_REQUEST_TIMEOUT_S: (lambda: _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S), ["nan", "0"]),
+    _knobs.MANAGER_LEASE_S: (lambda: _knobs.get_float(_knobs.MANAGER_LEASE_S), ["nan", "-5"]),
 }
+
+
+# Read by the PJRT wrapping plugin (C++) alone: a value it cannot use turns its cache off, saying so
+# (tests/test_pjrt_wrap.py).
+_READ_BY_THE_WRAPPER = {_knobs.PJRT_PLUGIN, _knobs.PJRT_CACHE_DIR, _knobs.PJRT_CACHE_READ_ONLY}
 
 
 def test_every_xlakit_knob_has_a_reader_here():
     names = {v for k, v in vars(_knobs).items() if k.isupper() and isinstance(v, str) and v.startswith("XLAKIT_")}
-    assert names == set(_READERS)
+    assert names == set(_READERS) | _READ_BY_THE_WRAPPER
 
 
 @pytest.mark.parametrize("name,value", [(n, v) for n, (_, values) in _READERS.items() for v in values])

@@ -168,6 +168,21 @@ def test_a_run_resumed_with_the_plugin_keeps_files_of_the_default_io_and_goes_on
     assert set(before) <= set(os.listdir(tmp_path))  # the default IO's files are left in place
 
 
+# Regression (issue 19): resuming from a checkpoint of Lightning's default IO raised an error whose only
+# fix was `xlakit.load(..., verify=False)`, which a Lightning user cannot pass.
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning")
+def test_resuming_from_a_file_without_checksums_names_the_plugin_option_that_reads_it(tmp_path):
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    trainer(tmp_path, 1, TorchCheckpointIO()).fit(model(), data())
+    t = trainer(tmp_path, 2, xlakit.lightning.XlakitCheckpointIO())
+    with pytest.raises(xlakit.CheckpointFormatError, match="no xlakit checksums") as info:
+        t.fit(model(), data(), ckpt_path=tmp_path / "epoch=0.ckpt")
+    notes = " ".join(info.value.__notes__)
+    assert "XlakitCheckpointIO(load_options=xlakit.LoadOptions(verify=False))" in notes
+    assert "xlakit.load(path" not in notes  # no advice the user cannot follow from Lightning
+
+
 def test_an_asynchronous_failure_is_raised_by_the_next_save(tmp_path):
     io = xlakit.lightning.XlakitCheckpointIO(asynchronous=True)
     folder = tmp_path / "gone"
@@ -190,6 +205,8 @@ def test_wrong_options_are_refused():
         xlakit.lightning.XlakitCheckpointIO(options=xlakit.SaveOptions(layout="sharded"))
     with pytest.raises(TypeError, match="no storage_options"):
         xlakit.lightning.XlakitCheckpointIO().save_checkpoint({}, "x.ckpt", storage_options={"a": 1})
+    with pytest.raises(ValueError, match="strict=False applies to xlakit.restore"):
+        xlakit.lightning.XlakitCheckpointIO(load_options=xlakit.LoadOptions(strict=False))
 
 
 class _CPUPJRTAccelerator(pl.accelerators.XLAAccelerator):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,7 +159,7 @@ def test_folders_that_are_not_the_managers_are_never_touched(tmp_path):
     assert names(tmp_path) == ["3", "500", "7", "README"]
     assert names(tmp_path / "500") == ["notes.txt"] and (tmp_path / "README").read_text() == "mine too"
     found = steps.scan(tmp_path)
-    assert set(found.other) == {"500", "7", "README"} and "not a step record" in found.other["7"]
+    assert set(found.other) == {"500", "README"} and "not whole JSON" in found.damaged[7]
 
 
 def test_trash_left_by_a_killed_retention_is_not_a_step_and_is_removed_later(tmp_path):
@@ -347,3 +348,99 @@ def test_wrong_arguments_name_what_was_expected(tmp_path):
     mgr.close()
     with pytest.raises(RuntimeError, match="is closed"):
         mgr.save(2, state(2), metrics={"loss": 1.0})
+
+
+# -- issue 19: damaged records, rollbacks, numpy numbers, exit without close -----------------------
+
+def _truncate(record) -> None:
+    text = record.read_text()
+    record.write_text(text[: len(text) // 2])
+
+
+def test_a_damaged_step_record_is_named_never_skipped_silently_nor_reused(tmp_path, caplog):
+    # Regression: a truncated xlakit-step.json made its step vanish from all_steps() without a word,
+    # save(20, force=True) then raised a raw JSONDecodeError, and a step folder copied under
+    # another number raised a bare ValueError.
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (10, 20):
+            mgr.save(step, state(step))
+    _truncate(tmp_path / "20" / steps.STEP_RECORD)
+    mgr = CheckpointManager(tmp_path)
+    with caplog.at_level("WARNING", logger="xlakit"):
+        assert mgr.all_steps() == [10] and mgr.latest_step() == 10
+    told = [r.getMessage() for r in caplog.records if "is not a step of the manager" in r.getMessage()]
+    assert len(told) == 1 and f"{tmp_path / '20'}" in told[0] and "damaged (it is not whole JSON" in told[0]
+    with pytest.raises(xlakit.CheckpointWriteError, match=r"cannot save step 20 .* is damaged") as info:
+        mgr.save(20, state(20), force=True)
+    assert any("move it away" in n for n in info.value.__notes__)
+    with pytest.raises(xlakit.CheckpointCorruptError, match="step 20 .* is not a step: its xlakit-step.json is damaged"):
+        mgr.restore(20)
+    mgr.close()
+    shutil.copytree(tmp_path / "10", tmp_path / "30")  # a step folder copied under another number
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(xlakit.CheckpointWriteError, match=r"cannot save step 30 .*records step 10 in folder '30'"):
+            mgr.save(30, state(30))
+        mgr.save(40, state(40))
+        assert mgr.all_steps() == [10, 40]
+    assert sorted(steps.scan(tmp_path).damaged) == [20, 30]  # never touched, never reused
+
+
+def test_should_save_after_rolling_back_saves_the_steps_trained_again(tmp_path):
+    # Regression: after restoring an earlier step and training on, should_save was False up to the
+    # old latest step, so the steps trained again were never saved (the latest was from the run
+    # given up); a step whose asynchronous save failed was never saved again either.
+    mgr = CheckpointManager(tmp_path, save_interval_steps=10)
+    for step in (10, 20, 30):
+        mgr.save(step, state(step))
+    mgr.restore(10)  # roll back, train on from step 11
+    assert [s for s in range(11, 41) if mgr.should_save(s)] == [40]  # 20 and 30 are on disk, kept
+    shutil.rmtree(tmp_path / "20")  # the run given up, deleted by hand, then a rollback
+    shutil.rmtree(tmp_path / "30")
+    assert mgr.restore(10)["step"] == 10
+    assert [s for s in range(11, 41) if mgr.should_save(s)] == [20, 30, 40]
+    mgr.save(20, state(20))
+    assert mgr.all_steps() == [10, 20] and not mgr.should_save(20)
+    mgr.close()
+
+
+def test_a_failed_asynchronous_save_leaves_its_step_to_save_again(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, asynchronous=True)
+    failed = _full_disk(monkeypatch)
+    assert mgr.save(1, state(1)) is True
+    assert failed.wait(30)
+    monkeypatch.undo()
+    with pytest.raises(xlakit.CheckpointWriteError):
+        mgr.wait()
+    assert mgr.should_save(1) and mgr.save(1, state(1)) is True
+    mgr.close()
+    assert mgr.all_steps() == [1]
+
+
+def test_numpy_steps_and_metrics_are_numbers(tmp_path):
+    np = pytest.importorskip("numpy")
+    with CheckpointManager(tmp_path, best_metric="loss") as mgr:
+        assert mgr.should_save(np.int64(5))
+        assert mgr.save(np.int64(5), state(5), metrics={"loss": np.float32(0.25), "n": np.int32(3)}) is True
+        assert mgr.save(np.int64(6), state(6), metrics={"loss": np.float64(0.5)}) is True
+        assert mgr.all_steps() == [5, 6] and mgr.best_step() == 5
+    record = json.loads((tmp_path / "5" / steps.STEP_RECORD).read_text())
+    assert record["step"] == 5 and record["metrics"] == {"loss": 0.25, "n": 3}
+    with CheckpointManager(tmp_path, best_metric="loss") as mgr:
+        with pytest.raises(TypeError, match="metric 'loss' must be a number, got True"):
+            mgr.save(7, state(7), metrics={"loss": np.bool_(True)})
+        with pytest.raises(TypeError, match="step must be a whole number"):
+            mgr.save(np.float64(7.0), state(7), metrics={"loss": 1.0})
+
+
+def test_an_asynchronous_save_committed_at_exit_without_close_applies_retention(tmp_path):
+    # Regression: the exit hook committed the last asynchronous save, but retention never ran for
+    # it, so a script that forgot close() kept one step more than max_to_keep on every run.
+    code = ("import sys, torch, xlakit\n"
+            "mgr = xlakit.CheckpointManager(sys.argv[1], asynchronous=True, max_to_keep=1)\n"
+            "for step in (1, 2):\n"
+            "    mgr.save(step, {'w': torch.full((1 << 20,), float(step))})\n")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    # It may say that it waits for the save; nothing failed.
+    assert run.returncode == 0 and all("waiting for the asynchronous save of step 2" in line
+                                       for line in run.stderr.splitlines()), run.stderr
+    assert names(tmp_path) == ["2"]

@@ -183,9 +183,107 @@ def test_restore_batches_stay_under_the_cap(tmp_path, monkeypatch):
 
 
 def test_restore_reads_plain_torch_files_too(tmp_path):
+    # Regression (issue 19): restore's docstring said any torch.save file works, and its refusal of
+    # one advised xlakit.load(path, verify=False); both now say restore needs verify=False for it.
     torch.save({"w": torch.arange(6.0).view(2, 3), "n": 3}, tmp_path / "t.pt")
     template = {"w": torch.zeros(2, 3), "n": 0}
-    with pytest.raises(xlakit.CheckpointFormatError, match="no xlakit checksums"):
+    with pytest.raises(xlakit.CheckpointFormatError, match="no xlakit checksums") as info:
         xlakit.restore(tmp_path / "t.pt", template)
+    assert any("xlakit.restore(path, template, verify=False)" in n for n in info.value.__notes__)
+    assert "with ``verify=False`` any torch.save" in " ".join(xlakit.restore.__doc__.split())
     assert xlakit.restore(tmp_path / "t.pt", template, verify=False)["n"] == 3
     assert torch.equal(template["w"], torch.arange(6.0).view(2, 3))
+
+
+def test_restore_only_the_model_with_strict_false_skips_and_reports_the_rest(tmp_path, caplog):
+    # Regression (issue 19): restoring {"model": ...} from a {model, optimizer, step} file raised
+    # CheckpointMismatchError; there was no documented way to restore part of a checkpoint.
+    model, opt = _trained(0)
+    xlakit.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 7}, tmp_path / "c.pt")
+    fresh, _ = _trained(1)
+    with pytest.raises(xlakit.CheckpointMismatchError) as info:  # strict stays the default
+        xlakit.restore(tmp_path / "c.pt", {"model": fresh.state_dict()})
+    assert sorted(info.value.problems) == ["optimizer: in the checkpoint, not in the template",
+                                           "step: in the checkpoint, not in the template"]
+    assert any("strict=False" in n for n in info.value.__notes__)
+    reported = []
+    with caplog.at_level(logging.INFO, logger="xlakit"):
+        state = xlakit.restore(tmp_path / "c.pt", {"model": fresh.state_dict()}, strict=False,
+                               extra_keys_callback=reported.append)
+    assert reported == [["optimizer", "step"]]
+    assert any("optimizer, step" in r.getMessage() and "strict=False" in r.getMessage() for r in caplog.records)
+    assert list(state) == ["model"] and _equal_states(fresh.state_dict(), model.state_dict())
+    # Keys the checkpoint lacks stay an error, strict or not; nested extra keys are skipped too.
+    with pytest.raises(xlakit.CheckpointMismatchError, match="epoch: missing from the checkpoint"):
+        xlakit.restore(tmp_path / "c.pt", {"model": fresh.state_dict(), "epoch": 0}, strict=False)
+    partial = {k: v for k, v in fresh.state_dict().items() if k.startswith("0.")}
+    state = xlakit.restore(tmp_path / "c.pt", {"model": partial, "step": 0}, strict=False,
+                           extra_keys_callback=reported.append)
+    assert reported[-1] == ["model/1.bias", "model/1.weight", "model/2.bias", "model/2.weight", "optimizer"]
+    assert state["step"] == 7 and sorted(state["model"]) == ["0.bias", "0.weight"]
+
+
+def test_strict_options_are_checked(tmp_path):
+    xlakit.save({"w": torch.ones(2)}, tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="extra_keys_callback .* pass strict=False"):
+        xlakit.LoadOptions(extra_keys_callback=print)
+    with pytest.raises(TypeError, match="strict must be True or False"):
+        xlakit.LoadOptions(strict="no")
+    with pytest.raises(ValueError, match="strict=False applies to xlakit.restore"):
+        xlakit.load(tmp_path / "c.pt", strict=False)
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_tied_template_entries_the_checkpoint_holds_apart_are_reported_before_anything_changes(tmp_path, plain):
+    # Regression (issue 19): a template whose two entries share memory, restored from a checkpoint
+    # where they differ, came back with one entry holding the other's values, and no error.
+    save = torch.save if plain else xlakit.save
+    save({"embed": torch.ones(4, 3), "head": torch.full((4, 3), 2.0), "b": torch.ones(2)}, tmp_path / "c.pt")
+    tied = torch.zeros(4, 3)
+    b = torch.zeros(2)
+    with pytest.raises(xlakit.CheckpointMismatchError) as info:
+        xlakit.restore(tmp_path / "c.pt", {"embed": tied, "head": tied, "b": b}, verify=not plain)
+    assert len(info.value.problems) == 1 and info.value.problems[0].startswith("embed and head: the template's "
+                                                                               "tensors share memory (tied)")
+    assert torch.equal(tied, torch.zeros(4, 3)) and torch.equal(b, torch.zeros(2))  # nothing changed
+    # Tied in the checkpoint too (one storage), or untied there with equal values: nothing to report.
+    shared = torch.arange(12.0).view(4, 3)
+    save({"embed": shared, "head": shared, "b": torch.ones(2)}, tmp_path / "tied.pt")
+    save({"embed": shared, "head": shared.clone(), "b": torch.ones(2)}, tmp_path / "equal.pt")
+    for name in ("tied.pt", "equal.pt"):
+        tied.zero_()
+        xlakit.restore(tmp_path / name, {"embed": tied, "head": tied, "b": b}, verify=not plain)
+        assert torch.equal(tied, shared), name
+    # Leaving one of them out of the template restores the other, with strict=False.
+    xlakit.restore(tmp_path / "c.pt", {"head": tied, "b": b}, strict=False, verify=not plain)
+    assert torch.equal(tied, torch.full((4, 3), 2.0))
+
+
+def test_tied_views_are_judged_by_the_memory_they_share(tmp_path):
+    base = torch.arange(10.0)
+    xlakit.save({"all": base, "tail": base[6:], "apart": torch.full((4,), -1.0)}, tmp_path / "c.pt")
+    t_base = torch.zeros(10)
+    xlakit.restore(tmp_path / "c.pt", {"all": t_base, "tail": t_base[6:], "apart": torch.zeros(4)})
+    assert torch.equal(t_base, base)  # the same view of the same storage: one value per element
+    t_base.zero_()
+    with pytest.raises(xlakit.CheckpointMismatchError, match="all and apart: the template's tensors share"):
+        xlakit.restore(tmp_path / "c.pt", {"all": t_base, "tail": torch.zeros(4), "apart": t_base[6:]})
+    assert torch.equal(t_base, torch.zeros(10))
+    # Views of one buffer that do not overlap are no tie (a flat parameter buffer).
+    flat = torch.zeros(14)
+    xlakit.restore(tmp_path / "c.pt", {"all": flat[:10], "tail": flat[10:], "apart": torch.zeros(4)})
+    assert torch.equal(flat[:10], base) and torch.equal(flat[10:], base[6:])
+
+
+@pytest.mark.xla
+def test_tied_xla_parameters_are_reported_when_the_checkpoint_holds_them_apart(tmp_path):
+    import torch_xla
+
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False)).to(torch_xla.device())
+    model[1].weight = model[0].weight  # tied: state_dict() gives two aliases of one XLA tensor
+    xlakit.save({"0.weight": torch.ones(4, 3), "1.weight": torch.full((4, 3), 2.0)}, tmp_path / "apart.pt")
+    with pytest.raises(xlakit.CheckpointMismatchError, match="0.weight and 1.weight: the template's tensors share"):
+        xlakit.restore(tmp_path / "apart.pt", model.state_dict())
+    xlakit.save({"0.weight": torch.ones(4, 3), "1.weight": torch.ones(4, 3)}, tmp_path / "equal.pt")
+    xlakit.restore(tmp_path / "equal.pt", model.state_dict())
+    assert torch.equal(model[1].weight.cpu(), torch.ones(4, 3))

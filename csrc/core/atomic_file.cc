@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -53,20 +54,19 @@ std::string HostPart() {
 }
 
 std::string RandomHex() {
-  // From the OS on every call: cache writes are rare, and a per-process stream
-  // would need a lock. getrandom, not std::random_device, which throws where
-  // the source is unavailable (a seccomp sandbox, an exhausted fd table): the
-  // bits only keep writers' names apart (O_EXCL guards the rest), so the
-  // fallback mixes the clock, the pid and an address instead of failing.
+  // From the OS on every call: cache writes are rare, and a per-process
+  // stream would need a lock. getrandom(2) itself, not std::random_device,
+  // which can throw, and in a static libstdc++ needs glibc 2.36
+  // (arc4random): the PJRT wrapper must load on older hosts. Should the
+  // kernel not answer, time, pid and a counter still keep writers apart
+  // together with the host and pid in the name.
   uint64_t bits = 0;
-  if (::getrandom(&bits, sizeof(bits), GRND_NONBLOCK) !=
-      static_cast<ssize_t>(sizeof(bits))) {
-    struct timespec now;
-    ::clock_gettime(CLOCK_REALTIME, &now);
-    bits = (static_cast<uint64_t>(now.tv_sec) * 1000000007u) ^
-           static_cast<uint64_t>(now.tv_nsec) ^
-           (static_cast<uint64_t>(::getpid()) << 40) ^
-           reinterpret_cast<uintptr_t>(&now);
+  if (getrandom(&bits, sizeof(bits), 0) != static_cast<ssize_t>(sizeof(bits))) {
+    static std::atomic<uint64_t> fallback{0};
+    bits = static_cast<uint64_t>(std::chrono::steady_clock::now()
+                                     .time_since_epoch()
+                                     .count()) ^
+           (static_cast<uint64_t>(::getpid()) << 40) ^ fallback.fetch_add(1);
   }
   char buf[kRandomHexDigits + 1];
   std::snprintf(buf, sizeof(buf), "%016llx",

@@ -51,3 +51,13 @@ def plan_transfer_batches(item_bytes: list[int], *, max_inflight_bytes: int) -> 
 def validate_runtime_device(
     device: str, known: list[str], *, allow_virtual: bool = True
 ) -> tuple[str, int, bool]: ...
+OWNER_ONLY: str
+SHARED_TRUSTED: str
+UNTRUSTED: str
+
+def judge_cache_folder(folder: str, *, trust_shared: bool = False) -> dict[str, object]: ...
+
+PJRT_PLUGIN_ENV: str
+PJRT_CACHE_DIR_ENV: str
+PJRT_CACHE_READ_ONLY_ENV: str
+CACHE_TRUST_SHARED_ENV: str

@@ -12,6 +12,7 @@ from xlakit.errors import (
     CacheFolderTrustError,
     CheckpointAsyncError,
     CheckpointBusyError,
+    CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
@@ -50,6 +51,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'xlakit' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})  # the lazily loaded names too: help(), completion, dir()
+
+
 __all__ = [
     "__version__",
     "save",
@@ -67,6 +72,7 @@ __all__ = [
     "CacheFolderTrustError",
     "CheckpointAsyncError",
     "CheckpointBusyError",
+    "CheckpointConflictError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointFormatError",

@@ -24,11 +24,26 @@ TRANSFER_BACKEND = "XLAKIT_TRANSFER_BACKEND"
 PROFILE = "XLAKIT_PROFILE"  # VERSIONS.toml profile the manifest checks against
 PREEMPTION_GRACE_S = "XLAKIT_PREEMPTION_GRACE_S"  # CheckpointManager: SIGTERM to the last moment to save
 DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
-# Accept a persistent cache folder a group you belong to can write (see cache_trust).
-CACHE_TRUST_SHARED = "XLAKIT_CACHE_TRUST_SHARED"
-# The job's secret for authenticated cache entries. The C++ runtime reads it too: its name and the
-# shortest key accepted are facts of csrc/core/envelope.h (kCacheKeyEnv, kMinCacheKeyBytes), taken
-# from there. Never logged.
+# Object storage (checkpoint/storage): the size of one upload part and how many are sent at once
+# (host memory for the upload: part bytes times parts in flight, plus the one being filled).
+OBJECT_PART_BYTES = "XLAKIT_OBJECT_PART_BYTES"
+OBJECT_PARTS_IN_FLIGHT = "XLAKIT_OBJECT_PARTS_IN_FLIGHT"
+# The bound of one object-storage request made outside a save or load's deadline (listings of
+# `xlakit ckpt`, a manager's scan).
+OBJECT_REQUEST_TIMEOUT_S = "XLAKIT_OBJECT_REQUEST_TIMEOUT_S"
+# How long a CheckpointManager's lease on an object-storage URL lasts unless renewed (storage/lease.py).
+MANAGER_LEASE_S = "XLAKIT_MANAGER_LEASE_S"
+# Accept a persistent cache folder a group you belong to can write (see cache_trust); the PJRT
+# wrapping plugin reads it too, so its name comes from the C++ (csrc/pjrt_wrap/env.h).
+CACHE_TRUST_SHARED = _C.CACHE_TRUST_SHARED_ENV
+# The PJRT wrapping plugin (csrc/pjrt_wrap/env.h): the real plugin it loads, its cache folder, and
+# whether it only reads entries.
+PJRT_PLUGIN = _C.PJRT_PLUGIN_ENV
+PJRT_CACHE_DIR = _C.PJRT_CACHE_DIR_ENV
+PJRT_CACHE_READ_ONLY = _C.PJRT_CACHE_READ_ONLY_ENV
+# The job's secret for authenticated cache entries. The C++ runtime and the PJRT wrapper read it
+# too: its name and the shortest key accepted are facts of csrc/core/envelope.h (kCacheKeyEnv,
+# kMinCacheKeyBytes), taken from there. Never logged.
 CACHE_KEY = _C.CACHE_KEY_ENV
 MIN_CACHE_KEY_BYTES = _C.MIN_CACHE_KEY_BYTES
 
@@ -58,6 +73,10 @@ DEFAULTS: dict[str, float | int | str] = {
     TRANSFER_BACKEND: "auto",
     PREEMPTION_GRACE_S: 30.0,
     DOCTOR_TIMEOUT_S: 120.0,
+    OBJECT_PART_BYTES: 16 * MiB,
+    OBJECT_PARTS_IN_FLIGHT: 4,
+    OBJECT_REQUEST_TIMEOUT_S: 120.0,
+    MANAGER_LEASE_S: 300.0,
 }
 
 

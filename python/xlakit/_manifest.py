@@ -28,7 +28,7 @@ import re
 import sys
 from typing import Any
 
-from xlakit import _features, _knobs, _pins, _runtime_start, compile_cache, contract
+from xlakit import _features, _knobs, _pins, _runtime_start, compile_cache, contract, pjrt_wrap
 from xlakit._version import __version__
 
 SCHEMA = 1
@@ -144,7 +144,10 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
         A JSON-ready dict: `python`, `torch`, `torch_xla`, `libtpu`, `jax`,
         `jaxlib`, `patches`, `runtime`, `cache` (the persistent cache
         folder's trust state: owner-only, shared-trusted or untrusted, and
-        whether entries are authenticated), `env`, `contract` (violations),
+        whether entries are authenticated), `pjrt_wrap` (xlakit's PJRT
+        wrapper: the C API version it was built for, whether this process
+        runs through it, the plugin it wraps, its hit/miss counts), `env`,
+        `contract` (violations),
         `profile` and `drift` (mismatches, each with `what`, `pin`,
         `expected`, `found`). A part that cannot be read holds `why_not`;
         a runtime that cannot start holds `why_not` and `fix`.
@@ -174,6 +177,7 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
         "contract": violations,
         "runtime": _runtime_start.start(contract_ok=not violations, pins=pins),
         "cache": compile_cache.folder_report(),
+        "pjrt_wrap": pjrt_wrap.status(),
         "profile": {"name": name, "why": why, "pins": str(pins or _pins.baked_path())},
     }
     m["drift"] = drift(m, name, pins)
@@ -187,6 +191,9 @@ def problems(m: dict[str, Any]) -> list[str]:
     out += [f"contract: {v}" for v in m["contract"]]
     if "fix" in m["runtime"]:  # a runtime that failed, not one left unstarted because of the contract
         out.append(f"runtime: {m['runtime']['why_not']}; fix: {m['runtime']['fix']}")
+    wrap = m.get("pjrt_wrap", {})
+    if wrap.get("refused"):
+        out.append(f"pjrt wrapper: {wrap['refused']}")
     cache = m["cache"]
     if cache.get("folder") == "untrusted":
         out.append(f"cache: {cache['problem']}; fix: {cache['fix']}")
@@ -222,6 +229,11 @@ def manifest_line(m: dict[str, Any] | None = None) -> str:
         devices,
         f"{m['profile']['name']} {verdict}",
     ]
+    wrap = m.get("pjrt_wrap", {})
+    if wrap.get("active"):
+        counts = wrap["counts"]
+        parts.append(f"pjrt-wrap {wrap['plugin_api']} cache {counts['hits']} hits {counts['misses']} misses"
+                     if wrap["cache"]["on"] else f"pjrt-wrap {wrap['plugin_api']} cache off")
     if m["contract"]:
         parts.append(f"CONTRACT BROKEN x{len(m['contract'])}")
     if "fix" in rt:

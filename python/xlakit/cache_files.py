@@ -30,17 +30,20 @@ import argparse
 import json
 import os
 import re
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from xlakit import _C, _knobs, cache_trust
-from xlakit.compile_cache import KEY_FILE
+from xlakit.compile_cache import KEY_FILE, key_id
 from xlakit.errors import XlakitError
 
 # torch_xla's PersistentCache names a file `ss << key` (torch_xla/csrc/runtime/cache.h), the key being a
-# torch::lazy::hash_t, a 128-bit integer that an ostream writes in decimal.
+# torch::lazy::hash_t, a 128-bit integer that an ostream writes in decimal; xlakit's PJRT wrapper names
+# its entries by a SHA-256 in hex (csrc/pjrt_wrap/compile_cache.h).
 _ENTRY_NAME = re.compile(r"[0-9]{1,39}")
+_WRAPPER_ENTRY_NAME = re.compile(r"[0-9a-f]{64}")
 # A temporary file younger than this may still be written to; a killed writer's is older.
 TEMP_MIN_AGE_S = 15 * 60
 _MAGICS = (_C.ENVELOPE_MAGIC, _C.AUTH_MAGIC)
@@ -73,6 +76,8 @@ class EntryReport:
 
 
 def _is_entry_name(name: str) -> bool:
+    if _WRAPPER_ENTRY_NAME.fullmatch(name):
+        return True
     return _ENTRY_NAME.fullmatch(name) is not None and int(name) < 1 << 128
 
 
@@ -105,7 +110,8 @@ def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str,
                           f"it may still be written (kept until it is {TEMP_MIN_AGE_S} s old)")
         return _plain(name, st, TEMPORARY, "left by a writer that did not finish (killed)")
     if not _is_entry_name(name):
-        return _plain(name, st, OTHER, "not a cache file (torch_xla names entries by a decimal hash); left alone")
+        return _plain(name, st, OTHER, "not a cache file (torch_xla names entries by a decimal hash, xlakit's PJRT "
+                      "wrapper by a SHA-256 in hex); left alone")
     try:
         deep = full or identity or key
         with open(path, "rb") as f:
@@ -126,14 +132,23 @@ def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str,
     return report
 
 
-def _regular_files(directory: Path) -> list[tuple[Path, os.stat_result]]:
-    out = []
+def _listing(directory: Path) -> list[tuple[Path, os.stat_result]]:
+    """Every name in the folder, its own lstat (links are not followed)."""
     with os.scandir(directory) as it:
-        for d in it:
-            # Never follow links and never descend: the runtime writes plain files, flat.
-            if d.is_file(follow_symlinks=False):
-                out.append((Path(d.path), d.stat(follow_symlinks=False)))
-    return sorted(out)
+        return sorted((Path(d.path), d.stat(follow_symlinks=False)) for d in it)
+
+
+def _regular_files(directory: Path) -> list[tuple[Path, os.stat_result]]:
+    # Never follow links and never descend: the runtime writes plain files, flat.
+    return [(p, st) for p, st in _listing(directory) if stat.S_ISREG(st.st_mode)]
+
+
+def _not_a_file(path: Path, st: os.stat_result) -> EntryReport:
+    """A link, a subfolder or another special name: listed, never read, never removed."""
+    what = ("a link" if stat.S_ISLNK(st.st_mode) else "a subfolder" if stat.S_ISDIR(st.st_mode)
+            else "not a plain file")
+    named = " named like an entry" if _is_entry_name(path.name) else ""
+    return _plain(path.name, st, OTHER, f"{what}{named}: the runtime writes plain files; left alone")
 
 
 def _require_folder(directory: str | os.PathLike) -> Path:
@@ -159,7 +174,8 @@ def scan(directory: str | os.PathLike, *, full: bool, identity: dict[str, str] |
     """Report every plain file in a cache folder; `full` checksums payloads (in bounded pieces), `key` checks tags."""
     folder = _require_folder(directory)
     now = time.time()
-    return [_classify(p, st, full=full, identity=identity, key=key, now=now) for p, st in _regular_files(folder)]
+    return [_classify(p, st, full=full, identity=identity, key=key, now=now) if stat.S_ISREG(st.st_mode)
+            else _not_a_file(p, st) for p, st in _listing(folder)]
 
 
 def made_by_xlakit(directory: Path) -> bool:
@@ -226,13 +242,34 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(r.valid for r in reports if r.is_entry) else 1
 
 
-def removable(r: EntryReport, *, foreign: bool) -> bool:
-    """What prune deletes: a rejected envelope, an abandoned temporary, a foreign entry when asked."""
+# Entries whose only fault is their tag: written without the key, or under another one (or forged).
+TAG_FAULTS = ("unauthenticated", "bad_tag")
+
+
+def removable(r: EntryReport, *, foreign: bool, tag_faults: bool = True) -> bool:
+    """What prune deletes: a rejected envelope, an abandoned temporary, a foreign entry when asked; an entry
+    refused only for its tag when `tag_faults` (the folder is positively this key's)."""
     if r.status == TEMPORARY:
         return True
     if r.status == FOREIGN:
         return foreign
+    if r.status in TAG_FAULTS:
+        return tag_faults
     return r.is_entry and not r.valid and r.status != UNREADABLE
+
+
+def keyed_for(directory: Path, key: bytes) -> bool:
+    """Whether `directory` is the folder enable_persistent_cache made for this very key (its key file says so).
+
+    Elsewhere an entry refused for its tag may be another job's good entry: the PJRT wrapper keeps the
+    entries of every key (and of none) in one folder, named apart.
+    """
+    try:
+        with open(directory / KEY_FILE, "rb") as f:
+            recorded = json.loads(f.read(1 << 16))
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and recorded.get("key_id") == key_id(key)
 
 
 def _unchanged(path: Path, st: os.stat_result) -> bool:
@@ -253,12 +290,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"made (it holds {KEY_FILE}); {folder} has none, so its files may be another program's. Nothing "
             "was removed; delete them by hand if you are sure, or prune without --foreign")
     identity, key = _identity(args), _key()
+    tag_faults = key is not None and keyed_for(folder, key)
     now = time.time()
     files = _regular_files(folder)
     removed = 0
     for path, st in files:
         r = _classify(path, st, full=True, identity=identity, key=key, now=now)
-        if not removable(r, foreign=args.foreign):
+        if not removable(r, foreign=args.foreign, tag_faults=tag_faults):
+            if r.status in TAG_FAULTS:
+                print(f"kept: {r.name} ({r.status}: another key's entry, or none's, or a forgery; the runtime never "
+                      f"loads it with this key, and only a folder made for this key is pruned of them)")
             continue
         if args.dry_run:
             verb = "would remove"

@@ -8,7 +8,11 @@ ssh's StrictModes, applied from the cache folder up to `/`: every folder is
 owned by root or by the user, and no other user can write it. A folder above
 the cache may be writable by others only when it is sticky (`/tmp`): nobody
 else can then rename or remove what the user owns in it. The cache folder
-itself never may: a sticky bit stops removals, not new entries.
+itself never may: a sticky bit stops removals, not new entries. The files
+already in the cache folder are judged too (a link by what it leads to): an
+entry another user owns, or others can write, can be rewritten in place with
+their code, whoever owns the folder (a file writable by the owner's private
+group, as a stock runtime writes under umask 002, counts as the owner's).
 
 `trust_shared` is for teams that share a cache on purpose: a folder writable
 by a group the user belongs to, or owned by a member of it, is accepted (and
@@ -17,16 +21,13 @@ the caller logs it). Writable by every user stays refused.
 
 from __future__ import annotations
 
-import grp
 import os
-import pwd
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-OWNER_ONLY, SHARED_TRUSTED, UNTRUSTED = "owner-only", "shared-trusted", "untrusted"
-_SHARE_HINT = "or, if every member of group {group} may put code into your jobs, pass trust_shared=True " \
-              "(or export XLAKIT_CACHE_TRUST_SHARED=1)"
+from xlakit import _C
+
+OWNER_ONLY, SHARED_TRUSTED, UNTRUSTED = _C.OWNER_ONLY, _C.SHARED_TRUSTED, _C.UNTRUSTED
 
 
 @dataclass(frozen=True)
@@ -51,82 +52,14 @@ class FolderTrust:
         return "owner-only (nobody but you and root can put an entry into it)"
 
 
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _group(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return f"gid {gid}"
-
-
-def _is_member(uid: int, gid: int) -> bool:
-    try:
-        user = pwd.getpwuid(uid)
-        return user.pw_gid == gid or user.pw_name in grp.getgrgid(gid).gr_mem
-    except KeyError:
-        return False
-
-
-def _looks(path: Path, st: os.stat_result) -> str:
-    return (f"{path} (owner {_user(st.st_uid)}, group {_group(st.st_gid)}, mode "
-            f"{stat.filemode(st.st_mode)} {stat.S_IMODE(st.st_mode):04o})")
-
-
 def judge(folder: str | os.PathLike, *, trust_shared: bool = False) -> FolderTrust:
     """Whether entries in `folder` can only come from the user (and root), and if not, the fix.
 
     `folder` need not exist: the folders xlakit would create are owner-only,
     so the nearest existing one is judged as a folder above the cache. Links
-    on the way are resolved first.
+    on the way are resolved first. The rule is C++ (csrc/core/folder_trust.h),
+    shared with the PJRT wrapping plugin, which judges its folder in jobs that
+    run no xlakit Python.
     """
-    folder = Path(folder).resolve()  # judge the folders the entries really are in, not a link's
-    me = os.geteuid()
-    my_groups = set(os.getgroups()) | {os.getegid()}
-    shared: list[str] = []
-
-    def untrusted(problem: str, fix: str) -> FolderTrust:
-        return FolderTrust(folder, UNTRUSTED, problem, fix)
-
-    for path in (folder, *folder.parents):
-        try:
-            st = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # xlakit creates it, owner-only (or fails to, under a file, and says so)
-        except OSError as e:
-            return untrusted(f"cannot inspect {path} ({e.strerror}), so who can write it is unknown",
-                             f"make {path} searchable by you, or use a cache folder elsewhere")
-        is_cache = path == folder
-        mode = st.st_mode
-        shareable = trust_shared and st.st_gid in my_groups
-        hint = _SHARE_HINT.format(group=_group(st.st_gid)) if st.st_gid in my_groups else ""
-        if st.st_uid not in (0, me):
-            if not (shareable and _is_member(st.st_uid, st.st_gid)):
-                return untrusted(f"{_looks(path, st)} is owned by {_user(st.st_uid)}, not by you or root: they can "
-                                 "change it and put code into your jobs",
-                                 f"use a folder you own (mkdir -m 700 <folder>), or have root run "
-                                 f"`chown {_user(me)} {path}`" + (f"; {hint}" if hint else ""))
-            shared.append(f"{path} is owned by {_user(st.st_uid)} of group {_group(st.st_gid)}")
-        # Sticky stops others removing or renaming what is not theirs, so it protects the path
-        # through a folder above the cache, never the entries created in the cache folder itself.
-        sticky_above = bool(mode & stat.S_ISVTX) and not is_cache
-        if mode & stat.S_IWOTH and not sticky_above:
-            fix = (f"chmod 700 {path}" if is_cache else
-                   f"chmod o-w {path} (or chmod +t {path}, if others must create folders in it)")
-            why = " (its sticky bit does not stop others adding entries)" if mode & stat.S_ISVTX else ""
-            return untrusted(f"{_looks(path, st)} is writable by every user{why}: anyone can put an executable "
-                             "into your cache that your jobs will run", fix)
-        if mode & stat.S_IWGRP and not sticky_above:
-            if not shareable:
-                fix = f"chmod g-w {path}" + (f", {hint}" if hint else "")
-                return untrusted(f"{_looks(path, st)} is writable by group {_group(st.st_gid)}: any member can put "
-                                 "an executable into your cache that your jobs will run", fix)
-            shared.append(f"{path} is writable by group {_group(st.st_gid)}")
-    if shared:
-        return FolderTrust(folder, SHARED_TRUSTED, shared=tuple(shared))
-    return FolderTrust(folder, OWNER_ONLY)
+    found = _C.judge_cache_folder(str(Path(folder).resolve()), trust_shared=trust_shared)
+    return FolderTrust(Path(found["folder"]), found["state"], found["problem"], found["fix"], tuple(found["shared"]))

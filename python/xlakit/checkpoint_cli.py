@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -50,20 +49,11 @@ def _size(n: float) -> str:
 
 def _emit(args: argparse.Namespace, data: dict, text: list[str]) -> None:
     if args.json:
-        print(json.dumps(_json_safe(data), indent=1, default=str, allow_nan=False))
+        from xlakit.checkpoint.describe import json_safe
+
+        print(json.dumps(json_safe(data), indent=1, default=str, allow_nan=False))
     else:
         print("\n".join(text))
-
-
-def _json_safe(value: Any) -> Any:
-    """`value` with each float that is not finite as a string: JSON has no NaN nor Infinity."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 @contextlib.contextmanager
@@ -80,33 +70,48 @@ def _about(path: Path | str) -> Iterator[None]:
 # -- ls -------------------------------------------------------------------------------------------
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import retention, steps
+    from xlakit.checkpoint import describe, retention, steps, storage
 
-    folder = Path(args.dir)
-    if not folder.is_dir():
-        what = "is a file; `xlakit ckpt inspect` reads one checkpoint" if folder.exists() else "does not exist"
-        raise FileNotFoundError(2, f"{folder} {what}; ls lists a CheckpointManager folder", str(folder))
+    if not storage.is_url(args.dir):
+        path = Path(args.dir)
+        if not path.exists():
+            raise FileNotFoundError(2, f"{path} does not exist; ls lists a CheckpointManager folder", str(path))
+        with _about(path):
+            kind = describe.kind_of(path)
+            if kind.kind == describe.FOLDER:
+                raise CheckpointFormatError(f"{path} is not a CheckpointManager folder: it holds no step, no "
+                                            f"interrupted save and no manager lock ({kind.note})")
+            if kind.kind != describe.MANAGER:
+                raise CheckpointFormatError(f"{path} is {describe.KIND_NAMES[kind.kind]}, not a CheckpointManager "
+                                            f"folder; `xlakit ckpt inspect {path}` shows what it holds")
+    where = steps.folder_at(args.dir)  # a folder, or a manager URL on object storage
+    folder = where.directory
     with _about(folder):
-        found = steps.scan(folder)
+        found = where.scan()
     records = [s.record for s in sorted(found.committed.values(), key=lambda s: s.step)]
     policy = retention.Retention(best_metric=records[-1].get("best_metric"),
                                  best_mode=records[-1].get("best_mode", "min")) if records else retention.Retention()
     best = retention.best(found.committed, policy)
-    rows = []
-    for step in sorted({**found.committed, **found.pending}.values(), key=lambda s: s.step):
-        rows.append({"step": step.step, "state": "committed" if step.committed else "interrupted",
-                     "layout": step.layout, "bytes": steps.folder_bytes(step.path), "metrics": step.metrics,
-                     "best": step.step == best, "problem": step.problem})
+    rows = [{"step": step.step, "state": "committed" if step.committed else "interrupted", "layout": step.layout,
+             "bytes": where.step_bytes(step), "metrics": step.metrics, "best": step.step == best,
+             "problem": step.problem} for step in {**found.committed, **found.pending}.values()]
+    rows += [{"step": step, "state": "damaged", "layout": None,
+              "bytes": steps.folder_bytes(folder / str(step)) if isinstance(folder, Path) else None,
+              "metrics": {}, "best": False, "problem": f"its {steps.STEP_RECORD} is damaged: {why}"}
+             for step, why in found.damaged.items()]
+    rows.sort(key=lambda r: r["step"])
     data = {"directory": str(folder), "latest": found.latest, "best": best, "best_metric": policy.best_metric,
-            "best_mode": policy.best_mode, "steps": rows, "trash": [p.name for p in found.trash],
+            "best_mode": policy.best_mode, "steps": rows, "trash": [str(p).rsplit("/", 1)[-1] for p in found.trash],
             "other": found.other}
     text = [f"{folder}: {len(found.committed)} committed step(s), latest {found.latest}"
-            + (f", best {best} by {policy.best_metric} ({policy.best_mode})" if best is not None else "")]
+            + (f", best {best} by {policy.best_metric} ({policy.best_mode})" if best is not None else "")
+            + (f"; DAMAGED: step(s) {', '.join(map(str, sorted(found.damaged)))} (not steps until mended)"
+               if found.damaged else "")]
     if rows:
         text.append(f"  {'step':>10}  {'state':<11}  {'layout':<10}  {'size':>10}  metrics")
     for r in rows:
         metrics = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items())
-        text.append(f"  {r['step']:>10}  {r['state']:<11}  {r['layout']:<10}  {_size(r['bytes']):>10}  "
+        text.append(f"  {r['step']:>10}  {r['state']:<11}  {r['layout'] or '-':<10}  {_size(r['bytes']) if r['bytes'] is not None else '-':>10}  "
                     f"{metrics}{'  (best)' if r['best'] else ''}{'  ' + r['problem'] if r['problem'] else ''}")
     if found.trash:
         text.append(f"  trash: {len(found.trash)} folder(s) a retention was deleting; the next manager "
@@ -120,8 +125,28 @@ def cmd_ls(args: argparse.Namespace) -> int:
 # -- inspect --------------------------------------------------------------------------------------
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from xlakit.checkpoint import storage
+
+    if storage.is_url(args.path):
+        return _inspect_url(args)
     with _about(args.path):
         return _inspect(args)
+
+
+def _inspect_url(args: argparse.Namespace) -> int:
+    """A file checkpoint on object storage: read whole (verified), then listed like a local file."""
+    import dataclasses
+
+    from xlakit import checkpoint
+    from xlakit.checkpoint import describe
+
+    tensors, values = describe.flatten(checkpoint.load(args.path))
+    data = {"path": args.path, "kind": "xlakit-file", "object_storage": True,
+            "tensors": [dataclasses.asdict(t) for t in describe.tensor_infos(tensors)],
+            "values": {k: describe.jsonable(v) for k, v in values.items()}}
+    text = [f"{args.path}: xlakit checkpoint on object storage, committed, every checksum verified"]
+    _emit(args, data, text + _tensor_table(data["tensors"]) + _values(data["values"]))
+    return OK
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -209,9 +234,29 @@ class _Bar:
         sys.stderr.flush()
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import describe, integrity
+def _verify_url(args: argparse.Namespace) -> int:
+    """A checkpoint on object storage: every object of its newest committed generation read whole and
+    verified (a file's and each shard's records as `xlakit.load` reads them; DCP files against the
+    commit record)."""
+    from xlakit.checkpoint.options import LoadOptions
+    from xlakit.checkpoint.storage import objranks
 
+    try:
+        kind, checked = objranks.verify(args.path, LoadOptions())
+    except CheckpointCorruptError as e:
+        _emit(args, {"path": args.path, "status": "damaged", "tensor": getattr(e, "tensor", None),
+                     "message": str(e)}, [f"DAMAGED: {e}"])
+        return DIFFERENT
+    _emit(args, {"path": args.path, "kind": f"xlakit-{kind}", "status": "ok", "bytes": checked},
+          [f"OK: {args.path} (xlakit-{kind} on object storage): every checksum over {_size(checked)} matches"])
+    return OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from xlakit.checkpoint import describe, integrity, storage
+
+    if storage.is_url(args.path):
+        return _verify_url(args)
     path = Path(args.path)
     try:
         with _about(path):
@@ -264,9 +309,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from xlakit.checkpoint import tensors
 
     with _about(args.a):
-        a, _ = tensors.read_state(Path(args.a))
+        a = _read_state(args.a)
     with _about(args.b):
-        b, _ = tensors.read_state(Path(args.b))
+        b = _read_state(args.b)
     result = tensors.compare(a, b)
     text = [f"only in A: {n}" for n in result["only_in_a"]] + [f"only in B: {n}" for n in result["only_in_b"]]
     text += [f"structure differs: {s['name']}: {s['a']} vs {s['b']}" for s in result["structure_different"]]
@@ -296,12 +341,26 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise FileExistsError(17, f"{out} exists; pass --force to replace it", str(out))
     with _about(args.path):
-        state, kind = tensors.read_state(Path(args.path))
+        state, kind = _read_state(args.path, with_kind=True)
     with _about(out):
         result = _write(state, out, args.to)
-    _emit(args, {"source": args.path, "source_kind": kind.kind, "to": args.to, "out": str(out), **result},
+    _emit(args, {"source": args.path, "source_kind": kind, "to": args.to, "out": str(out), **result},
           [f"wrote {out} ({args.to}): {result['tensors']} tensor(s), {_size(result['bytes'])}"])
     return OK
+
+
+def _read_state(path: str, *, with_kind: bool = False) -> Any:
+    """The state of a checkpoint, verified: a local path of any kind, or a file checkpoint's URL."""
+    from xlakit.checkpoint import storage, tensors
+
+    if storage.is_url(path):
+        from xlakit import checkpoint
+
+        state, kind = checkpoint.load(path), "xlakit-file"
+    else:
+        state, found = tensors.read_state(Path(path))
+        kind = found.kind
+    return (state, kind) if with_kind else state
 
 
 def _write(state: Any, out: Path, to: str) -> dict:

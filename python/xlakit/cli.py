@@ -19,6 +19,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "xlakit.memory",
     "xlakit.doctor",
     "xlakit.cache_files",
+    "xlakit.pjrt_wrap",
     "xlakit.checkpoint_cli",
 )
 

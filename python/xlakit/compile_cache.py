@@ -17,9 +17,17 @@ writes authenticated entries and loads no other; the key's id (an HMAC of a
 constant, not the key) joins the subfolder name, so jobs with different keys,
 or none, never evict each other's entries.
 
-`cache_stats()` reads torch_xla's own counters. A stock torch_xla writes
-entries and then fails every load (`PersistentCacheDeserializeFailure`),
-silently recompiling; `xlakit doctor` probes exactly that.
+On stock torch_xla with a PJRT C API plugin (a TPU's libtpu, or a plugin in
+torch_xla's registry) the cache goes through xlakit's PJRT wrapping plugin
+instead (`pjrt_wrap`): stock torch_xla writes its own entries and then fails
+every load (`PersistentCacheDeserializeFailure`, pytorch/xla#9094), while the
+wrapper serves compiles from its cache below torch_xla, in
+`<path>/pjrt-<device>` (its keys cover the platform, devices and key id, so
+one folder serves every runtime). The patched runtime, and torch_xla's
+built-in CPU client (which is no plugin), use torch_xla's own cache.
+
+`cache_stats()` reads the counters of whichever serves this process;
+`xlakit doctor` probes that entries written by one process load in the next.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from xlakit import _C, _features, _knobs, cache_trust
+from xlakit import _C, _features, _knobs, cache_trust, pjrt_wrap
 from xlakit.errors import CacheFolderTrustError, CompileCacheError, ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -127,14 +135,56 @@ def _write_key_file(where: Path, key: dict[str, Any], mode: int) -> None:
         f.write(json.dumps(key, indent=2, sort_keys=True) + "\n")
 
 
+def _prepare(where: Path, *, readonly: bool, shared: bool, key: dict[str, Any] | None) -> None:
+    """Judge `where`, and unless read-only make it (owner-only) and write the key file, if any."""
+    _trusted(where, trust_shared=shared)
+    if readonly:
+        if not where.is_dir():
+            log.warning("persistent cache %s holds nothing for this runtime yet (read-only: nothing will be "
+                        "written); every graph will compile", where)
+        return
+    try:
+        _make_folders(where, 0o750 if shared else 0o700)
+        _trusted(where, trust_shared=shared)  # a folder another process made meanwhile is judged too
+        if key is not None:
+            _write_key_file(where, key, 0o640 if shared else 0o600)
+    except CacheFolderTrustError:
+        raise
+    except OSError as e:
+        raise CompileCacheError(
+            f"expected a writable cache folder at {where}, found {type(e).__name__}: {e}; "
+            "pass a writable path or readonly=True") from e
+
+
+def through_wrapper() -> bool:
+    """Whether this process's cache goes through the PJRT wrapper: stock torch_xla on a PJRT C API plugin.
+
+    Raises:
+        CompileCacheError: `PJRT_DEVICE=TPU` and no libtpu to wrap (the fix named).
+    """
+    if _features.build_info() is not None:
+        return False
+    device = (os.environ.get(_knobs.PJRT_DEVICE) or "").upper()
+    if not device:
+        return False
+    plugin, via = pjrt_wrap.plugin_of(device)
+    if plugin is None and device == "TPU":
+        raise CompileCacheError(f"{_knobs.PJRT_DEVICE}=TPU, but there is no libtpu to run on: {via}")
+    return plugin is not None
+
+
 def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False,
                             trust_shared: bool | None = None) -> Path:
-    """Turn on torch_xla's persistent compilation cache in a runtime-keyed subfolder.
+    """Turn on a persistent compilation cache that loads after a restart.
 
-    Call it before the first graph is compiled (torch_xla reads the setting
-    once, when it creates its computation cache). The folder, and every folder
-    above it, must be one only you and root can write (a sticky folder such as
-    `/tmp` may be above it); xlakit creates what is missing owner-only.
+    Call it before the first graph is compiled (and, on a TPU, before the
+    runtime starts). On stock torch_xla with a PJRT plugin (`PJRT_DEVICE=TPU`
+    with libtpu, or a plugin in torch_xla's registry) compiles go through
+    xlakit's PJRT wrapping plugin, which caches them in `<path>/pjrt-<device>`;
+    on the patched runtime (and torch_xla's built-in CPU client) torch_xla's
+    own cache is turned on in a runtime-keyed subfolder. The folder, and every
+    folder above it, must be one only you and root can write (a sticky folder
+    such as `/tmp` may be above it); xlakit creates what is missing owner-only.
 
     Args:
         path: The shared cache folder; created if missing (unless `readonly`).
@@ -149,9 +199,11 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False,
     Raises:
         CacheFolderTrustError: another user can write the folder or one above
             it; names the folder, its owner and mode, and the `chmod` that fixes it.
-        CompileCacheError: a graph was already compiled, the folder cannot be
-            made, or `XLAKIT_CACHE_KEY` is too short to be a secret.
-        RuntimeFeatureError: torch_xla cannot be imported.
+        CompileCacheError: a graph was already compiled (or, through the
+            wrapper, the runtime started), the folder cannot be made, or
+            `XLAKIT_CACHE_KEY` is too short to be a secret.
+        RuntimeFeatureError: torch_xla cannot be imported, or this xlakit has
+            no PJRT wrapper where one is needed.
 
     Example:
         >>> import tempfile, xlakit
@@ -168,24 +220,18 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False,
         secret = _knobs.get_cache_key()
     except ValueError as e:
         raise CompileCacheError(str(e)) from None
+    root = Path(path).expanduser().resolve()
+    if through_wrapper():
+        pjrt_wrap.library_path()  # a missing wrapper is said before anything is made
+        where = root / f"pjrt-{os.environ[_knobs.PJRT_DEVICE].lower()}"
+        _prepare(where, readonly=readonly, shared=shared, key=None)
+        routed = pjrt_wrap.route(where, readonly=readonly, trust_shared=shared)
+        log.info("persistent cache %s through xlakit's PJRT wrapper around %s (%s)", where, routed["plugin"],
+                 routed["via"])
+        return where
     key = cache_key(secret)
-    where = Path(path).expanduser().resolve() / cache_dir_name(key)
-    _trusted(where, trust_shared=shared)
-    if readonly:
-        if not where.is_dir():
-            log.warning("persistent cache %s holds nothing for this runtime yet (read-only: nothing will be "
-                        "written); every graph will compile", where)
-    else:
-        try:
-            _make_folders(where, 0o750 if shared else 0o700)
-            _trusted(where, trust_shared=shared)  # a folder another process made meanwhile is judged too
-            _write_key_file(where, key, 0o640 if shared else 0o600)
-        except CacheFolderTrustError:
-            raise
-        except OSError as e:
-            raise CompileCacheError(
-                f"expected a writable cache folder at {where}, found {type(e).__name__}: {e}; "
-                "pass a writable path or readonly=True") from e
+    where = root / cache_dir_name(key)
+    _prepare(where, readonly=readonly, shared=shared, key=key)
     import torch_xla.runtime as xr
 
     xr.initialize_cache(str(where), readonly=readonly)
@@ -207,17 +253,19 @@ def folder_report(path: str | os.PathLike | None = None) -> dict[str, Any]:
         when no cache is set up (`XLA_PERSISTENT_CACHE_PATH` unset);
         `authenticated` says whether entries carry a tag this job checks.
     """
-    path = path or os.environ.get(_knobs.XLA_PERSISTENT_CACHE_PATH)
+    wrapped = not path and not os.environ.get(_knobs.XLA_PERSISTENT_CACHE_PATH) and \
+        bool(os.environ.get(_knobs.PJRT_CACHE_DIR))
+    path = path or os.environ.get(_knobs.XLA_PERSISTENT_CACHE_PATH) or os.environ.get(_knobs.PJRT_CACHE_DIR)
     if not path:
         return {"path": None, "folder": None, "authenticated": False,
-                "why": f"no persistent cache ({_knobs.XLA_PERSISTENT_CACHE_PATH} unset)"}
+                "why": f"no persistent cache ({_knobs.XLA_PERSISTENT_CACHE_PATH} and {_knobs.PJRT_CACHE_DIR} unset)"}
     try:
         shared = _knobs.get_flag(_knobs.CACHE_TRUST_SHARED) or Path(path).resolve() in _shared_accepted
     except ConfigurationError as e:  # whether a group may write the folder is then unknown
         return {"path": str(path), "folder": "untrusted", "authenticated": False, "problem": str(e),
-                "fix": f"set {_knobs.CACHE_TRUST_SHARED} to 1 or 0, or unset it"}
+                "fix": f"set {_knobs.CACHE_TRUST_SHARED} to 1 or 0, or unset it", "via": "pjrt-wrap" if wrapped else "torch_xla"}
     verdict = cache_trust.judge(path, trust_shared=shared)
-    out: dict[str, Any] = {"path": str(path), "folder": verdict.state}
+    out: dict[str, Any] = {"path": str(path), "folder": verdict.state, "via": "pjrt-wrap" if wrapped else "torch_xla"}
     if not verdict.trusted:
         out.update(problem=verdict.problem, fix=verdict.fix)
     elif verdict.shared:
@@ -228,8 +276,8 @@ def folder_report(path: str | os.PathLike | None = None) -> dict[str, Any]:
         secret = None
         out["key_problem"] = str(e)
     patched = _features.build_info() is not None
-    out["authenticated"] = bool(secret) and patched
-    if secret and not patched:
+    out["authenticated"] = bool(secret) and (patched or wrapped)
+    if secret and not (patched or wrapped):
         out["why_not_authenticated"] = f"{_knobs.CACHE_KEY} is set, but stock torch_xla writes entries without a tag"
     return out
 
@@ -238,21 +286,31 @@ def cache_stats() -> dict[str, Any]:
     """The persistent cache's counters in this process, and where it points.
 
     Returns:
-        `{"path", "readonly", "hits", "misses", "deserialize_failures"}`;
-        counters are 0 until the first lookup, `path` None when the cache is off.
+        `{"path", "readonly", "hits", "misses", "deserialize_failures", "via"}`;
+        counters are 0 until the first lookup, `path` None when the cache is
+        off; `via` is "pjrt-wrap" when xlakit's PJRT wrapper serves this
+        process (`deserialize_failures` then counts the entries it refused),
+        else "torch_xla".
 
     Example:
         >>> import xlakit
         >>> stats = xlakit.cache_stats()
         >>> sorted(stats)
-        ['deserialize_failures', 'hits', 'misses', 'path', 'readonly']
+        ['deserialize_failures', 'hits', 'misses', 'path', 'readonly', 'via']
     """
     _xlac()
+    wrapper = pjrt_wrap.status()
+    if wrapper.get("active"):
+        counts = wrapper["counts"]
+        return {"path": wrapper["cache"]["dir"], "readonly": wrapper["cache"]["read_only"], "hits": counts["hits"],
+                "misses": counts["misses"], "deserialize_failures": sum(wrapper["refused_entries"].values()),
+                "via": "pjrt-wrap"}
     import torch_xla.debug.metrics as met
 
     stats: dict[str, Any] = {
         "path": os.environ.get(_knobs.XLA_PERSISTENT_CACHE_PATH) or None,
         "readonly": _knobs.xla_flag(_knobs.XLA_PERSISTENT_CACHE_READ_ONLY),
+        "via": "torch_xla",
     }
     for name, counter in COUNTERS.items():
         stats[name] = met.counter_value(counter) or 0

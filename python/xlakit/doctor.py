@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import xlakit
-from xlakit import _features, _knobs, _manifest, _runtime_start, compile_cache, contract, memory
+from xlakit import _features, _knobs, _manifest, _runtime_start, compile_cache, contract, memory, pjrt_wrap
 
 _STATS_MARK = "xlakit-cache-probe-stats: "
 UNPATCHED = "entries are written but never load: this torch_xla is unpatched, install the xlakit wheels"
@@ -112,7 +112,9 @@ def cache_verdict(stats: dict, stderr: str, build: dict | None) -> Probe:
                     f"failures; {_last_line(stderr, 'deserializ')}")
         if build is None:
             return Probe("cache", "fail", f"{UNPATCHED} ({evidence})",
-                         "install the xlakit torch_xla wheels (`xlakit manifest` must show a patch set, not stock)")
+                         "install the xlakit torch_xla wheels (`xlakit manifest` must show a patch set, not stock); "
+                         "on a TPU (or another PJRT plugin) stock torch_xla caches through xlakit's PJRT wrapper, "
+                         "which xlakit.enable_persistent_cache() turns on by itself")
         return Probe("cache", "fail", f"entries are written but never load, although this torch_xla carries patch "
                      f"set {build.get('patch_set')} ({evidence})",
                      "report it with the output of `xlakit manifest --json`")
@@ -169,6 +171,32 @@ def probe_cache_folder() -> Probe:
     return Probe(name, "ok", f"{r['path']}: owner-only; {auth}")
 
 
+def probe_pjrt_wrapper(s: dict, device_type: str | None) -> Probe:
+    """Whether xlakit's PJRT wrapper is built, and what it did in this process (`s` is `pjrt_wrap.status()`)."""
+    name = "pjrt wrapper"
+    if not s["built"]:
+        return Probe(name, "warn", s["why_not"], "install the prebuilt xlakit wheel, or `pip install .` from a clone on "
+                     "a host with a C++ compiler")
+    if s.get("refused"):
+        return Probe(name, "fail", s["refused"], f"point {_knobs.PJRT_PLUGIN} at the real plugin (xlakit pjrt env)")
+    if s.get("active"):
+        cache, c = s["cache"], s["counts"]
+        head = f"wrapping {s['plugin']} (PJRT C API {s['plugin_api']}; built for {s['built_api']})"
+        if not cache["on"]:
+            return Probe(name, "warn", f"{head}; compile cache off: {cache['why_off']}",
+                         f"set {_knobs.PJRT_CACHE_DIR} to a folder only you can write")
+        refused = sum(s["refused_entries"].values())
+        return Probe(name, "ok", f"{head}; cache {cache['dir']} ({cache['folder']}"
+                     f"{', authenticated' if cache['authenticated'] else ''}): {c['hits']} hits, {c['misses']} misses "
+                     f"({refused} refused entries), {c['writes']} written, {c['write_failures']} write failures")
+    plugin, via = pjrt_wrap.plugin_of(device_type) if device_type else (None, "the runtime did not start")
+    if plugin is None:
+        return Probe(name, "n/a", f"built for PJRT C API {s['built_api']}, not in use: {via}")
+    return Probe(name, "ok", f"built for PJRT C API {s['built_api']}, not loaded in this process; {device_type} loads "
+                 f"{plugin} ({via}): xlakit.enable_persistent_cache() puts the wrapper around it, or `xlakit pjrt env "
+                 "DIR` prints the variables")
+
+
 def probe_memory(device_type: str | None) -> list[Probe]:
     out = []
     for info in memory.memory_info():
@@ -216,6 +244,7 @@ def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float
         report(probe_cache(timeout_s=timeout_s))
     m = _manifest.manifest(profile=profile, pins=pins)
     report(*probe_stack(m))
+    report(probe_pjrt_wrapper(m["pjrt_wrap"], m["runtime"].get("device_type")))
     if "device_type" in m["runtime"]:
         report(*probe_memory(m["runtime"]["device_type"]))
     report(probe_transfer())

@@ -83,6 +83,11 @@ class CheckpointWriteError(CheckpointError, OSError):
     """Writing failed (no folder, no permission, disk full); the old file is intact."""
 
 
+class CheckpointConflictError(CheckpointError, FileExistsError):
+    """Another save committed the same checkpoint first (object storage: its create-only commit
+    record won); this save committed nothing and removed what it uploaded."""
+
+
 class CheckpointBusyError(CheckpointError, RuntimeError):
     """An earlier save is still running (async, or abandoned after a timeout)."""
 

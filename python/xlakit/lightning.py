@@ -113,6 +113,9 @@ class XlakitCheckpointIO(XLACheckpointIO):
         if options is not None and (options.layout != "single" or options.asynchronous):
             raise ValueError("Lightning saves from its global rank 0 only: options.layout must be 'single', "
                              "and asynchrony is the plugin's asynchronous=")
+        if load_options is not None and not load_options.strict:
+            raise ValueError("load_options.strict=False applies to xlakit.restore; the plugin loads whole "
+                             "checkpoints with xlakit.load (Lightning picks what it needs from them)")
         # Not XLACheckpointIO.__init__: it insists on torch_xla, which this plugin does not need.
         self.asynchronous = asynchronous
         self.options = options or SaveOptions()
@@ -141,7 +144,16 @@ class XlakitCheckpointIO(XLACheckpointIO):
         self._finish_pending()
         from xlakit import checkpoint as ckpt
 
-        state = ckpt.load(path, options=self.load_options)
+        try:
+            state = ckpt.load(path, options=self.load_options)
+        except CheckpointFormatError as e:  # its fix, as a Lightning user can apply it
+            notes = getattr(e, "__notes__", [])
+            if archive.NO_CHECKSUMS_NOTE in notes:
+                notes[notes.index(archive.NO_CHECKSUMS_NOTE)] = (
+                    "If you trust it (a checkpoint of Lightning's default CheckpointIO, or one edited by "
+                    "hand), resume with the plugin reading it unverified: XlakitCheckpointIO("
+                    "load_options=xlakit.LoadOptions(verify=False)).")
+            raise
         if map_location is None or isinstance(map_location, (str, torch.device)):
             device = torch.device(map_location or "cpu")
             if device.type != "cpu":

@@ -6,7 +6,8 @@ Reading order, top-down:
   (options resolved, then handed to the layout that runs them);
 * `pipeline.py`: one file saved through plan, sync, transfer, write, commit;
   `loading.py`: one file read, each record once and verified as read;
-  `restoring.py`: the same, straight into a template's tensors on their devices;
+  `restoring.py`: the same, straight into a template's tensors on their devices
+  (`matching.py` pairs the template with the checkpoint first);
   `background.py`: the save with its write and commit in the background;
 * `ranks.py` (replicated and sharded layouts) and `dcp.py` / `dcp_ranks.py`
   (torch.distributed.checkpoint folders), over `agreement.py` (what every
@@ -33,6 +34,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from xlakit.checkpoint import storage
 from xlakit.checkpoint.options import LoadOptions, SaveOptions, resolve
 
 if TYPE_CHECKING:
@@ -52,7 +54,8 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
             strings, bools, None; e.g. ``{"model": m.state_dict(), "step": 10}``.
             Tensors sharing a storage are written once and load back sharing it.
         path: the checkpoint file (its folder must exist), or with ``layout="sharded"``
-            the checkpoint folder.
+            the checkpoint folder; or a ``gs://`` / ``s3://`` URL, any layout
+            (docs/object-storage.md).
         options: a `SaveOptions`; keyword overrides (``timeout_s=600``) win over it.
             ``layout="replicated"|"sharded"`` coordinates the ranks of a torch.distributed
             job; ``asynchronous=True`` returns once the state is on the host.
@@ -77,8 +80,11 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
     from xlakit.checkpoint import background, operation, pipeline
 
     opts: SaveOptions = resolve(SaveOptions, options, overrides)
-    final = Path(path)
+    storage.check_url(path)
     background.check_previous()  # an unseen background failure speaks first
+    if storage.is_url(path):
+        return _save_url(obj, path, opts)
+    final = Path(path)
     if opts.layout != "single":
         from xlakit.checkpoint import ranks
 
@@ -90,6 +96,16 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
     return None
 
 
+def _save_url(obj: Any, url: str, opts: SaveOptions) -> "SaveHandle | None":
+    from xlakit.checkpoint import operation
+    from xlakit.checkpoint.storage import objfile, objranks
+
+    if opts.layout != "single":
+        return objranks.save(obj, url, opts)
+    operation.check_idle()
+    return objfile.save_file(obj, url, opts)
+
+
 def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overrides: Any) -> Any:
     """Load a checkpoint after verifying every checksum; tensors come back on the CPU.
 
@@ -99,7 +115,8 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     Args:
         path: a file written by `xlakit.save` (with ``verify=False``, any torch.save file),
             or the folder of a sharded checkpoint: inside the job each rank gets its own
-            shard (all ranks load, or all raise); elsewhere pass ``shard=N``.
+            shard (all ranks load, or all raise); elsewhere pass ``shard=N``. Or the
+            ``gs://`` / ``s3://`` URL it was saved to (its newest committed save).
         options: a `LoadOptions`; keyword overrides (``verify=False``) win over it.
 
     Raises:
@@ -120,6 +137,14 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     from xlakit.checkpoint import loading
 
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
+    if not opts.strict:
+        raise ValueError("strict=False applies to xlakit.restore (a template that lacks some of the "
+                         "checkpoint's entries); xlakit.load returns every entry")
+    storage.check_url(path)
+    if storage.is_url(path):
+        from xlakit.checkpoint.storage import objranks
+
+        return objranks.load(path, opts)
     final = Path(path)
     if final.is_dir():
         return _load_folder(final, opts)
@@ -158,17 +183,23 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     in batches of at most ``max_inflight_bytes`` that go to their devices (one
     batched host-to-device transfer per batch on XLA) before the next is read, so
     the host never holds more than one batch. Every difference between checkpoint
-    and template (missing or extra keys, shapes, dtypes) is reported at once,
-    before anything is changed.
+    and template (missing or extra keys, shapes, dtypes, tied template tensors the
+    checkpoint holds different values for) is reported at once, before anything
+    is changed.
 
     Args:
-        path: a file written by `xlakit.save` (any torch.save file works, read whole);
-            a sharded folder's shard with ``shard=N`` (inside the job, this rank's by
-            default); a DCP folder is restored through `dcp_load`.
+        path: a file written by `xlakit.save`, or with ``verify=False`` any torch.save
+            file (it has no checksums to verify; it is read whole); a sharded folder's
+            shard with ``shard=N`` (inside the job, this rank's by default); a DCP folder
+            is restored through `dcp_load`. Any of these by its
+            ``gs://`` / ``s3://`` URL.
         template: the state to fill, e.g. ``{"model": model.state_dict(),
             "optimizer": opt.state_dict()}`` (an optimizer needs state to receive it:
-            take a step, or restore only the model).
+            take a step, or restore only the model with ``strict=False``).
         options: a `LoadOptions` (``mmap`` does not apply); keyword overrides win.
+            ``strict=False`` restores part of a checkpoint: its entries the template
+            lacks are skipped (not read, not in the result), logged and passed to
+            ``extra_keys_callback``.
 
     Returns:
         The restored state: the checkpoint's structure with the template's own tensors
@@ -178,6 +209,7 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     Raises:
         CheckpointMismatchError: the checkpoint does not fit the template (`.problems`
             lists every difference); nothing was changed.
+        CheckpointFormatError: a file without xlakit checksums, with `verify` on.
         CheckpointCorruptError: a record fails its checksum (the tensor is named);
             tensors restored before it hold the checkpoint's values.
         CheckpointTimeoutError: the deadline passed.
@@ -185,9 +217,9 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     Example:
         >>> import torch, xlakit
         >>> p = getfixture("tmp_path") / "ckpt.pt"
-        >>> xlakit.save({"w": torch.ones(2), "step": 7}, p)
+        >>> xlakit.save({"w": torch.ones(2), "step": 7, "optimizer": {"lr": 0.1}}, p)
         >>> template = {"w": torch.zeros(2), "step": 0}
-        >>> xlakit.restore(p, template)["step"], template["w"]
+        >>> xlakit.restore(p, template, strict=False)["step"], template["w"]
         (7, tensor([1., 1.]))
     """
     from xlakit.checkpoint import restoring
@@ -195,6 +227,11 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
     if opts.mmap:
         raise ValueError("mmap does not apply to restore: the values go into the template's own memory")
+    storage.check_url(path)
+    if storage.is_url(path):
+        from xlakit.checkpoint.storage import objranks
+
+        return objranks.restore(path, template, opts)
     final = Path(path)
     if final.is_dir():
         return _restore_folder(final, template, opts)
@@ -233,7 +270,8 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
         path: the checkpoint folder; its parent must exist. An existing checkpoint
             there (committed or not) is replaced only once the new one is durable.
             Under torch.distributed every rank passes the same path, on storage
-            every rank sees; rank 0 commits once every rank's files are durable.
+            every rank sees; rank 0 commits once every rank's files are durable. A
+            ``gs://`` / ``s3://`` URL works too (docs/object-storage.md).
         options: a `SaveOptions` (``compute_crc32``, ``asynchronous`` and ``layout``
             do not apply); keyword overrides win.
 
@@ -257,6 +295,11 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
     from xlakit.checkpoint import agreement, background
 
     background.check_previous()
+    storage.check_url(path)
+    if storage.is_url(path):
+        from xlakit.checkpoint.storage import objdcp
+
+        return objdcp.save(state, path, opts)
     if agreement.world_size() > 1:
         from xlakit.checkpoint import dcp_ranks
 
@@ -279,7 +322,7 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
 
     Args:
         state: the template: a state dict with tensors of the saved shapes and dtypes.
-        path: the checkpoint folder.
+        path: the checkpoint folder, or the ``gs://`` / ``s3://`` URL it was saved to.
         options: a `LoadOptions` (``mmap``, ``layout`` and ``shard`` do not apply);
             ``verify`` checks every file against the commit record first.
 
@@ -306,6 +349,11 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
             raise ValueError(f"{name} applies to xlakit.load's files, not to DCP folders")
     from xlakit.checkpoint import agreement
 
+    storage.check_url(path)
+    if storage.is_url(path):
+        from xlakit.checkpoint.storage import objdcp
+
+        return objdcp.load(state, path, opts)
     if agreement.world_size() > 1:
         from xlakit.checkpoint import dcp_ranks
 

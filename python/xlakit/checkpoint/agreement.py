@@ -362,6 +362,26 @@ class Coordination:
             op.check()
             time.sleep(_POLL_S)
 
+    def all_or_none(self, op: Operation, part: Callable[[], Any]) -> Any:
+        """This rank's `part()` of an agreed read; every rank returns, or every rank raises (a
+        failure here is claimed as this rank's abort, which the others then raise)."""
+        try:
+            result = part()
+        except BaseException as e:
+            self.abort(e, stage=op.stage)
+            raise
+        self.vote({})
+        self.votes(op)
+        return result
+
+    def expect_commit(self, op: Operation, what: str) -> None:
+        """(Not the committing rank.) Wait for the commit of `what`; raise, naming the committing
+        rank, when it could not commit."""
+        final = self.outcome(op)
+        if not final.get("ok"):
+            raise CheckpointPeerError(f"rank {self.committer} could not commit {what}: {final.get('error')}",
+                                      rank=self.committer)
+
     def group(self, op: Operation):
         """A fresh gloo group for this operation (every rank agreed, so every rank calls this)."""
         if self._group is None:

@@ -348,6 +348,12 @@ class StorageCheck:
     offset: int | None  # known from the index (version 2), else looked up in the zip
 
 
+# The fix for a file without checksums; callers that take options another way (the Lightning
+# plugin) find this note among an error's notes and say it their way.
+NO_CHECKSUMS_NOTE = ("If you trust it, read it without verification: xlakit.load(path, verify=False), "
+                     "xlakit.restore(path, template, verify=False), or torch.load(path, weights_only=True).")
+
+
 def read_index(path: str) -> tuple[dict, torch._C.PyTorchFileReader]:
     """The checksum record (index) of `path`, with an open reader; raises on a broken archive."""
     try:
@@ -362,8 +368,7 @@ def read_index(path: str) -> tuple[dict, torch._C.PyTorchFileReader]:
         err = CheckpointFormatError(
             f"{path} has no xlakit checksums (record {CHECKSUMS_RECORD!r}): it was not written "
             f"by xlakit.save, so its integrity cannot be verified")
-        err.add_note("Load it with xlakit.load(path, verify=False) or torch.load(path, "
-                     "weights_only=True) if you trust it.")
+        err.add_note(NO_CHECKSUMS_NOTE)
         raise err
     return parse_index(bytes(reader.get_record(CHECKSUMS_RECORD)), path), reader
 
@@ -389,8 +394,8 @@ def is_legacy_torch_file(path) -> bool:
 def legacy_format_error(path) -> CheckpointFormatError:
     err = CheckpointFormatError(f"{path} is a torch.save file in the legacy format (not a zip archive): "
                                 f"it has no xlakit checksums and cannot be memory-mapped")
-    err.add_note("Load it with xlakit.load(path, verify=False) or torch.load(path, weights_only=True) "
-                 "if you trust it; xlakit.save(torch.load(...), path) gives a verifiable copy.")
+    err.add_note(NO_CHECKSUMS_NOTE)
+    err.add_note("xlakit.save(torch.load(...), path) gives a verifiable copy.")
     return err
 
 

@@ -14,7 +14,9 @@ left of the deadline.
 
 Errors are never dropped: `SaveHandle.result()` raises them, and the next save
 raises one nobody asked for (`CheckpointAsyncError`). Ctrl-C while waiting in
-`result()`, or `cancel()`, cancels the save: it then never commits.
+`result()`, or `cancel()`, cancels the save: it then never commits, and as the
+caller asked for that, it is no failure to report (`result()` then raises
+`concurrent.futures.CancelledError`, as a future's does).
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from xlakit.checkpoint import pipeline
-from xlakit.checkpoint.operation import COMMIT, Gate, Operation, Watch, start_thread
+from xlakit.checkpoint.operation import COMMIT, Cancelled, Gate, Operation, Watch, start_thread
 from xlakit.checkpoint.options import SaveOptions
 from xlakit.checkpoint.state import StorageEntry
 from xlakit.errors import CheckpointAsyncError
@@ -58,6 +61,7 @@ class SaveHandle:
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._seen = False
+        self._cancelled = False  # the caller gave it up (cancel(), or an interrupt in result())
 
     def done(self) -> bool:
         """True once the save committed or failed."""
@@ -71,10 +75,12 @@ class SaveHandle:
         Raises:
             TimeoutError: still running after `timeout` seconds (the save goes on).
             CheckpointError: the background write failed (timeout, disk full, ...).
+            concurrent.futures.CancelledError: the save was cancelled through `cancel()`.
         """
         try:
             finished = self._finished.wait(timeout)
         except BaseException as e:
+            self._cancelled = self._seen = True  # the caller has its exception: nothing more to say
             self._op.abandon(e)
             raise
         if not finished:
@@ -86,7 +92,9 @@ class SaveHandle:
 
     def cancel(self) -> bool:
         """Cancel the save unless it already committed; True when it will never commit."""
+        self._cancelled = True
         if self._op.cancel("cancelled through its handle") == COMMIT:
+            self._cancelled = False
             return False
         self._finished.wait()
         return True
@@ -158,12 +166,19 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
     handle = SaveHandle(job.final, time.monotonic() - first.started, second)
 
     def owner() -> None:
+        nonlocal staged
         try:
             second.run(lambda op: write_phase(op, staged))
         except BaseException as e:  # noqa: BLE001 - kept for result() and the next save
-            handle._error = e
-            log.error("xlakit: asynchronous save of %s failed: %s", job.final, e)
+            if isinstance(e, Cancelled) and handle._cancelled:  # asked for: no failure to report
+                handle._seen = True
+                handle._error = CancelledError(f"the asynchronous save of {job.final} was cancelled; "
+                                               f"nothing was committed")
+            else:
+                handle._error = e
+                log.error("xlakit: asynchronous save of %s failed: %s", job.final, e)
         finally:
+            staged = None  # the host copies go before result() returns, not while this thread ends
             handle._finished.set()
 
     def never_started() -> None:

@@ -99,17 +99,18 @@ def save(state: dict, final: Path, opts: SaveOptions) -> None:
     op.run(work)
 
 
-def write_folder(op: Operation, state: dict, device: list[torch.Tensor], folder: Path,
-                 opts: SaveOptions, group: Any = None) -> list[str]:
+def write_folder(op: Operation, state: dict, device: list[torch.Tensor], folder: Path | None,
+                 opts: SaveOptions, group: Any = None, *, writer: "StagedWriter | None" = None) -> list[str]:
     """Sync, then let DCP write this process's part of `state` into `folder`; its file names.
 
-    With `group` (several ranks) DCP's plan and metadata exchange run on it.
+    With `group` (several ranks) DCP's plan and metadata exchange run on it. `writer`
+    replaces the file writer into `folder` (object storage: `storage/objdcp.py`).
     """
     if device:
         op.enter("sync")
         transfer.backend_for(device[0].device.type, device[0], mode=opts.transfer_backend).prepare(device)
     op.enter("plan")
-    writer = _Writer(op, folder)
+    writer = writer or _Writer(op, folder)
     _run_dcp(dcp.save, state, group, storage_writer=writer, planner=dcp_plan.SavePlanner(op, opts))
     return writer.files
 
@@ -136,8 +137,10 @@ def verify_files(op: Operation, final: Path, record: dict, names: list[str]) -> 
         op.advance(expected["nbytes"])
 
 
-def read_folder(op: Operation, state: dict, final: Path, group: Any = None) -> None:
-    """Let DCP fill `state` in place from the committed folder `final` (on `group` if given)."""
+def read_folder(op: Operation, state: dict, final: Path | None, group: Any = None, *,
+                reader: "StagedReader | None" = None) -> None:
+    """Let DCP fill `state` in place from the committed folder `final` (on `group` if given);
+    `reader` replaces the file reader of `final` (object storage: `storage/objdcp.py`)."""
     device = device_tensors(state)
     if device:
         # The SPMD planner reads shard buffers of the targets: they must be materialised.
@@ -150,15 +153,14 @@ def read_folder(op: Operation, state: dict, final: Path, group: Any = None) -> N
             op.enter("read", read_item.dest_index.fqn)
             return super().resolve_tensor(read_item)
 
-    _run_dcp(dcp.load, state, group, storage_reader=_Reader(op, final), planner=_LoadPlanner())
+    _run_dcp(dcp.load, state, group, storage_reader=reader or _Reader(op, final), planner=_LoadPlanner())
 
 
-class _Reader(dcp.FileSystemReader):
-    """DCP's file reader; it marks where this rank reads and where it waits on the others."""
+class StagedReader:
+    """Mixed into a DCP storage reader (before it): marks where this rank reads and where it waits
+    on the others, in `self.op`."""
 
-    def __init__(self, op: Operation, folder: Path):
-        super().__init__(str(folder))
-        self.op = op
+    op: Operation
 
     def read_data(self, plan, planner):
         self.op.enter("read")
@@ -167,12 +169,12 @@ class _Reader(dcp.FileSystemReader):
         return future
 
 
-class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer, fsyncing; it marks the operation's stages and remembers its files."""
+class StagedWriter:
+    """Mixed into a DCP storage writer (before it): marks the operation's stages in `self.op`, and
+    remembers this rank's files in `self.files`."""
 
-    def __init__(self, op: Operation, folder: Path):
-        super().__init__(str(folder), single_file_per_rank=True, sync_files=True, thread_count=1)
-        self.op, self.files = op, []
+    op: Operation
+    files: list[str]
 
     def write_data(self, plan, planner):
         self.op.enter("write")
@@ -181,6 +183,22 @@ class _Writer(dcp.FileSystemWriter):
         # From here DCP waits on the other ranks (results gathered, metadata written by rank 0).
         self.op.enter("finish")
         return future
+
+
+class _Reader(StagedReader, dcp.FileSystemReader):
+    """DCP's file reader."""
+
+    def __init__(self, op: Operation, folder: Path):
+        super().__init__(str(folder))
+        self.op = op
+
+
+class _Writer(StagedWriter, dcp.FileSystemWriter):
+    """DCP's file writer, fsyncing."""
+
+    def __init__(self, op: Operation, folder: Path):
+        super().__init__(str(folder), single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.op, self.files = op, []
 
 
 def _run_dcp(fn, state: dict, group: Any, **kwargs):

@@ -37,7 +37,8 @@ from xlakit.errors import CheckpointError, CheckpointPeerError, CheckpointTimeou
 _WAITING_STAGES = ("group", "plan", "finish")
 
 
-def _waiting(op: Operation):
+def waiting(op: Operation):
+    """A judge: whether a failure of `op` came from waiting on the others (a collective a peer broke)."""
     def judge(e: BaseException) -> bool:
         return isinstance(e, CheckpointPeerError) or (
             isinstance(e, CheckpointTimeoutError) and op.stage in _WAITING_STAGES)
@@ -63,7 +64,7 @@ def save(state: dict, final: Path, opts: SaveOptions) -> None:
             error = e
         coord.agree(op, prepared, error)
         tmp = final.parent / coord.proposals[0]["folder"]
-        with coord.giving_up(op, waiting=_waiting(op)):
+        with coord.giving_up(op, waiting=waiting(op)):
             try:
                 files = dcp.write_folder(op, state, device, tmp, opts, group=coord.group(op))
                 op.enter("checksum")
@@ -99,7 +100,7 @@ def load(state: dict, final: Path, opts: LoadOptions) -> None:
 
     def work(op: Operation) -> None:
         coord.agree(op)
-        with coord.giving_up(op, waiting=_waiting(op)):
+        with coord.giving_up(op, waiting=waiting(op)):
             record = folders.read_commit_record(final)
             op.bytes_total = sum(f["nbytes"] for f in record["files"].values())
             if opts.verify:  # each rank checks its share of the files

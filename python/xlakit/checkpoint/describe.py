@@ -17,6 +17,7 @@ types that lead to it; and a state in which two entries get the same name
 from __future__ import annotations
 
 import errno
+import math
 import pickle
 import struct
 from collections.abc import Callable
@@ -29,6 +30,10 @@ from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, Checkpo
 
 XLAKIT_FILE, TORCH_FILE, SHARDED, DCP, STEP, MANAGER, FOLDER = (
     "xlakit-file", "torch-file", "sharded", "dcp", "step", "manager", "folder")
+KIND_NAMES = {XLAKIT_FILE: "an xlakit checkpoint file", TORCH_FILE: "a torch.save file",
+              SHARDED: "a sharded checkpoint folder", DCP: "a torch.distributed.checkpoint folder",
+              STEP: "one step of a manager folder", MANAGER: "a manager folder",
+              FOLDER: "a folder holding no checkpoint"}
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_MAGIC = b"\x80"  # torch.save's legacy (pre-zip) format starts with a pickle
 
@@ -84,12 +89,13 @@ def kind_of(path: Path) -> Kind:
                                     f"this xlakit knows {folders.SHARDED_FORMAT!r} and {folders.DCP_FORMAT!r}")
     try:
         step = steps.read_record(path)
-    except ValueError as e:
-        raise CheckpointCorruptError(f"{path / steps.STEP_RECORD} is not a step record ({e})") from e
+    except CheckpointCorruptError as e:
+        e.add_note(steps.damage_note(path))
+        raise
     if step is not None:
         return Kind(STEP, path, step)
     found = steps.scan(path)
-    if found.committed or found.pending or found.trash:
+    if found.committed or found.pending or found.damaged or found.trash or found.locked:
         return Kind(MANAGER, path)
     return Kind(FOLDER, path, note=folders.describe_folder(path), unfinished=_holds_save_files(path))
 
@@ -225,6 +231,17 @@ def tensor_infos(tensors: dict[str, Any]) -> list[TensorInfo]:
     return [TensorInfo(name, str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size(),
                        ids[name], [n for n in by_storage[ids[name]] if n != name])
             for name, t in tensors.items()]
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with each float that is not finite as a string: JSON has no NaN nor Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def jsonable(value: Any) -> Any:

@@ -71,8 +71,15 @@ def _ranges(kind: describe.Kind, prefix: str) -> list[Range]:
     if kind.kind == describe.MANAGER:
         from xlakit.checkpoint import steps
 
+        found = steps.scan(kind.path)
+        if found.damaged:  # structural damage, found before any data is read
+            step = min(found.damaged)
+            err = CheckpointCorruptError(f"{prefix}step {step}: {kind.path / str(step) / steps.STEP_RECORD} is "
+                                         f"damaged: {found.damaged[step]}")
+            err.add_note(steps.damage_note(kind.path / str(step)))
+            raise err
         out: list[Range] = []
-        for step in sorted(steps.scan(kind.path).committed.values(), key=lambda s: s.step):
+        for step in sorted(found.committed.values(), key=lambda s: s.step):
             out += _ranges(describe.kind_of(step.path), prefix)
         return out
     raise CheckpointIncompleteError(f"{kind.path} is not a committed checkpoint: {kind.note}")

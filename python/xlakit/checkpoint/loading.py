@@ -66,9 +66,11 @@ def read_file(op: Operation, path: Path, opts: LoadOptions) -> Any:
     return torch_load(path, opts.mmap)
 
 
-def open_index(f: BinaryIO, path: Path) -> dict | None:
-    """The index of an xlakit file with a structure record; None for any other file."""
-    size = os.fstat(f.fileno()).st_size
+def open_index(f: BinaryIO, path: Path, size: int | None = None) -> dict | None:
+    """The index of an xlakit file with a structure record; None for any other file.
+
+    `size` is the file's, where `f` has no descriptor (an object in a bucket)."""
+    size = os.fstat(f.fileno()).st_size if size is None else size
     located = archive.locate_index(f, size)
     if located is None:
         return None

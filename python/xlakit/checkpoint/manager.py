@@ -4,8 +4,10 @@ The manager adds policy, not a new way to write: each step is one
 `xlakit.save` (or `dcp_save`) into `<directory>/<step>/`, committed by that
 save's own commit point, and the steps are whatever `steps.scan` finds
 committed on disk (see `steps.py` for the layout and why a crash at any
-moment leaves a consistent view). In a torch.distributed job every decision
-goes through the job's agreement (`agreement.decide`): the configuration
+moment leaves a consistent view; `storage/objsteps.py` for the same on
+object storage, where a lease replaces the folder's lock). In a
+torch.distributed job every decision goes through the job's agreement
+(`agreement.decide`): the configuration
 when the managers start, the step before each save (rank 0 writes its
 record, or every rank learns why it could not), and the set of steps to
 delete after each commit (rank 0 moves them to the trash only once every
@@ -14,13 +16,16 @@ the same order, as they call collectives.
 
 Asynchronous saves run one at a time; the next `save`, `wait`, `restore` or
 `close` waits for the one in flight and raises its error, and runs retention
-once it committed. Preemption (`install_preemption_handler`) is agreed as
+once it committed; at interpreter exit a manager nobody closed does the same
+(in a one-process job: with several ranks retention needs them all, so it
+waits for the next save). Preemption (`install_preemption_handler`) is agreed as
 described in `preemption.py`; the save at the agreed step is synchronous and
 bounded by what is left of the grace.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import itertools
@@ -34,21 +39,24 @@ from pathlib import Path
 from typing import Any
 
 from xlakit import _knobs
-from xlakit.checkpoint import agreement, paths, readonly, retention, steps
+from xlakit.checkpoint import agreement, readonly, retention, steps
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
-from xlakit.errors import CheckpointTimeoutError, CheckpointWriteError
+from xlakit.checkpoint.steps import folder_at
+from xlakit.errors import CheckpointTimeoutError
 
 log = logging.getLogger("xlakit")
 _managers = itertools.count()  # managers made by this process: every rank counts the same
+_open: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()  # finished at exit if nobody closed them
 
 
 class CheckpointManager:
     """Saves a training state every few steps, keeps the steps a policy names, resumes from them.
 
     Args:
-        directory: the manager folder (made if missing); each step is `<directory>/<step>/`.
+        directory: the manager folder (made if missing); each step is `<directory>/<step>/`. A
+            `gs://` or `s3://` URL keeps the steps in a bucket (docs/object-storage.md).
         max_to_keep: keep the N most recent steps (None: all). The latest step, the best
             step and a step being written are never deleted.
         keep_every_n_steps: also keep every step divisible by N.
@@ -79,7 +87,8 @@ class CheckpointManager:
         if layout not in steps.LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(map(repr, steps.LAYOUTS))}, got {layout!r}")
         _bool("asynchronous", asynchronous)
-        self.directory, self.layout, self.asynchronous = Path(directory), layout, asynchronous
+        self._folder = folder_at(directory)
+        self.directory, self.layout, self.asynchronous = self._folder.directory, layout, asynchronous
         self.save_interval_steps = save_interval_steps
         self._options = _save_options(options, layout, asynchronous)
         self._world = agreement.world_size()
@@ -91,14 +100,10 @@ class CheckpointManager:
             raise ValueError(f"layout='single' writes from one process, and this job has {self._world} "
                              f"ranks; use 'replicated' (one writer), 'sharded' or 'dcp'")
         self._prefix = f"xlakit/manager/{next(_managers)}"
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            what = "it is a file" if self.directory.is_file() else e.strerror
-            raise CheckpointWriteError(e.errno, f"cannot use {self.directory} as a manager folder: "
-                                       f"{what}") from e
+        self._folder.make()
         self._lock = None  # rank 0's hold on the folder (see _hold_folder)
-        found = steps.scan(self.directory)
+        self._damage_told: set[tuple[int, str]] = set()
+        found = self._scan()
         self._steps = set(found.committed)
         self._last = found.latest  # the highest step saved or being saved
         self._pending: tuple[int, Any] | None = None  # an asynchronous save in flight
@@ -109,34 +114,40 @@ class CheckpointManager:
                   **dataclasses.asdict(self.policy)}
         try:
             agreement.decide("manager start", self._path(), {"config": config, "latest": self._last,
+                                                             "steps": sorted(self._steps),
                                                              "manager": self._prefix}, self._watch(),
                              prepare=self._hold_folder)
         except BaseException:
             self._release()
             raise
         if self._rank == 0:
-            steps.clean(self.directory)  # what a killed retention or save left
+            self._folder.clean()  # what a killed retention or save left
+        _open.add(self)
 
     # -- queries ----------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first (read from the folder)."""
-        return sorted(steps.scan(self.directory).committed)
+        return sorted(self._scan().committed)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        return steps.scan(self.directory).latest
+        return self._scan().latest
 
     def best_step(self) -> int | None:
         """The committed step with the best `best_metric`; None without one (or without a metric)."""
-        return retention.best(steps.scan(self.directory).committed, self.policy)
+        return retention.best(self._scan().committed, self.policy)
 
     def should_save(self, step: int) -> bool:
         """True when `step` is to be saved: every `save_interval_steps`, and at an agreed preemption step.
 
-        Call it (or `save`) every step: it is also where a preemption is agreed.
+        A step already committed (or being saved) is not saved again; any other is, also below
+        the latest step after rolling back (restoring an earlier step and training on), and
+        after a save of it failed. Call it (or `save`) every step: it is also where a
+        preemption is agreed.
         """
         self._check_open()
         step = steps.check_step(step)
+        self._folder.renew()  # object storage: the lease, renewed once half of it is spent
         return self._preempting(step, deciding=True) or self._regular(step)
 
     def reached_preemption(self, step: int) -> bool:
@@ -185,15 +196,19 @@ class CheckpointManager:
                     f"{self._preemption.grace_s:g} s after SIGTERM ran out first; nothing was written",
                     stage="preemption")
             opts = dataclasses.replace(opts, timeout_s=min(opts.timeout_s, left))
-        folder = self.directory / str(step)
         record = {"format": steps.STEP_FORMAT, "version": steps.STEP_VERSION, "step": step,
                   "layout": self.layout, "checkpoint": steps.checkpoint_name(self.layout),
                   "metrics": metrics, "best_metric": self.policy.best_metric,
                   "best_mode": self.policy.best_mode, "world": self._world, "time_unix": time.time()}
-        agreement.decide("manager save", str(folder.absolute()), {"step": step}, Watch.of(opts),
-                         prepare=lambda op: steps.prepare(op, folder, record))
+
+        def prepare(op) -> None:
+            self._folder.renew(op, opts.timeout_s)  # object storage: the lease covers the save
+            self._folder.prepare(op, step, record)
+
+        agreement.decide("manager save", self._folder.identity(step), {"step": step}, Watch.of(opts),
+                         prepare=prepare)
         previous, self._last = self._last, step if self._last is None else max(self._last, step)
-        target = folder / record["checkpoint"]
+        target = self._folder.target(step, record)
         from xlakit import checkpoint
 
         try:
@@ -232,7 +247,9 @@ class CheckpointManager:
         """
         self._check_open()
         self._finish_pending()
-        chosen = readonly.choose_step(steps.scan(self.directory), step, self.directory)
+        found = self._scan()
+        self._steps = set(found.committed)  # what is on disk now: a rollback may follow
+        chosen = readonly.choose_step(found, step, self.directory, self._folder.step_path)
         return readonly.read_step(chosen, template, replicated=self._world > 1)
 
     # -- preemption -------------------------------------------------------------------------------
@@ -277,11 +294,11 @@ class CheckpointManager:
     def _hold_folder(self, op) -> None:
         """(Rank 0, which deletes.) Lock the folder: a second manager or job on it is refused."""
         # A manager dropped without close() releases it when collected (or at exit).
-        self._lock = weakref.finalize(self, os.close, steps.lock_folder(self.directory))
+        self._lock = weakref.finalize(self, self._folder.hold(op))
 
     def _release(self) -> None:
         if self._lock is not None:
-            self._lock()  # closes the descriptor: the folder's lock is released
+            self._lock()  # the folder's lock is released
             self._lock = None
 
     def __enter__(self) -> "CheckpointManager":
@@ -306,13 +323,26 @@ class CheckpointManager:
             raise RuntimeError(f"the checkpoint manager of {self.directory} is closed")
 
     def _path(self) -> str:
-        return str(self.directory.absolute())
+        return self._folder.identity()
 
     def _watch(self) -> Watch:
         return Watch.of(self._options)
 
     def _regular(self, step: int) -> bool:
-        return step % self.save_interval_steps == 0 and (self._last is None or step > self._last)
+        # Not "above the latest": after a rollback the steps retrained must be saved again.
+        in_flight = self._pending is not None and self._pending[0] == step
+        return step % self.save_interval_steps == 0 and step not in self._steps and not in_flight
+
+    def _scan(self) -> steps.Scan:
+        """The folder as it is now; a step with a damaged record is named (once), never left out silently."""
+        found = self._folder.scan()
+        for step, why in sorted(found.damaged.items()):
+            if (step, why) not in self._damage_told:
+                self._damage_told.add((step, why))
+                log.warning("xlakit: %s is not a step of the manager: its %s is damaged (%s). %s",
+                            self._folder.step_path(step), steps.STEP_RECORD, why,
+                            steps.damage_note(self._folder.step_path(step)))
+        return found
 
     def _preempting(self, step: int, *, deciding: bool) -> bool:
         if self._preemption is None or self._preempt_saved:
@@ -341,19 +371,39 @@ class CheckpointManager:
 
     def _committed(self, step: int) -> None:
         self._steps.add(step)
-        found = steps.scan(self.directory)
+        found = self._scan()
         doomed = retention.doomed(found, self.policy, saved=step)
 
         def discard() -> None:
-            for s in doomed:
-                steps.to_trash(self.directory / str(s))
-            paths.fsync_dir(self.directory)
+            self._folder.renew()  # object storage: still this manager's to delete in (or it raises)
+            self._folder.discard(doomed)
 
         agreement.decide("retention", self._path(), {"after": step, "doomed": doomed}, self._watch(),
                          act=discard if doomed else None)
         self._steps.difference_update(doomed)
         if self._rank == 0 and not self._preempt_saved:  # preempted: the grace is for the save
-            steps.clean(self.directory)
+            self._folder.clean()
+
+
+@atexit.register  # after operation.py's hook is registered, so it runs before it (and its saves still commit)
+def _finish_at_exit() -> None:
+    """An asynchronous save nobody waited for commits at exit; its manager then applies retention."""
+    for manager in list(_open):
+        if manager._closed or manager._pending is None:
+            continue
+        if manager._world > 1:  # retention is agreed by every rank, and the others may be gone
+            log.warning("xlakit: the asynchronous save of step %d into %s commits at exit, but the manager "
+                        "was not closed: retention did not run (it runs after the next save; call close())",
+                        manager._pending[0], manager.directory)
+            continue
+        if not manager._pending[1].done():
+            log.warning("xlakit: waiting for the asynchronous save of step %d into %s to commit before exiting, "
+                        "then applying retention (Ctrl-C abandons it)", manager._pending[0], manager.directory)
+        try:
+            manager.close()
+        except BaseException as e:  # noqa: BLE001 - nobody is left to raise it to
+            log.error("xlakit: closing the checkpoint manager of %s at exit failed: %s: %s", manager.directory,
+                      type(e).__name__, e)
 
 
 def _save_options(options: SaveOptions | None, layout: str, asynchronous: bool) -> SaveOptions:

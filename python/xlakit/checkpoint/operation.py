@@ -17,9 +17,11 @@ that `cancel()` takes: the commit either happens entirely before the owner
 gives up, or never. A gate can also be agreed across ranks (`agreement.py`).
 
 Interpreter exit is clean: an exit hook waits for asynchronous saves still
-writing (bounded by their deadlines), cancels everything else and joins the
-workers with a bound, so no worker holds native state while the interpreter
-shuts down.
+writing (bounded by their deadlines), cancels everything else, then joins
+every thread xlakit started, with a bound. Waiting for an operation's `done`
+is not enough: its thread goes on after it, freeing the tensors its frames
+held (native code), and a daemon thread caught in native code by the
+interpreter's finalization aborts the process.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ _START_WAIT_S = 1.0  # how long an interrupted start waits to learn whether its 
 COMMIT, CANCEL = "commit", "cancel"
 
 _live: set["Operation"] = set()  # operations whose worker has not returned
+_threads: set[threading.Thread] = set()  # threads `start_thread` started and nobody saw end yet
 _live_lock = threading.Lock()
 
 
@@ -141,6 +144,7 @@ class Operation:
         # What the failure left as it was, for the error's note.
         self.untouched = untouched or f"the previous checkpoint at {self.path}, if any, is untouched"
         self.stage, self.tensor = "start", None
+        self.object: str | None = None  # the object-storage object a request is in flight for
         self.bytes_done, self.bytes_total = 0, bytes_total
         self.last_progress = self.started
         self.background = False  # an asynchronous save's write: waited for at exit
@@ -183,8 +187,9 @@ class Operation:
         self.bytes_done += nbytes
         self.last_progress = time.monotonic()
 
-    def own(self, path: Path, *, pending: bool = False) -> Path:
-        """Register a file or folder this operation made, to remove unless it is committed.
+    def own(self, path: Any, *, pending: bool = False) -> Any:
+        """Register a file or folder this operation made, to remove unless it is committed
+        (or an object-storage object: anything with a `remove()` that never blocks).
 
         A scratch file (the default) goes whenever the operation fails. A `pending` one
         (a shard, complete, that another rank's commit record may name) goes only once
@@ -194,7 +199,7 @@ class Operation:
             (self._pending if pending else self._temps).append(path)
         return path
 
-    def disown(self, path: Path) -> None:
+    def disown(self, path: Any) -> None:
         with self._temps_lock:
             self._temps = [p for p in self._temps if p != path]
 
@@ -204,7 +209,10 @@ class Operation:
             if self.gate.may_discard():
                 temps, self._pending = temps + self._pending, []
         for p in temps:
-            remove_path(p)
+            if isinstance(p, Path):
+                remove_path(p)
+            else:  # an object of an object store (storage.generations.Leftover): removed without waiting
+                p.remove()
 
     @contextlib.contextmanager
     def commit_point(self) -> Iterator[None]:
@@ -360,6 +368,7 @@ class Operation:
             f"{self.kind} of {self.path} timed out after {elapsed:.1f} s "
             f"(timeout_s={self.watch.timeout_s:g}) in stage {self.stage!r}"
             + (f" with tensor {self.tensor!r} in flight" if self.tensor else "")
+            + (f"; a request for object {self.object} was in flight" if self.object else "")
             + f"; {human_bytes(self.bytes_done)} of {human_bytes(self.bytes_total)} done"
             + (f"; {waiting}" if waiting else ""),
             stage=self.stage, tensor=self.tensor, bytes_done=self.bytes_done, elapsed_s=elapsed,
@@ -399,11 +408,18 @@ def start_thread(target: Callable[[], None], name: str, *, never_started: Callab
         began.set()
         target()
 
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _live_lock:  # known before it runs, so that the exit hook joins it
+        _threads.difference_update([t for t in _threads if t.ident is not None and not t.is_alive()])
+        _threads.add(thread)
     try:
-        threading.Thread(target=run, name=name, daemon=True).start()
+        thread.start()
     except BaseException:
         if not began.wait(_START_WAIT_S):
             never_started()
+        if thread.ident is None:  # never launched: nothing to join
+            with _live_lock:
+                _threads.discard(thread)
         raise
 
 
@@ -510,18 +526,41 @@ def _at_exit() -> None:
         op.cancel("the interpreter is exiting")
     end = time.monotonic() + EXIT_GRACE_S
     for op in live_operations():
-        op.done.wait(max(end - time.monotonic(), 0.0))
+        _wait_through_ctrl_c(op.done.wait, end)
     stuck = [op for op in live_operations() if not op.done.is_set()]
     if not stuck:
-        return
-    log.error("xlakit: exiting without waiting for the %s: its worker is blocked inside the runtime; "
-              "nothing was committed", stuck[0].describe())
+        with _live_lock:
+            threads = [t for t in _threads if t.ident is not None]
+        for thread in threads:  # ended operations' threads are still freeing what they held
+            _wait_through_ctrl_c(lambda left, t=thread: t.join(left) or not t.is_alive(), end)
+        if not any(t.is_alive() for t in threads):
+            return
+        what = next(t.name for t in threads if t.is_alive())
+        log.error("xlakit: exiting without waiting for the thread %s: it is still inside the runtime "
+                  "after %.0f s", what, EXIT_GRACE_S)
+    else:
+        log.error("xlakit: exiting without waiting for the %s: its worker is blocked inside the runtime; "
+                  "nothing was committed", stuck[0].describe())
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     # A worker inside native code would abort the interpreter's shutdown (its thread is
     # torn down under C++ frames); leave before that, with the status Python would give.
     os._exit(130 if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt) else 1)
+
+
+def _wait_through_ctrl_c(wait: Callable[[float], bool], end: float) -> None:
+    """`wait(seconds left)` until it returns True or `end`; Ctrl-C does not cut the wait short.
+
+    At exit the waits are bounded and short; an interrupt escaping the exit hook would let the
+    interpreter finalize under the very threads being waited for.
+    """
+    while True:
+        try:
+            if wait(max(end - time.monotonic(), 0.0)) or time.monotonic() >= end:
+                return
+        except KeyboardInterrupt:
+            continue
 
 
 atexit.register(_at_exit)

@@ -43,6 +43,7 @@ class Progress:
 
 
 ProgressCallback = Callable[[Progress], None]
+ExtraKeysCallback = Callable[[list[str]], None]
 SAVE_LAYOUTS = ("single", "replicated", "sharded")
 LOAD_LAYOUTS = ("auto", "single", "replicated")
 
@@ -71,9 +72,9 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
-def _callback(value: object) -> None:
+def _callback(value: object, name: str = "progress_callback") -> None:
     if value is not None and not callable(value):
-        raise TypeError(f"progress_callback must be callable or None, got {type(value).__name__}")
+        raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,14 @@ class LoadOptions:
             reads the file; all succeed or all raise).
         shard: read this one shard of a sharded checkpoint folder, without coordination.
         max_inflight_bytes: (`xlakit.restore`) cap on checkpoint bytes held on the host at once.
+        strict: (`xlakit.restore`) every entry of the checkpoint must be in the template. False
+            allows entries the template lacks (restore part of a state, e.g. only the model):
+            they are not read, not in the result, and their names are logged (logger `xlakit`,
+            INFO) and passed to `extra_keys_callback`. A template entry missing from the
+            checkpoint is an error either way.
+        extra_keys_callback: (`xlakit.restore`, with ``strict=False``) called once, before
+            anything is read, with the sorted names of the checkpoint's entries the template
+            lacks (``["optimizer", "step"]``); not called when there are none.
     """
 
     verify: bool = True
@@ -157,6 +166,8 @@ class LoadOptions:
     progress_callback: ProgressCallback | None = None
     layout: str = "auto"
     shard: int | None = None
+    strict: bool = True
+    extra_keys_callback: ExtraKeysCallback | None = None
 
     def __post_init__(self) -> None:
         _bool("verify", self.verify)
@@ -172,6 +183,11 @@ class LoadOptions:
             if self.layout == "replicated":
                 raise ValueError("shard=N reads one shard without coordination; it cannot be combined "
                                  "with layout='replicated'")
+        _bool("strict", self.strict)
+        _callback(self.extra_keys_callback, "extra_keys_callback")
+        if self.strict and self.extra_keys_callback is not None:
+            raise ValueError("extra_keys_callback reports the entries a restore with strict=False skips; "
+                             "with strict=True such entries are an error: pass strict=False too, or drop it")
 
 
 def resolve(cls: type, options: Any, overrides: dict[str, Any]) -> Any:

@@ -103,12 +103,7 @@ def write(op: Operation, job: FileSave, items: HostItems, *, commit: Commit | No
     op.enter("open")
     try:
         with open(tmp, "xb") as f:
-            writer = archive.ArchiveWriter(f, compute_crc32=job.opts.compute_crc32)
-            writer.write_header(job.pickled, job.structure)
-            for batch, hosts, *_ in items:
-                write_batch(op, writer, batch, hosts)
-                del hosts
-            writer.finish()
+            write_archive(op, job, f, items)
             op.enter("commit")
             f.flush()
             os.fsync(f.fileno())
@@ -117,6 +112,16 @@ def write(op: Operation, job: FileSave, items: HostItems, *, commit: Commit | No
         if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
             raise
         raise paths.write_error(e, final, stage=op.stage, bytes_done=op.bytes_done) from e
+
+
+def write_archive(op: Operation, job: FileSave, f: Any, items: HostItems) -> None:
+    """Stream the archive of `job` into the writable binary `f` (a file, or an object's upload)."""
+    writer = archive.ArchiveWriter(f, compute_crc32=job.opts.compute_crc32)
+    writer.write_header(job.pickled, job.structure)
+    for batch, hosts, *_ in items:
+        write_batch(op, writer, batch, hosts)
+        del hosts
+    writer.finish()
 
 
 def write_batch(op: Operation, writer: archive.ArchiveWriter, batch: list[StorageEntry],

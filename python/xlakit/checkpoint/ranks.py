@@ -52,7 +52,7 @@ class CoordinatedSave:
         self.opts, self.target = opts, path
         replicated = opts.layout == "replicated"
         self.coord = Coordination("save", {
-            "path": os.path.abspath(path), "layout": opts.layout, "asynchronous": opts.asynchronous,
+            "path": self.identity(path), "layout": opts.layout, "asynchronous": opts.asynchronous,
             "writer_rank": opts.writer_rank if replicated else None},
             committer=opts.writer_rank if replicated else 0)
         self.rank, self.world = self.coord.rank, self.coord.world
@@ -67,6 +67,11 @@ class CoordinatedSave:
             self.job = self._prepare(obj)
         except (CheckpointError, RuntimeFeatureError, OSError, ValueError, TypeError) as e:
             self.error = e  # published with the proposal, so every rank learns it at once
+
+    @staticmethod
+    def identity(path: Path) -> str:
+        """What every rank must name alike (object storage: the URL, storage/objranks.py)."""
+        return os.path.abspath(path)
 
     def _prepare(self, obj: Any) -> pipeline.FileSave | None:
         if self.opts.layout == "replicated":
@@ -184,9 +189,11 @@ def _rename_shard(op: Operation, tmp: Path, final: Path) -> None:
     op.own(final, pending=True)  # removed once this save is surely off; the next commit otherwise
 
 
-def save(obj: Any, path: Path, opts: SaveOptions) -> background.SaveHandle | None:
-    """`xlakit.save` with layout 'replicated' or 'sharded' (see the module docstring)."""
-    save_ = CoordinatedSave(obj, path, opts)
+def save(obj: Any, path: Path, opts: SaveOptions, *,
+         saver: type[CoordinatedSave] = CoordinatedSave) -> background.SaveHandle | None:
+    """`xlakit.save` with layout 'replicated' or 'sharded' (see the module docstring); `saver`
+    is this rank's part (object storage: `storage/objranks.py`)."""
+    save_ = saver(obj, path, opts)
     if opts.asynchronous:
         job = save_.job or pipeline.FileSave(path, opts, _empty_plan(), b"", b"")
         return background.start(job, save_.stage, save_.write, gate=save_.coord.gate, rank=save_.rank)
@@ -256,23 +263,22 @@ def load(path: Path, opts: LoadOptions) -> Any:
                    untouched=loading.NOTHING_CHANGED)
     coord.op = op
 
+    def part() -> Any:
+        if sharded:
+            record = read_commit(path)
+            check_world(path, record["world"], coord.world)
+            return loading.read_file(op, shard_path(path, record, coord.rank, opts), opts)
+        return loading.read_file(op, path, opts)
+
     def work(op: Operation) -> Any:
         coord.agree(op)
-        try:
-            if sharded:
-                record = read_commit(path)
-                if record["world"] != coord.world:
-                    raise ValueError(f"{path} was saved by {record['world']} ranks and this job has "
-                                     f"{coord.world}; load one shard with shard=N, or save with "
-                                     f"xlakit.dcp_save to reshard")
-                result = loading.read_file(op, shard_path(path, record, coord.rank, opts), opts)
-            else:
-                result = loading.read_file(op, path, opts)
-        except BaseException as e:
-            coord.abort(e, stage=op.stage)
-            raise
-        coord.vote({})
-        coord.votes(op)
-        return result
+        return coord.all_or_none(op, part)
 
     return op.run(work)
+
+
+def check_world(where: object, saved: int, world: int) -> None:
+    """A sharded checkpoint loads in a job of the world size that saved it."""
+    if saved != world:
+        raise ValueError(f"{where} was saved by {saved} ranks and this job has {world}; load one shard "
+                         f"with shard=N, or save with xlakit.dcp_save to reshard")

@@ -24,18 +24,20 @@ from __future__ import annotations
 import errno
 import os
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from xlakit.checkpoint import retention, steps
+from xlakit.checkpoint import retention, steps, storage
 from xlakit.checkpoint.options import _seconds
-from xlakit.errors import CheckpointIncompleteError
+from xlakit.errors import CheckpointCorruptError, CheckpointIncompleteError
 
 _ATTEMPTS = 5  # reads of the latest step, each after retention took the one before
 
 
-def choose_step(found: steps.Scan, step: int | None, directory: Path) -> steps.StepFolder:
-    """The committed step to read: `step`, or the latest; raises naming what the folder holds."""
+def choose_step(found: steps.Scan, step: int | None, directory: Any,
+                step_path: Callable[[int], Any]) -> steps.StepFolder:
+    """The committed step to read: `step`, or the latest; raises naming what the folder holds.
+    `step_path(step)` is where a step lives (a folder, or a prefix on object storage)."""
     if step is None:
         step = found.latest
         if step is None:
@@ -43,11 +45,16 @@ def choose_step(found: steps.Scan, step: int | None, directory: Path) -> steps.S
                                     str(directory))
     step = steps.check_step(step)
     if step not in found.committed:
+        if step in found.damaged:
+            err = CheckpointCorruptError(f"step {step} in {directory} is not a step: its {steps.STEP_RECORD} "
+                                         f"is damaged ({found.damaged[step]}); committed: {sorted(found.committed)}")
+            err.add_note(steps.damage_note(step_path(step)))
+            raise err
         if step in found.pending:
             raise CheckpointIncompleteError(f"step {step} in {directory} was never committed: "
                                             f"{found.pending[step].problem}; committed: {sorted(found.committed)}")
         raise FileNotFoundError(errno.ENOENT, f"no committed step {step} in {directory}; committed: "
-                                f"{sorted(found.committed)}", str(directory / str(step)))
+                                f"{sorted(found.committed)}", str(step_path(step)))
     return found.committed[step]
 
 
@@ -83,7 +90,7 @@ class ReadOnlyCheckpointManager:
     while the trainer saves and retention deletes (see the module docstring).
 
     Args:
-        directory: the manager folder (it must exist).
+        directory: the manager folder (it must exist), or its gs:// or s3:// URL.
 
     Example:
         >>> import torch, xlakit
@@ -96,8 +103,9 @@ class ReadOnlyCheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike):
-        self.directory = Path(directory)
-        if not self.directory.is_dir():
+        self._folder = steps.folder_at(directory)
+        self.directory = self._folder.directory
+        if not storage.is_url(directory) and not self.directory.is_dir():
             what = "is a file" if self.directory.exists() else "does not exist"
             raise FileNotFoundError(errno.ENOENT, f"{self.directory} {what}; a read-only manager reads an "
                                     f"existing CheckpointManager folder (it never creates one)",
@@ -124,7 +132,7 @@ class ReadOnlyCheckpointManager:
 
     def metrics(self, step: int) -> dict:
         """The metrics recorded with committed step `step`."""
-        return choose_step(self._scan(), step, self.directory).metrics
+        return choose_step(self._scan(), step, self.directory, self._folder.step_path).metrics
 
     def restore(self, step: int | None = None, *, template: Any = None, shard: int | None = None) -> Any:
         """The state saved at `step` (default: the latest), verified; as `CheckpointManager.restore`.
@@ -139,7 +147,7 @@ class ReadOnlyCheckpointManager:
             CheckpointIncompleteError: `step` was never committed (an interrupted save).
         """
         for _ in range(_ATTEMPTS):
-            chosen = choose_step(self._scan(), step, self.directory)
+            chosen = choose_step(self._scan(), step, self.directory, self._folder.step_path)
             try:
                 return read_step(chosen, template, shard=shard)
             except Exception as e:  # noqa: BLE001 - raised again unless retention took the step
@@ -177,7 +185,7 @@ class ReadOnlyCheckpointManager:
             time.sleep(min(poll_interval_s, left))
 
     def _scan(self) -> steps.Scan:
-        return steps.scan(self.directory)
+        return self._folder.scan()
 
     def close(self) -> None:
         """Nothing to release (kept for symmetry with `CheckpointManager`)."""

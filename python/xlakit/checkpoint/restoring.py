@@ -32,32 +32,15 @@ from typing import Any
 import torch
 
 from xlakit.checkpoint import loading, spmd, structure
-from xlakit.checkpoint.archive import tensor_bytes
+from xlakit.checkpoint.archive import HASH, tensor_bytes
+from xlakit.checkpoint.matching import Target, match, rebuild
 from xlakit.checkpoint.operation import Operation, Watch, check_idle, collection_paused
 from xlakit.checkpoint.options import LoadOptions
 from xlakit.checkpoint.structure import TensorSpec
-from xlakit.errors import CheckpointMismatchError
 
 PARTLY = ("nothing on disk was changed; tensors restored before the failure hold the checkpoint's "
           "values, the one being read may hold part of them, the rest their previous ones: restore "
           "again from a good checkpoint before using the template")
-_SHOWN = 20  # problems listed in the message (all are in `.problems`)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_MATH_BITS = structure.CONJ | structure.NEG
-
-
-class Target:
-    """One template tensor and what fills it: a spec (xlakit file) or a host tensor (torch file).
-
-    `direct`: a contiguous CPU tensor that a contiguous saved tensor covering its whole storage
-    fills as it is (no conj/neg bits): its record can be read straight into its memory.
-    """
-
-    __slots__ = ("path", "tensor", "source", "direct")
-
-    def __init__(self, path: str, tensor: torch.Tensor, source: TensorSpec | torch.Tensor,
-                 direct: bool = False):
-        self.path, self.tensor, self.source, self.direct = path, tensor, source, direct
 
 
 def restore(path: Path, template: Any, opts: LoadOptions) -> Any:
@@ -78,111 +61,36 @@ def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any
             if opts.verify:
                 loading.verify_file(path, op)
             saved = loading.torch_load(path, False)
-            targets, restored = _match(saved, template, path)
+            targets, extra = match(saved, template, path, opts, None)
             op.enter("copy")
             _apply(op, [(t, t.source) for t in targets])
-            return restored
-        reader = loading.RecordReader(f, path)
-        layout = loading.read_structure(op, reader, index, opts.verify)
-        saved = structure.decode(layout, structure.spec, str(path))
-        targets, restored = _match(saved, template, path)
-        users: dict[int, int] = {}  # how many template tensors each storage fills
-        for t in targets:
-            users[t.source.storage] = users.get(t.source.storage, 0) + 1
-        op.bytes_total = sum(index["storages"]["nbytes"][r] for r in users)
-        arena = Arena()
-        filled = 0
-        try:
-            for batch in _batches(targets, index, opts.max_inflight_bytes):
-                _restore_batch(op, reader, index, batch, opts.verify, arena, users)
-                filled += len(batch)
-        except Exception as e:
-            e.add_note(f"The template is partly restored: {filled} of {len(targets)} tensors hold the "
-                       f"checkpoint's values, those of the batch being read (the tensor named above among "
-                       f"them) may hold its bytes as read, the rest their previous values. Restore again "
-                       f"from a good checkpoint before using it.")
-            raise
-        return restored
+            return rebuild(saved, targets, extra)
+        return restore_records(op, f, path, index, template, opts)
 
 
-# -- matching ---------------------------------------------------------------------------------
-
-def _match(saved: Any, template: Any, path: Path) -> tuple[list[Target], Any]:
-    """Every (template tensor, saved tensor) pair, and the restored state: the saved structure with
-    the template's tensors in the tensors' places. Raises naming every difference."""
-    targets: list[Target] = []
-    problems: list[str] = []
-
-    def kind(v: Any) -> str:
-        if isinstance(v, (TensorSpec, torch.Tensor)):
-            return "a tensor"
-        return f"a {type(v).__name__}"
-
-    def walk(s: Any, t: Any, where: str) -> Any:
-        if (type(s) is TensorSpec and type(t) in _PLAIN and t.is_cpu and s.size == t.shape
-                and s.dtype == t.dtype and t.is_contiguous()):  # the common pair, quickly
-            direct = (s.offset == 0 and not s.flags & _MATH_BITS and not (t.is_conj() or t.is_neg())
-                      and (s.stride == t.stride() or s.contiguous))
-            targets.append(Target(where or "the state", t, s, direct))
-            return t
-        name = where or "the state"
-        s_tensor = isinstance(s, (TensorSpec, torch.Tensor))
-        if s_tensor and isinstance(t, torch.Tensor):
-            shape, dtype = tuple(s.size if isinstance(s, TensorSpec) else s.shape), s.dtype
-            if shape != tuple(t.shape) or dtype != t.dtype:
-                problems.append(f"{name}: the checkpoint has {dtype} {list(shape)}, the template "
-                                f"{t.dtype} {list(t.shape)}")
-            elif t.device.type == "meta":
-                problems.append(f"{name}: the template tensor is on the meta device: it has no memory "
-                                f"to fill (materialize the model first, e.g. module.to_empty(device=...))")
-            elif t.device.type != "xla" and torch._debug_has_internal_overlap(t) == 1:
-                problems.append(f"{name}: the template tensor's elements overlap in memory (an "
-                                f"expand() or a stride of 0): it cannot hold {list(shape)} values")
-            else:
-                targets.append(Target(name, t, s))
-            return t
-        if s_tensor or isinstance(t, torch.Tensor):
-            problems.append(f"{name}: the checkpoint has {kind(s)}, the template {kind(t)}")
-        elif isinstance(s, dict) and isinstance(t, dict):
-            for k in t.keys() - s.keys():
-                problems.append(f"{_child(where, k)}: missing from the checkpoint")
-            for k in s.keys() - t.keys():
-                problems.append(f"{_child(where, k)}: in the checkpoint, not in the template")
-            # In the checkpoint's order, which is (mostly) the file's.
-            out = {k: walk(x, t[k], f"{where}/{k}" if where else str(k)) for k, x in s.items() if k in t}
-            if type(out) is not type(s):
-                out = type(s)(out)
-            for attr, value in getattr(s, "__dict__", {}).items():  # state_dict()'s _metadata
-                setattr(out, attr, value)
-            return out
-        elif isinstance(s, (list, tuple)) and isinstance(t, (list, tuple)):
-            if len(s) != len(t):
-                problems.append(f"{name}: the checkpoint has {len(s)} items, the template {len(t)}")
-            return type(s)(walk(x, y, _child(where, i)) for i, (x, y) in enumerate(zip(s, t)))
-        elif isinstance(s, (dict, list, tuple)) != isinstance(t, (dict, list, tuple)):
-            problems.append(f"{name}: the checkpoint has {kind(s)}, the template {kind(t)}")
-        return s
-
+def restore_records(op: Operation, f, path: Path, index: dict, template: Any, opts: LoadOptions) -> Any:
+    """Restore from an open xlakit file `f` with index `index` (a local file, or an object's reader)."""
+    reader = loading.RecordReader(f, path)
+    layout = loading.read_structure(op, reader, index, opts.verify)
+    saved = structure.decode(layout, structure.spec, str(path))
+    targets, extra = match(saved, template, path, opts, index["storages"][HASH])
+    users: dict[int, int] = {}  # how many template tensors each storage fills
+    for t in targets:
+        users[t.source.storage] = users.get(t.source.storage, 0) + 1
+    op.bytes_total = sum(index["storages"]["nbytes"][r] for r in users)
+    arena = Arena()
+    filled = 0
     try:
-        restored = walk(saved, template, "")
-    finally:
-        del walk  # a closure that calls itself is a cycle: it would hold the tensors until a gc
-    if problems:
-        problems.sort()
-        shown = "\n  - ".join(problems[:_SHOWN]) + (f"\n  ... and {len(problems) - _SHOWN} more"
-                                                     if len(problems) > _SHOWN else "")
-        err = CheckpointMismatchError(f"{path} does not fit the template ({len(problems)} "
-                                      f"difference(s)); nothing was changed:\n  - {shown}",
-                                      problems=problems)
-        err.add_note("Build the template like the state that was saved (same model and optimizer "
-                     "configuration; an optimizer must have taken a step to have state), or load the "
-                     "checkpoint with xlakit.load and pick what you need.")
-        raise err
-    return targets, restored
-
-
-def _child(where: str, key: object) -> str:
-    return f"{where}/{key}" if where else str(key)
+        for batch in _batches(targets, index, opts.max_inflight_bytes):
+            _restore_batch(op, reader, index, batch, opts.verify, arena, users)
+            filled += len(batch)
+    except Exception as e:
+        e.add_note(f"The template is partly restored: {filled} of {len(targets)} tensors hold the "
+                   f"checkpoint's values, those of the batch being read (the tensor named above among "
+                   f"them) may hold its bytes as read, the rest their previous values. Restore again "
+                   f"from a good checkpoint before using it.")
+        raise
+    return rebuild(saved, targets, extra)
 
 
 # -- reading and placing ----------------------------------------------------------------------

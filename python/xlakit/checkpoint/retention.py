@@ -10,6 +10,7 @@ one committed.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -109,14 +110,14 @@ def check_metrics(metrics: Mapping | None, best_metric: str | None) -> dict[str,
     for name, value in metrics.items():
         if not isinstance(name, str):
             raise TypeError(f"metric names must be strings, got {name!r}")
-        if type(value).__module__.startswith("torch") and hasattr(value, "numel"):
-            if value.numel() != 1:
-                raise TypeError(f"metric {name!r} must be one number, got a tensor of shape "
+        if type(value).__module__.split(".")[0] in ("torch", "numpy") and hasattr(value, "shape"):
+            if math.prod(value.shape) != 1:  # a tensor, a numpy array or a numpy scalar (shape ())
+                raise TypeError(f"metric {name!r} must be one number, got a {type(value).__name__} of shape "
                                 f"{tuple(value.shape)}")
             value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"metric {name!r} must be a number, got {value!r} ({type(value).__name__})")
-        out[name] = value
+        out[name] = int(value) if isinstance(value, numbers.Integral) else float(value)
     if best_metric is not None and best_metric not in out:
         raise ValueError(f"metrics must hold best_metric {best_metric!r} (the manager keeps the best step "
                          f"by it); got {sorted(out) or 'none'}")

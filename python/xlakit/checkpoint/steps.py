@@ -13,9 +13,14 @@ the commit record of `ckpt/`), which the save makes last and atomically. A
 crash at any moment therefore leaves every step either committed, whole, or
 not a step. A folder with a record but no committed checkpoint is an
 interrupted save (`pending`); anything without a record is not the
-manager's (`other`) and is never touched. A new step folder is made under a
-temporary name with its record inside, then renamed, so the manager never
-leaves an empty step folder it could not tell from someone else's.
+manager's (`other`) and is never touched. A step folder whose record cannot
+be read as this step's (truncated, altered, copied from another step's
+folder, written by a newer xlakit) is `damaged`: never a step, never
+touched, and named wherever the folder is looked at (the manager logs it,
+`xlakit ckpt ls` lists it, `verify` fails on it, a save of that step refuses).
+A new step folder is made under a temporary name with its record inside, then
+renamed, so the manager never leaves an empty step folder it could not tell
+from someone else's.
 
 Deleting is two steps: a step folder is first renamed to a trash name
 (atomic: the step is gone from every scan at once), then removed. A kill in
@@ -28,16 +33,22 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import numbers
 import os
 import re
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from xlakit.checkpoint import folders, paths
 from xlakit.checkpoint.operation import remove_path
-from xlakit.errors import CheckpointBusyError, CheckpointError, CheckpointWriteError
+from xlakit.errors import CheckpointBusyError, CheckpointCorruptError, CheckpointError, CheckpointWriteError
+
+if TYPE_CHECKING:
+    from xlakit.checkpoint.storage import objsteps
 
 STEP_RECORD = "xlakit-step.json"
 STEP_FORMAT = "xlakit-step"
@@ -53,8 +64,10 @@ _TRASH_NAME = re.compile(r"\.(0|[1-9][0-9]{0,18})\.[0-9a-f]{8}" + re.escape(TRAS
 
 
 def check_step(step: object) -> int:
-    if isinstance(step, bool) or not isinstance(step, int):
+    """`step` as an int (numpy's integers too); refuses what is no step number, naming it."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(f"step must be a whole number, got {step!r} ({type(step).__name__})")
+    step = int(step)
     if step < 0:
         raise ValueError(f"step must be 0 or more, got {step}")
     if step > MAX_STEP:
@@ -99,8 +112,10 @@ class Scan:
 
     committed: dict[int, StepFolder] = field(default_factory=dict)
     pending: dict[int, StepFolder] = field(default_factory=dict)
+    damaged: dict[int, str] = field(default_factory=dict)  # step -> what is wrong with its record
     trash: list[Path] = field(default_factory=list)
     other: dict[str, str] = field(default_factory=dict)  # name -> why it is not the manager's
+    locked: bool = False  # it holds a manager's lock file: a manager used it, even if it never saved
 
     @property
     def latest(self) -> int | None:
@@ -111,18 +126,49 @@ class Scan:
         parts = []
         if self.pending:
             parts.append(f"interrupted saves of steps {sorted(self.pending)}")
+        if self.damaged:
+            parts.append(f"steps {sorted(self.damaged)} with a damaged {STEP_RECORD}")
         if self.other:
             parts.append(f"entries that are not the manager's: {', '.join(sorted(self.other)[:5])}")
         return "; ".join(parts) or "it is empty"
 
 
 def read_record(folder: Path) -> dict | None:
-    """The step record of `folder`: None when it has none; raises ValueError when it is not one."""
+    """The step record of `folder`: None when it has none.
+
+    Raises:
+        CheckpointCorruptError: it has one, which is not this step's record.
+    """
+    try:
+        return record_of(folder)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{folder / STEP_RECORD} is damaged: {e}") from e
+
+
+def record_of(folder: Path) -> dict | None:
+    """`read_record`, raising ValueError saying what is wrong with a damaged record."""
     try:
         text = (folder / STEP_RECORD).read_text()
     except FileNotFoundError:
         return None
-    record = json.loads(text)  # a ValueError names what is wrong
+    except OSError as e:
+        raise ValueError(f"it cannot be read ({e.strerror})") from e
+    return check_record(text, folder.name)
+
+
+def damage_note(folder: Path | str) -> str:
+    """How to mend a step folder (or a step's prefix on object storage) whose record is damaged."""
+    return (f"xlakit never deletes or reuses {folder}: move it away (or delete it, if its checkpoint is not "
+            f"needed); `xlakit ckpt inspect {folder}/{CHECKPOINT_FILE}` (or {CHECKPOINT_FOLDER}/) shows "
+            f"what it holds.")
+
+
+def check_record(text: str | bytes, name: str) -> dict:
+    """The step record `text` of the step folder (or prefix) `name`; raises ValueError when it is not one."""
+    try:
+        record = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"it is not whole JSON, truncated or altered: {e}") from e
     if not isinstance(record, dict) or record.get("format") != STEP_FORMAT:
         raise ValueError(f"format {record.get('format') if isinstance(record, dict) else None!r}, "
                          f"expected {STEP_FORMAT!r}")
@@ -133,8 +179,9 @@ def read_record(folder: Path) -> dict | None:
     if (record.get("layout") not in LAYOUTS or record.get("checkpoint") != checkpoint_name(record["layout"])
             or not isinstance(record.get("metrics", {}), dict)):
         raise ValueError(f"layout {record.get('layout')!r} with checkpoint {record.get('checkpoint')!r}")
-    if str(record.get("step")) != folder.name:
-        raise ValueError(f"it records step {record.get('step')!r} in folder {folder.name!r}")
+    if str(record.get("step")) != name:
+        raise ValueError(f"it records step {record.get('step')!r} in folder {name!r} (a copy of "
+                         f"another step's folder?)")
     return record
 
 
@@ -169,23 +216,25 @@ def scan(directory: Path) -> Scan:
             found.trash.append(path)
             continue
         if name == LOCK_FILE:  # the manager's own
+            found.locked = True
             continue
         if not _STEP_NAME.fullmatch(name) or not path.is_dir() or path.is_symlink():
             if paths.parse_temp(name) is None:
                 found.other[name] = "not named like a step folder"
             continue
         try:
-            record = read_record(path)
-        except (OSError, ValueError) as e:
-            record, problem = None, f"its {STEP_RECORD} is not a step record ({e})"
-        else:
-            problem = None if record is not None else f"no {STEP_RECORD}: not a step of an xlakit manager"
-        step = StepFolder(int(name), path, record, commit_problem(path, record)) if record is not None else None
-        if (problem or not step.committed) and not os.path.lexists(path):
-            continue  # retention took it (to the trash) while it was read: it is no step, not a broken one
-        if step is None:
-            found.other[name] = problem
+            record = record_of(path)
+        except ValueError as e:
+            if os.path.lexists(path):  # else retention took it (to the trash) while it was read
+                found.damaged[int(name)] = str(e)
             continue
+        if record is None:
+            if os.path.lexists(path):
+                found.other[name] = f"no {STEP_RECORD}: not a step of an xlakit manager"
+            continue
+        step = StepFolder(int(name), path, record, commit_problem(path, record))
+        if not step.committed and not os.path.lexists(path):
+            continue  # retention took it while it was read: it is no step, not a broken one
         (found.committed if step.committed else found.pending)[step.step] = step
     return found
 
@@ -210,7 +259,13 @@ def write_record(folder: Path, record: dict, op=None) -> None:
 
 def prepare(op, folder: Path, record: dict) -> None:
     """(Rank 0, before every rank saves.) Refuse a folder that is not the manager's; write the record."""
-    foreign = foreign_entries(folder)
+    try:
+        foreign = foreign_entries(folder)
+    except CheckpointCorruptError as e:
+        err = CheckpointWriteError(errno.EEXIST, f"cannot save step {record['step']} into {folder}: {e}; "
+                                   f"it is left untouched")
+        err.add_note(damage_note(folder))
+        raise err from e
     if foreign:
         err = CheckpointWriteError(errno.EEXIST, f"cannot save step {record['step']} into {folder}: it "
                                    f"exists and is not a step of an xlakit manager (found "
@@ -297,3 +352,67 @@ def folder_bytes(path: Path) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+class LocalFolder:
+    """A manager folder on a file system, as `CheckpointManager` uses it (`storage/objsteps.py` is
+    the same on object storage)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def make(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            what = "it is a file" if self.directory.is_file() else e.strerror
+            raise CheckpointWriteError(e.errno, f"cannot use {self.directory} as a manager folder: "
+                                       f"{what}") from e
+
+    def identity(self, step: int | None = None) -> str:
+        """What every rank must name alike: the folder, or one step's."""
+        return str((self.directory if step is None else self.step_path(step)).absolute())
+
+    def step_path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def target(self, step: int, record: dict) -> Path:
+        return self.step_path(step) / record["checkpoint"]
+
+    def scan(self) -> Scan:
+        return scan(self.directory)
+
+    def prepare(self, op, step: int, record: dict) -> None:
+        prepare(op, self.step_path(step), record)
+
+    def hold(self, op) -> Callable[[], None]:
+        """Lock the folder (`lock_folder`); the call that releases it."""
+        fd = lock_folder(self.directory)
+        return lambda: os.close(fd)
+
+    def renew(self, op=None, cover_s: float = 0.0) -> None:
+        """A lock held by the kernel needs no renewing."""
+
+    def step_bytes(self, step: StepFolder) -> int:
+        return folder_bytes(step.path)
+
+    def discard(self, doomed: list[int]) -> None:
+        """Take steps out of every scan at once (to the trash); `clean` removes them."""
+        for s in doomed:
+            to_trash(self.step_path(s))
+        paths.fsync_dir(self.directory)
+
+    def clean(self) -> list:
+        return clean(self.directory)
+
+
+def folder_at(directory: str | os.PathLike) -> "LocalFolder | objsteps.BucketFolder":
+    """A manager folder: on a file system, or a URL on object storage (storage/objsteps.py)."""
+    from xlakit.checkpoint import storage
+
+    storage.check_url(directory)
+    if storage.is_url(directory):
+        from xlakit.checkpoint.storage import objsteps
+
+        return objsteps.BucketFolder(directory)
+    return LocalFolder(Path(directory))

@@ -174,7 +174,9 @@ def write_safetensors(state: Any, out: Path) -> dict:
         offset += nbytes
     meta = {"format": "pt"}
     if values:
-        meta["xlakit.values"] = json.dumps({k: describe.jsonable(v) for k, v in values.items()})
+        # Strict JSON, as `--json` writes it: a NaN or infinite value is the string "NaN", "Infinity"...
+        meta["xlakit.values"] = json.dumps(describe.json_safe({k: describe.jsonable(v) for k, v in values.items()}),
+                                           allow_nan=False)
     header["__metadata__"] = meta
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

@@ -1,0 +1,17 @@
+// The PJRT wrapping plugin's environment names (pjrt_wrap/env.h), for
+// python/xlakit/_knobs.py: the plugin and Python read one spelling of each.
+#include <pybind11/pybind11.h>
+
+#include "bindings.h"
+#include "pjrt_wrap/env.h"
+
+namespace xlakit {
+
+void BindPjrtWrap(pybind11::module_& m) {
+  m.attr("PJRT_PLUGIN_ENV") = pjrt_wrap::kPluginEnv;
+  m.attr("PJRT_CACHE_DIR_ENV") = pjrt_wrap::kCacheDirEnv;
+  m.attr("PJRT_CACHE_READ_ONLY_ENV") = pjrt_wrap::kCacheReadOnlyEnv;
+  m.attr("CACHE_TRUST_SHARED_ENV") = pjrt_wrap::kTrustSharedEnv;
+}
+
+}  // namespace xlakit

@@ -1,0 +1,61 @@
+// Who can put an entry into a persistent cache folder, judged before any
+// entry is trusted. The one implementation of the rule: xlakit._C binds it for
+// `xlakit.enable_persistent_cache` and the cache tools (python/xlakit/
+// cache_trust.py), and the PJRT wrapping plugin (csrc/pjrt_wrap) judges its
+// folder with it in jobs that run no xlakit Python at all.
+//
+// A cache entry is code the job runs. Whoever can write the cache folder, or
+// replace it by writing any folder above it, can make every later job run
+// theirs; an envelope's checksum proves an entry intact, not who wrote it. The
+// rule is ssh's StrictModes, applied from the cache folder up to `/`: every
+// folder is owned by root or by the user, and no other user can write it. A
+// folder above the cache may be writable by others only when it is sticky
+// (`/tmp`): nobody else can then rename or remove what the user owns in it.
+// The cache folder itself never may: a sticky bit stops removals, not new
+// entries. The files already in the cache folder are judged too (a link by
+// what it leads to): an entry another user owns, or others can write, can be
+// rewritten in place with their code, whoever owns the folder (a file
+// writable by the owner's private group, as a stock runtime writes under
+// umask 002, counts as the owner's). `trust_shared` (a team cache on purpose)
+// accepts a folder writable
+// by a group the user belongs to, or owned by a member of it; writable by
+// every user stays refused. POSIX only; no XLA, torch or Python headers.
+#ifndef XLAKIT_CORE_FOLDER_TRUST_H_
+#define XLAKIT_CORE_FOLDER_TRUST_H_
+
+#include <string>
+#include <vector>
+
+namespace xlakit {
+
+inline constexpr char kOwnerOnly[] = "owner-only";
+inline constexpr char kSharedTrusted[] = "shared-trusted";
+inline constexpr char kUntrusted[] = "untrusted";
+
+struct FolderTrust {
+  // The folder judged, with links and `..` resolved.
+  std::string folder;
+  // kOwnerOnly, kSharedTrusted or kUntrusted.
+  std::string state;
+  // When untrusted: the folder at fault with its owner, group and mode, and
+  // why that lets others put code into the job; and the command that fixes it.
+  std::string problem;
+  std::string fix;
+  // What only trust_shared made acceptable.
+  std::vector<std::string> shared;
+
+  bool trusted() const { return state != kUntrusted; }
+};
+
+// The verdict on `folder`, which need not exist: the folders xlakit would
+// create are owner-only, so the nearest existing one is judged as a folder
+// above the cache. Never throws.
+FolderTrust JudgeCacheFolder(const std::string& folder, bool trust_shared);
+
+// `folder` with symbolic links and `.`/`..` resolved, as far as it exists;
+// the missing rest appended (Python's Path.resolve()).
+std::string ResolvePath(const std::string& folder);
+
+}  // namespace xlakit
+
+#endif  // XLAKIT_CORE_FOLDER_TRUST_H_

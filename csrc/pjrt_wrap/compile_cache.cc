@@ -1,0 +1,419 @@
+// The compile cache; see compile_cache.h.
+#include "pjrt_wrap/compile_cache.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "core/atomic_file.h"
+#include "core/envelope.h"
+#include "pjrt_wrap/counters.h"
+#include "pjrt_wrap/env.h"
+#include "pjrt_wrap/pjrt_calls.h"
+#include "pjrt_wrap/proto_canon.h"
+
+namespace xlakit {
+namespace pjrt_wrap {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+uint64_t MicrosSince(Clock::time_point start) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() -
+                                                            start)
+          .count());
+}
+
+// The functions the cache calls besides Compile; a plugin without one of
+// them gets no cache (its compiles pass straight through).
+const char* MissingFunction(const PJRT_Api* api) {
+#define XLAKIT_REQUIRE(field) \
+  if (!XLAKIT_PJRT_HAS(api, field)) return #field;
+  XLAKIT_REQUIRE(PJRT_Client_ProcessIndex)
+  XLAKIT_REQUIRE(PJRT_Client_PlatformName)
+  XLAKIT_REQUIRE(PJRT_Client_PlatformVersion)
+  XLAKIT_REQUIRE(PJRT_Client_Devices)
+  XLAKIT_REQUIRE(PJRT_Device_GetDescription)
+  XLAKIT_REQUIRE(PJRT_DeviceDescription_Id)
+  XLAKIT_REQUIRE(PJRT_DeviceDescription_ProcessIndex)
+  XLAKIT_REQUIRE(PJRT_DeviceDescription_Kind)
+  XLAKIT_REQUIRE(PJRT_DeviceDescription_ToString)
+  XLAKIT_REQUIRE(PJRT_LoadedExecutable_GetExecutable)
+  XLAKIT_REQUIRE(PJRT_Executable_Serialize)
+  XLAKIT_REQUIRE(PJRT_Executable_Destroy)
+  XLAKIT_REQUIRE(PJRT_Executable_DeserializeAndLoad)
+#undef XLAKIT_REQUIRE
+  return nullptr;
+}
+
+// Creates `dir` and the folders above it that are missing, each with exactly
+// `mode`, whatever the umask; "" on success.
+std::string MakeFolders(const std::string& dir, mode_t mode) {
+  std::vector<std::string> missing;
+  for (std::string path = dir; !path.empty() && path != "/";) {
+    struct stat st;
+    if (stat(path.c_str(), &st) == 0) break;
+    missing.push_back(path);
+    size_t slash = path.rfind('/');
+    path = slash == std::string::npos ? "" : path.substr(0, slash);
+  }
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    if (mkdir(it->c_str(), mode) != 0) {
+      if (errno == EEXIST) continue;  // another process made it; judged again
+      return "cannot create " + *it + ": " + std::strerror(errno);
+    }
+    chmod(it->c_str(), mode);
+  }
+  return "";
+}
+
+// Reads `size` bytes from `fd` at its current offset, appending to `out`.
+bool ReadExactly(int fd, size_t size, std::string* out, std::string* error) {
+  char buf[1 << 16];
+  while (size > 0) {
+    ssize_t n = read(fd, buf, size < sizeof(buf) ? size : sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      *error = n == 0 ? "the file shrank while read" : std::strerror(errno);
+      return false;
+    }
+    out->append(buf, static_cast<size_t>(n));
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// SHA-256 of a file, streamed; "" with `*error` set if it cannot be read.
+std::string FileDigest(const Libcrypto& crypto, const std::string& path,
+                       std::string* error) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    *error = "cannot read " + path + ": " + std::strerror(errno);
+    return "";
+  }
+  Sha256 sha(crypto);
+  char buf[1 << 20];
+  while (true) {
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n < 0) *error = "cannot read " + path + ": " + std::strerror(errno);
+      break;
+    }
+    sha.Update(std::string_view(buf, static_cast<size_t>(n)));
+  }
+  close(fd);
+  return error->empty() ? sha.Hex() : "";
+}
+
+
+}  // namespace
+
+std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
+                                                 const CacheConfig& cfg,
+                                                 CacheState* state) {
+  state->dir = cfg.dir;
+  state->read_only = cfg.read_only;
+  if (cfg.dir.empty()) {
+    state->why_off = std::string("no cache folder (") + kCacheDirEnv +
+                     " unset or empty): every call passes straight through";
+    return nullptr;
+  }
+  if (!cfg.env_problem.empty()) {
+    state->why_off = cfg.env_problem;
+    return nullptr;
+  }
+  // The one rule for the key's length (core/envelope.h), which Python applies too.
+  if (std::string problem = CacheKeyProblem(cfg.key); !problem.empty()) {
+    state->why_off = problem +
+                     "; the cache stays off rather than run unauthenticated "
+                     "entries";
+    return nullptr;
+  }
+  if (const char* missing = MissingFunction(real)) {
+    state->why_off = std::string("the plugin does not implement ") + missing +
+                     ", which the cache needs";
+    return nullptr;
+  }
+  std::string why;
+  const Libcrypto* crypto = LoadLibcrypto(&why);
+  if (crypto == nullptr) {
+    state->why_off = "no SHA-256 for cache keys: " + why;
+    return nullptr;
+  }
+  FolderTrust trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared);
+  if (trust.trusted() && !cfg.read_only) {
+    std::string error =
+        MakeFolders(trust.folder, cfg.trust_shared ? 0750 : 0700);
+    if (!error.empty()) {
+      state->why_off = error + " (pass a folder you can write, or set " +
+                       kCacheReadOnlyEnv + "=1)";
+      return nullptr;
+    }
+    trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared);  // what got made
+  }
+  state->folder = trust.state;
+  state->dir = trust.folder;
+  struct stat st;
+  if (stat(trust.folder.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
+    state->why_off = trust.folder + " is not a folder: set " + kCacheDirEnv +
+                     " to a folder (it is created if missing)";
+    return nullptr;
+  }
+  if (!trust.trusted()) {
+    state->why_off =
+        "expected a cache folder only you (and root) can write, since its "
+        "entries are code your jobs run; found " +
+        trust.problem + "; fix: " + trust.fix;
+    return nullptr;
+  }
+  for (const std::string& s : trust.shared) {
+    Log("cache folder " + trust.folder + " is shared (" + kTrustSharedEnv +
+        "): " + s + "; every one of them can put code into this job");
+  }
+  std::string digest = FileDigest(*crypto, cfg.plugin_path, &why);
+  if (digest.empty()) {
+    state->why_off = "cannot key entries by the plugin's build: " + why;
+    return nullptr;
+  }
+  CacheConfig resolved = cfg;
+  resolved.dir = trust.folder;
+  std::unique_ptr<CompileCache> cache(
+      new CompileCache(real, std::move(resolved), *crypto));
+  cache->plugin_build_ =
+      digest + " " + std::to_string(real->pjrt_api_version.major_version) +
+      "." + std::to_string(real->pjrt_api_version.minor_version);
+  for (const char* name : kKeyedFlagEnvs) {
+    const char* value = std::getenv(name);
+    cache->flags_ += std::string(name) + "=" + (value ? value : "") + "\n";
+  }
+  state->on = true;
+  state->authenticated = !cfg.key.empty();
+  return cache;
+}
+
+CompileCache::CompileCache(const PJRT_Api* real, CacheConfig cfg,
+                           const Libcrypto& crypto)
+    : real_(real), cfg_(std::move(cfg)), crypto_(crypto) {
+  if (!cfg_.key.empty()) {
+    // The same id Python gives a key (compile_cache.key_id): it names the
+    // key without revealing it.
+    key_id_ = HmacHex(crypto_, cfg_.key, "xlakit-cache-key-id").substr(0, 16);
+  }
+}
+
+std::unique_ptr<EntryMac> CompileCache::NewMac() const {
+  if (cfg_.key.empty()) return nullptr;
+  return NewLibcryptoMac(crypto_, cfg_.key);
+}
+
+CompileCache::ClientInfo CompileCache::Info(PJRT_Client* client) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto found = clients_.find(client);
+  if (found != clients_.end()) return found->second;
+  ClientInfo info;
+  std::string error;
+  info.ok = PlatformName(real_, client, &info.self.platform_name, &error) &&
+            PlatformVersion(real_, client, &info.self.platform_version,
+                            &error) &&
+            DescribeDevices(real_, client, &info.topology, &error);
+  info.error = error;
+  info.self.patch_series_id = std::string("pjrt-wrap/") + kWrapperVersion;
+  clients_[client] = info;
+  return info;
+}
+
+void CompileCache::ForgetClient(PJRT_Client* client) {
+  std::lock_guard<std::mutex> lock(mu_);
+  clients_.erase(client);
+}
+
+std::string CompileCache::KeyFor(const ClientInfo& info,
+                                 const PJRT_Client_Compile_Args& args) {
+  const PJRT_Program* program = args.program;
+  if (program == nullptr || program->code == nullptr) return "";
+  Sha256 sha(crypto_);
+  // Each field length-prefixed, so no two different inputs hash the same
+  // bytes.
+  auto field = [&sha](const char* data, size_t size) {
+    unsigned char n[8];
+    for (int i = 0; i < 8; ++i) n[i] = static_cast<unsigned char>(size >> (8 * i));
+    sha.Update(std::string_view(reinterpret_cast<const char*>(n), 8));
+    sha.Update(std::string_view(data ? data : "", data ? size : 0));
+  };
+  auto text = [&field](const std::string& s) { field(s.data(), s.size()); };
+  text("xlakit-pjrt-wrap-key");
+  text(kWrapperVersion);
+  text(plugin_build_);
+  text(info.self.platform_name);
+  text(info.self.platform_version);
+  text(flags_);
+  text(info.topology);
+  text(key_id_);
+  std::string_view format(program->format ? program->format : "",
+                          program->format ? program->format_size : 0);
+  text(std::string(format));
+  text(CanonicalProgram(format,
+                        std::string_view(program->code, program->code_size)));
+  text(CanonicalCompileOptions(std::string_view(
+      args.compile_options ? args.compile_options : "",
+      args.compile_options ? args.compile_options_size : 0)));
+  return sha.Hex();
+}
+
+bool CompileCache::TryLoad(const ClientInfo& info, const std::string& path,
+                           PJRT_Client_Compile_Args* args) {
+  Counters& counters = GlobalCounters();
+  // O_NONBLOCK: a FIFO under an entry's name must not block the compile;
+  // O_NOFOLLOW: a link is never followed.
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) {
+    if (errno == ENOENT) return false;
+    counters.Refused("unreadable");
+    LogOnce("unreadable", "cannot read cache entry " + path + ": " +
+                              std::strerror(errno) + "; compiling instead");
+    return false;
+  }
+  std::string error;
+  std::string data;
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    error = "not a regular file";
+  } else {
+    // The header first: garbage of any size is refused after one small read.
+    size_t size = static_cast<size_t>(st.st_size);
+    size_t head = size < kMaxHeaderBytes + kAuthPrefixBytes
+                      ? size
+                      : kMaxHeaderBytes + kAuthPrefixBytes;
+    if (ReadExactly(fd, head, &data, &error)) {
+      DecodeResult header = DecodeCacheHeader(data, size);
+      if (header.status != EntryStatus::kOk) {
+        close(fd);
+        const char* reason = EntryStatusName(header.status);
+        counters.Refused(reason);
+        LogOnce(reason, std::string("cache entry refused (") + reason + "): " +
+                            header.message + "; compiling instead (" + path +
+                            ")");
+        return false;
+      }
+      ReadExactly(fd, size - head, &data, &error);
+    }
+  }
+  close(fd);
+  if (!error.empty()) {
+    counters.Refused("unreadable");
+    LogOnce("unreadable", "cannot read cache entry " + path + ": " + error +
+                              "; compiling instead");
+    return false;
+  }
+  std::unique_ptr<EntryMac> mac = NewMac();
+  DecodeResult verdict = VerifyCacheEntry(data, &info.self, mac.get());
+  if (verdict.status != EntryStatus::kOk) {
+    const char* reason = EntryStatusName(verdict.status);
+    counters.Refused(reason);
+    LogOnce(reason, std::string("cache entry refused (") + reason +
+                        "): " + verdict.message + "; compiling instead (" +
+                        path + ")");
+    return false;
+  }
+  std::string payload = data.substr(verdict.header.payload_offset,
+                                    verdict.header.payload_length);
+  Clock::time_point start = Clock::now();
+  PJRT_LoadedExecutable* loaded = nullptr;
+  if (!DeserializeAndLoad(real_, args->client, payload, &loaded, &error)) {
+    counters.Refused("load_failed");
+    LogOnce("load_failed", "the plugin could not load cache entry " + path +
+                               ": " + error + "; compiling instead");
+    return false;
+  }
+  counters.load_us += MicrosSince(start);
+  args->executable = loaded;
+  return true;
+}
+
+void CompileCache::Store(const ClientInfo& info, const std::string& path,
+                         PJRT_LoadedExecutable* executable) {
+  Counters& counters = GlobalCounters();
+  std::string serialized;
+  std::string error;
+  if (!SerializeExecutable(real_, executable, &serialized, &error) ||
+      serialized.empty()) {
+    ++counters.serialize_failures;
+    LogOnce("serialize", "cannot cache executables: the plugin did not "
+                         "serialize one (" +
+                             (error.empty() ? "empty" : error) +
+                             "); they compile on every restart");
+    return;
+  }
+  EntryHeader header;
+  header.kind = EntryKind::kExecutable;
+  header.platform_name = info.self.platform_name;
+  header.platform_version = info.self.platform_version;
+  header.patch_series_id = info.self.patch_series_id;
+  std::unique_ptr<EntryMac> mac = NewMac();
+  std::string entry = mac ? EncodeAuthenticatedEntry(header, serialized, *mac)
+                          : EncodeEntry(header, serialized);
+  error = entry.empty() ? "the HMAC failed" : WriteFileAtomic(path, entry);
+  if (!error.empty()) {
+    ++counters.write_failures;
+    LogOnce("write", "cannot write cache entry: " + error +
+                         "; the job goes on, compiling on every restart");
+    return;
+  }
+  ++counters.writes;
+}
+
+PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
+  Counters& counters = GlobalCounters();
+  std::string path;
+  ClientInfo info;
+  try {
+    info = Info(args->client);
+    if (info.ok) {
+      std::string key = KeyFor(info, *args);
+      if (!key.empty()) path = cfg_.dir + "/" + key;
+    }
+  } catch (...) {
+    path.clear();
+  }
+  if (path.empty()) {
+    ++counters.bypassed;
+    LogOnce("key", "cannot key a program for the cache (" +
+                       (info.error.empty() ? std::string("no program bytes")
+                                           : info.error) +
+                       "); compiling without it");
+    return real_->PJRT_Client_Compile(args);
+  }
+  bool hit = false;
+  try {
+    hit = TryLoad(info, path, args);
+  } catch (...) {
+    counters.Refused("exception");
+  }
+  if (hit) {
+    ++counters.hits;
+    return nullptr;
+  }
+  ++counters.misses;
+  Clock::time_point start = Clock::now();
+  PJRT_Error* error = real_->PJRT_Client_Compile(args);
+  counters.compile_us += MicrosSince(start);
+  if (error == nullptr && args->executable != nullptr && !cfg_.read_only) {
+    try {
+      Store(info, path, args->executable);
+    } catch (...) {
+      ++counters.write_failures;
+    }
+  }
+  return error;
+}
+
+}  // namespace pjrt_wrap
+}  // namespace xlakit

@@ -1,0 +1,115 @@
+// The compile cache behind the wrapped PJRT_Client_Compile.
+//
+// An entry's name is the SHA-256 (hex) of everything the executable depends
+// on: the program (its format and bytes), the serialized compile options
+// (both with map entries in a canonical order, proto_canon.h), the real
+// plugin's build (the SHA-256 of its file and its C API version: two builds
+// report the same platform strings), its platform name and version, the
+// compiler flags it reads from the environment (env.h kKeyedFlagEnvs), the
+// client's process index and every device of the client (id, process, kind,
+// description), the wrapper's own version, and the id of the job's key
+// (XLAKIT_CACHE_KEY) if it has one, so jobs with different keys, or none,
+// never use or replace each other's entries. The entry is xlakit's envelope (core/envelope.h: checksum;
+// HMAC-SHA256 tag under the key) around PJRT_Executable_Serialize's bytes,
+// written by core/atomic_file.h (temporary, fsync, rename; owner-only modes)
+// into a folder core/folder_trust.h accepts.
+//
+// A hit loads with PJRT_Executable_DeserializeAndLoad and never calls the real
+// compile. Anything else (no entry; corrupt, truncated, foreign, other
+// platform, bad or missing tag; a plugin that cannot deserialize or serialize;
+// an unwritable or full disk) is counted and falls back to the real compile,
+// whose result replaces a refused entry. Nothing here fails a compile, throws
+// or aborts.
+#ifndef XLAKIT_PJRT_WRAP_COMPILE_CACHE_H_
+#define XLAKIT_PJRT_WRAP_COMPILE_CACHE_H_
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "core/envelope.h"
+#include "core/folder_trust.h"
+#include "pjrt_wrap/libcrypto.h"
+#include "xla/pjrt/c/pjrt_c_api.h"
+
+namespace xlakit {
+namespace pjrt_wrap {
+
+// The wrapper's own version: part of every key and of every entry's identity.
+// Bump it when what a key covers, or what an entry holds, changes.
+inline constexpr char kWrapperVersion[] = "1";
+
+struct CacheConfig {
+  std::string dir;
+  std::string plugin_path;  // the real plugin's file, hashed into every key
+  bool read_only = false;
+  bool trust_shared = false;
+  std::string key;  // XLAKIT_CACHE_KEY; "" for plain entries
+  // A variable the cache reads holds a value it cannot use (a mistyped flag):
+  // what is wrong, naming the variable and its value; the cache then stays off.
+  std::string env_problem;
+};
+
+// What `xlakit_pjrt_wrap_status` reports of the cache.
+struct CacheState {
+  std::string dir;
+  bool on = false;
+  std::string why_off;
+  bool read_only = false;
+  bool authenticated = false;
+  std::string folder;  // folder_trust state
+};
+
+class CompileCache {
+ public:
+  // The cache for `cfg`, or nullptr with `state->why_off` set: no folder
+  // given, a folder others can write, one that cannot be made, no libcrypto,
+  // a key too short to be a secret, a plugin without (de)serialization or
+  // whose file cannot be read.
+  static std::unique_ptr<CompileCache> Open(const PJRT_Api* real,
+                                            const CacheConfig& cfg,
+                                            CacheState* state);
+
+  // PJRT_Client_Compile through the cache; the real compile's error, if any.
+  PJRT_Error* Compile(PJRT_Client_Compile_Args* args);
+
+  // Forget what was learned about a client the framework destroys.
+  void ForgetClient(PJRT_Client* client);
+
+ private:
+  struct ClientInfo {
+    bool ok = false;
+    std::string error;
+    RuntimeIdentity self;
+    std::string topology;
+  };
+
+  CompileCache(const PJRT_Api* real, CacheConfig cfg, const Libcrypto& crypto);
+  ClientInfo Info(PJRT_Client* client);
+  std::string KeyFor(const ClientInfo& info,
+                     const PJRT_Client_Compile_Args& args);
+  std::unique_ptr<EntryMac> NewMac() const;
+  // True when `args->executable` now holds the cached executable.
+  bool TryLoad(const ClientInfo& info, const std::string& path,
+               PJRT_Client_Compile_Args* args);
+  void Store(const ClientInfo& info, const std::string& path,
+             PJRT_LoadedExecutable* executable);
+
+  const PJRT_Api* real_;
+  const CacheConfig cfg_;
+  const Libcrypto& crypto_;
+  std::string key_id_;
+  // What the executables also depend on, fixed for the process: the real
+  // plugin's build (SHA-256 of its file, its C API version) and the compiler
+  // flags it reads from the environment.
+  std::string plugin_build_;
+  std::string flags_;
+  std::mutex mu_;
+  std::map<PJRT_Client*, ClientInfo> clients_;
+};
+
+}  // namespace pjrt_wrap
+}  // namespace xlakit
+
+#endif  // XLAKIT_PJRT_WRAP_COMPILE_CACHE_H_

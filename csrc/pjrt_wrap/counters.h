@@ -1,0 +1,57 @@
+// What the wrapping plugin did in this process, for `xlakit doctor`, the
+// manifest and the tests: read through the exported xlakit_pjrt_wrap_status()
+// as one JSON object. Counters only grow; reasons are envelope status names
+// (core/envelope.h) or the wrapper's own ("load_failed", "unreadable").
+#ifndef XLAKIT_PJRT_WRAP_COUNTERS_H_
+#define XLAKIT_PJRT_WRAP_COUNTERS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace xlakit {
+namespace pjrt_wrap {
+
+struct Counters {
+  // Every PJRT_Client_Compile the framework made through the wrapper.
+  std::atomic<uint64_t> compiles{0};
+  // Served from the cache: the real compile was not called.
+  std::atomic<uint64_t> hits{0};
+  // Looked up and compiled: no entry, or one refused (see `refused`).
+  std::atomic<uint64_t> misses{0};
+  // Passed straight to the real compile: the cache is off, or the program's
+  // key could not be made.
+  std::atomic<uint64_t> bypassed{0};
+  std::atomic<uint64_t> writes{0};
+  std::atomic<uint64_t> write_failures{0};
+  std::atomic<uint64_t> serialize_failures{0};
+  // PJRT_ExecuteOptions of an older framework padded to this header's size.
+  std::atomic<uint64_t> execute_options_padded{0};
+  // Microseconds spent in real compiles (misses) and in loading hits.
+  std::atomic<uint64_t> compile_us{0};
+  std::atomic<uint64_t> load_us{0};
+
+  void Refused(const std::string& reason);
+  std::map<std::string, uint64_t> RefusedByReason();
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, uint64_t> refused_;
+};
+
+Counters& GlobalCounters();
+
+// Writes `message` to stderr once per `kind` per process ("xlakit-pjrt: ...",
+// control bytes escaped).
+void LogOnce(const std::string& kind, const std::string& message);
+void Log(const std::string& message);
+
+// `s` as a JSON string literal.
+std::string JsonString(const std::string& s);
+
+}  // namespace pjrt_wrap
+}  // namespace xlakit
+
+#endif  // XLAKIT_PJRT_WRAP_COUNTERS_H_

@@ -1,0 +1,30 @@
+// The environment the wrapping plugin reads, in one place (python/xlakit/
+// _knobs.py reads these names from xlakit._C, which binds this header).
+// Everything is read once, when the framework first calls GetPjrtApi.
+#ifndef XLAKIT_PJRT_WRAP_ENV_H_
+#define XLAKIT_PJRT_WRAP_ENV_H_
+
+#include <cstddef>
+
+namespace xlakit {
+namespace pjrt_wrap {
+
+// The real PJRT plugin to wrap (libtpu.so, a CPU or GPU plugin). Default: the
+// libtpu installed beside xlakit (<site-packages>/libtpu/libtpu.so).
+inline constexpr char kPluginEnv[] = "XLAKIT_PJRT_PLUGIN";
+// The compile cache folder; unset, the wrapper passes every call through.
+inline constexpr char kCacheDirEnv[] = "XLAKIT_PJRT_CACHE_DIR";
+// Load entries but write none (every worker but one sharing a folder).
+inline constexpr char kCacheReadOnlyEnv[] = "XLAKIT_PJRT_CACHE_READ_ONLY";
+// Accept a cache folder a group the user belongs to can write
+// (core/folder_trust.h); the name Python's enable_persistent_cache reads too.
+inline constexpr char kTrustSharedEnv[] = "XLAKIT_CACHE_TRUST_SHARED";
+// Compiler flags a plugin reads from the environment rather than from the
+// compile options (torch_xla passes none there): part of every cache key.
+inline constexpr const char* kKeyedFlagEnvs[] = {"XLA_FLAGS", "TF_XLA_FLAGS",
+                                                 "LIBTPU_INIT_ARGS"};
+
+}  // namespace pjrt_wrap
+}  // namespace xlakit
+
+#endif  // XLAKIT_PJRT_WRAP_ENV_H_

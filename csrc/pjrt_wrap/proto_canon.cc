@@ -1,0 +1,179 @@
+// Canonical protobuf bytes; see proto_canon.h.
+#include "pjrt_wrap/proto_canon.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <vector>
+
+namespace xlakit {
+namespace pjrt_wrap {
+namespace {
+
+// What the canonicalizer knows of a message: which fields are maps, and
+// which are messages that contain maps further down.
+struct Schema {
+  std::map<uint32_t, const Schema*> messages;
+  std::map<uint32_t, bool> maps;
+};
+
+enum WireType : uint32_t { kVarint = 0, kFixed64 = 1, kBytes = 2, kFixed32 = 5 };
+
+bool ReadVarint(std::string_view in, size_t* pos, uint64_t* out) {
+  uint64_t value = 0;
+  for (int shift = 0; shift < 64 && *pos < in.size(); shift += 7) {
+    uint8_t byte = static_cast<uint8_t>(in[(*pos)++]);
+    value |= static_cast<uint64_t>(byte & 0x7f) << shift;
+    if ((byte & 0x80) == 0) {
+      *out = value;
+      return true;
+    }
+  }
+  return false;
+}
+
+// One field of a message on the wire.
+struct Field {
+  uint32_t number = 0;
+  size_t start = 0;           // where its tag starts
+  size_t header = 0;          // tag and length bytes, for length-delimited fields
+  bool delimited = false;     // a string, bytes or submessage: `payload` holds it
+  std::string_view payload;
+};
+
+// Reads the field at `*pos` and moves past it; false if malformed (or a
+// group, which these protos never use).
+bool NextField(std::string_view in, size_t* pos, Field* field) {
+  field->start = *pos;
+  uint64_t tag = 0;
+  uint64_t n = 0;
+  if (!ReadVarint(in, pos, &tag)) return false;
+  field->number = static_cast<uint32_t>(tag >> 3);
+  field->delimited = false;
+  switch (tag & 7) {
+    case kVarint:
+      return ReadVarint(in, pos, &n);
+    case kFixed64:
+      *pos += 8;
+      return *pos <= in.size();
+    case kFixed32:
+      *pos += 4;
+      return *pos <= in.size();
+    case kBytes:
+      if (!ReadVarint(in, pos, &n) || n > in.size() - *pos) return false;
+      field->delimited = true;
+      field->header = *pos - field->start;
+      field->payload = in.substr(*pos, n);
+      *pos += n;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The key of a map entry (its field 1, as written), or nullopt.
+std::optional<std::string> EntryKey(std::string_view entry) {
+  Field field;
+  for (size_t pos = 0; pos < entry.size();) {
+    if (!NextField(entry, &pos, &field)) return std::nullopt;
+    if (field.number == 1) {
+      return std::string(entry.substr(field.start, pos - field.start));
+    }
+  }
+  return std::string();  // a default key: absent on the wire
+}
+
+std::optional<std::string> Canon(std::string_view in, const Schema& schema) {
+  std::string out;
+  out.reserve(in.size());
+  // Each map's entries, emitted sorted where its first entry stood.
+  std::map<uint32_t, std::vector<std::pair<std::string, std::string>>> maps;
+  std::vector<std::pair<size_t, uint32_t>> map_slots;  // (offset in out, field)
+  Field field;
+  for (size_t pos = 0; pos < in.size();) {
+    if (!NextField(in, &pos, &field)) return std::nullopt;
+    std::string_view whole = in.substr(field.start, pos - field.start);
+    if (field.delimited && schema.maps.count(field.number)) {
+      std::optional<std::string> key = EntryKey(field.payload);
+      if (!key) return std::nullopt;
+      if (maps.find(field.number) == maps.end()) {
+        map_slots.emplace_back(out.size(), field.number);
+      }
+      maps[field.number].emplace_back(*key, std::string(whole));
+      continue;
+    }
+    auto sub = schema.messages.find(field.number);
+    if (field.delimited && sub != schema.messages.end()) {
+      std::optional<std::string> inner = Canon(field.payload, *sub->second);
+      if (!inner) return std::nullopt;
+      // Same length as before (only entries moved), so the header stands.
+      out.append(whole.substr(0, field.header));
+      out.append(*inner);
+      continue;
+    }
+    out.append(whole);
+  }
+  // Insert the sorted maps, last slot first so earlier offsets stay valid.
+  for (auto it = map_slots.rbegin(); it != map_slots.rend(); ++it) {
+    auto& entries = maps[it->second];
+    std::sort(entries.begin(), entries.end());
+    for (size_t i = 1; i < entries.size(); ++i) {
+      if (entries[i].first == entries[i - 1].first) return std::nullopt;
+    }
+    std::string run;
+    for (const auto& entry : entries) run += entry.second;
+    out.insert(it->first, run);
+  }
+  return out;
+}
+
+const Schema& CompileOptionsSchema() {
+  static const Schema* schema = [] {
+    auto* debug_options = new Schema();
+    debug_options->maps = {{357, true},   // xla_gpu_analytical_latency_estimator_options
+                           {500, true}};  // xla_backend_extra_options
+    auto* build_options = new Schema();
+    build_options->messages = {{3, debug_options}};  // debug_options
+    auto* compile_options = new Schema();
+    compile_options->messages = {{3, build_options}};  // executable_build_options
+    compile_options->maps = {{7, true}};                // env_option_overrides
+    return compile_options;
+  }();
+  return *schema;
+}
+
+const Schema& HloModuleSchema() {
+  static const Schema* schema = [] {
+    auto* frontend_attributes = new Schema();
+    frontend_attributes->maps = {{1, true}};  // map
+    auto* instruction = new Schema();
+    instruction->messages = {{68, frontend_attributes}};
+    auto* computation = new Schema();
+    computation->messages = {{2, instruction}};  // instructions
+    auto* schedule = new Schema();
+    schedule->maps = {{1, true}};  // sequences
+    auto* module = new Schema();
+    module->messages = {{3, computation},            // computations
+                        {7, schedule},               // schedule
+                        {19, frontend_attributes}};  // frontend_attributes
+    return module;
+  }();
+  return *schema;
+}
+
+}  // namespace
+
+std::string CanonicalCompileOptions(std::string_view bytes) {
+  std::optional<std::string> out = Canon(bytes, CompileOptionsSchema());
+  return out ? *out : std::string(bytes);
+}
+
+std::string CanonicalProgram(std::string_view format, std::string_view bytes) {
+  if (format != "hlo") return std::string(bytes);
+  std::optional<std::string> out = Canon(bytes, HloModuleSchema());
+  return out ? *out : std::string(bytes);
+}
+
+}  // namespace pjrt_wrap
+}  // namespace xlakit

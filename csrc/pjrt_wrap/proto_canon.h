@@ -1,0 +1,36 @@
+// Canonical bytes of the protobufs a cache key covers.
+//
+// Protobuf leaves the order of a map's entries unspecified, and XLA's C++
+// writes them in hash order, which differs from process to process: jax's
+// serialized CompileOptionsProto carries DebugOptions maps whose entries
+// change places on every start, so the raw bytes never hit after a restart.
+// The canonical form sorts the entries of the map fields named below (by
+// their key) and keeps everything else byte for byte. Only fields known to be
+// maps are reordered: reordering anything else could make two different
+// programs one key, which must never happen. Unparsable input, or a map with a
+// key twice, is returned unchanged (a possible miss, never a wrong hit).
+//
+// Field numbers are XLA's (xla/pjrt/proto/compile_options.proto,
+// xla/xla.proto, xla/service/hlo.proto, xla/xla_data.proto); fields never
+// change number, and a map added by a later XLA only costs misses.
+#ifndef XLAKIT_PJRT_WRAP_PROTO_CANON_H_
+#define XLAKIT_PJRT_WRAP_PROTO_CANON_H_
+
+#include <string>
+#include <string_view>
+
+namespace xlakit {
+namespace pjrt_wrap {
+
+// A serialized xla.CompileOptionsProto.
+std::string CanonicalCompileOptions(std::string_view bytes);
+
+// A program of `format` ("hlo": a serialized xla.HloModuleProto; other
+// formats, such as "mlir" bytecode, are deterministic and returned as they
+// are).
+std::string CanonicalProgram(std::string_view format, std::string_view bytes);
+
+}  // namespace pjrt_wrap
+}  // namespace xlakit
+
+#endif  // XLAKIT_PJRT_WRAP_PROTO_CANON_H_

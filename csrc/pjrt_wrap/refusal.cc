@@ -1,0 +1,58 @@
+// The refusing PJRT_Api; see refusal.h.
+#include "pjrt_wrap/refusal.h"
+
+#include <cstddef>
+#include <cstring>
+
+// PJRT_Error is opaque in pjrt_c_api.h: each implementation defines its own.
+// This one exists only in the refusing table, whose error functions are the
+// only ones that ever see it.
+struct PJRT_Error {
+  std::string message;
+};
+
+namespace xlakit {
+namespace pjrt_wrap {
+namespace {
+
+std::string* refusal_message = nullptr;
+
+PJRT_Error* Refuse(void*) { return new PJRT_Error{*refusal_message}; }
+
+void ErrorDestroy(PJRT_Error_Destroy_Args* args) { delete args->error; }
+
+void ErrorMessage(PJRT_Error_Message_Args* args) {
+  args->message = args->error->message.data();
+  args->message_size = args->error->message.size();
+}
+
+PJRT_Error* ErrorGetCode(PJRT_Error_GetCode_Args* args) {
+  args->code = PJRT_Error_Code_FAILED_PRECONDITION;
+  return nullptr;
+}
+
+}  // namespace
+
+const PJRT_Api* RefusingApi(const std::string& message) {
+  static PJRT_Api api;
+  refusal_message = new std::string("xlakit PJRT wrapper: " + message);
+  std::memset(&api, 0, sizeof(api));
+  api.struct_size = PJRT_Api_STRUCT_SIZE;
+  api.pjrt_api_version.struct_size = PJRT_Api_Version_STRUCT_SIZE;
+  api.pjrt_api_version.major_version = PJRT_API_MAJOR;
+  api.pjrt_api_version.minor_version = PJRT_API_MINOR;
+  // Every function slot refuses (each takes one pointer to its arguments);
+  // then the three that read an error are made to work.
+  auto refuse = reinterpret_cast<void*>(&Refuse);
+  for (size_t off = offsetof(PJRT_Api, PJRT_Error_Destroy);
+       off + sizeof(void*) <= sizeof(api); off += sizeof(void*)) {
+    std::memcpy(reinterpret_cast<char*>(&api) + off, &refuse, sizeof(void*));
+  }
+  api.PJRT_Error_Destroy = &ErrorDestroy;
+  api.PJRT_Error_Message = &ErrorMessage;
+  api.PJRT_Error_GetCode = &ErrorGetCode;
+  return &api;
+}
+
+}  // namespace pjrt_wrap
+}  // namespace xlakit

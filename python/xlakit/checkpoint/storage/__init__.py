@@ -1,0 +1,47 @@
+"""Checkpoints on object storage (`gs://`, `s3://`): the storage layer under the checkpoint pipeline.
+
+A local path keeps its own code, unchanged (`paths.py`: temporary files, rename,
+fsync). A URL comes here, decided once at each entry point (`is_url`):
+
+* `client.py`: the one module that talks to a store (fsspec with gcsfs or
+  s3fs); every request bounded by what is left of the operation's deadline and
+  cancelled on the store's IO loop when it runs out;
+* `upload.py`: one object streamed in parts, several in flight, from the
+  archive writer's bytes, hashed as sent;
+* `reader.py`: a seekable file over ranged reads, for the verified readers;
+* `generations.py`: the commit protocol. An object store has no rename, so a
+  checkpoint at URL `U` is a prefix: data objects under names unique to the
+  save (`<generation>.<host>.<pid>.<random>...`) and, written last with a
+  create-only precondition, the commit record `U/xlakit-commit.<generation>.json`
+  naming them. Two writers of one generation cannot both commit; readers take
+  the highest committed generation; saving again writes the next one;
+* `objfile.py` (one file: save, load, restore), `objranks.py` (replicated and
+  sharded, agreed as in `ranks.py`), `objdcp.py` (torch.distributed.checkpoint
+  through its fsspec storage), `objsteps.py` (a manager's steps) with
+  `lease.py` (one manager per URL) on top.
+
+docs/object-storage.md says why fsspec (measured), what each test server
+emulates, and the protocol's guarantees.
+"""
+
+from __future__ import annotations
+
+import os
+
+SCHEMES = ("gs", "gcs", "s3")
+
+
+def is_url(path: object) -> bool:
+    """Whether `path` names object storage (`gs://bucket/...`, `s3://bucket/...`), not a local path."""
+    if isinstance(path, os.PathLike) or not isinstance(path, str):
+        return False
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and scheme.lower() in SCHEMES
+
+
+def check_url(path: object) -> None:
+    """Refuse a URL of a scheme xlakit cannot commit to safely, naming the ones it can."""
+    if isinstance(path, str) and "://" in path and not is_url(path) and not path.startswith("file://"):
+        scheme = path.partition("://")[0]
+        raise ValueError(f"{path}: checkpoints on {scheme}:// are not supported; xlakit commits to "
+                         f"gs:// and s3:// (a create-only commit record) and to local paths")

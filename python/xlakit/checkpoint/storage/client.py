@@ -1,0 +1,312 @@
+"""Requests to an object store, each bounded by the operation's deadline and cancellable.
+
+The client libraries are fsspec's: gcsfs for `gs://` (its JSON-API filesystem,
+`gcsfs.core.GCSFileSystem`, which the commit protocol needs for
+`ifGenerationMatch`) and s3fs for `s3://`. They find their server the standard
+way: `STORAGE_EMULATOR_HOST` (then without credentials: an emulator takes
+none) and the AWS variables (`AWS_ENDPOINT_URL`, credentials, region).
+
+fsspec runs every request as a coroutine on its own IO thread. `Store.run`
+submits one there wrapped in `asyncio.wait_for(..., what is left of the
+deadline)`, so a request to a server that stopped answering is cancelled on
+the loop (its connection closed) when the time is up, and the worker raises
+`CheckpointTimeoutError` naming the object; while it waits the worker checks
+every 0.1 s whether the owner gave the operation up. Transient failures
+(connection errors, 408/429/5xx) are retried with exponential backoff while
+time is left, on top of the libraries' own retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from xlakit import _knobs
+from xlakit.errors import CheckpointTimeoutError
+
+if TYPE_CHECKING:
+    from xlakit.checkpoint.operation import Operation
+
+log = logging.getLogger("xlakit")
+T = TypeVar("T")
+_POLL_S = 0.1
+_BACKOFF_S, _BACKOFF_MAX_S = 0.5, 8.0
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_EXTRA = {"gs": "gcs", "gcs": "gcs", "s3": "s3"}
+
+
+@dataclass(frozen=True)
+class Location:
+    """An object or prefix: `gs://bucket/key`."""
+
+    scheme: str
+    bucket: str
+    key: str
+
+    @classmethod
+    def parse(cls, url: str) -> "Location":
+        scheme, _, rest = url.partition("://")
+        bucket, _, key = rest.partition("/")
+        key = key.strip("/")
+        if not bucket or not key:
+            raise ValueError(f"{url}: a checkpoint on object storage needs a bucket and a name in it "
+                             f"({scheme}://BUCKET/NAME), found {'no bucket' if not bucket else 'no name'}")
+        if any(part in ("", ".", "..") for part in key.split("/")):
+            raise ValueError(f"{url}: the name has an empty, '.' or '..' part; object names are taken "
+                             f"literally, so give the checkpoint a plain name")
+        return cls(scheme.lower(), bucket, key)
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.bucket}/{self.key}"
+
+    @property
+    def path(self) -> str:
+        """The name as fsspec takes it: `bucket/key`."""
+        return f"{self.bucket}/{self.key}"
+
+    def child(self, name: str) -> "Location":
+        return Location(self.scheme, self.bucket, f"{self.key}/{name}")
+
+    def relative(self, path: str) -> str:
+        """A listed `bucket/key/...` path relative to this prefix."""
+        return path[len(self.path) + 1:]
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def is_transient(e: BaseException) -> bool:
+    """A failure worth retrying: the connection, or a status the store says to retry."""
+    import aiohttp
+
+    if isinstance(e, (ConnectionError, aiohttp.ClientError)) and not isinstance(e, aiohttp.ClientResponseError):
+        return True
+    status = getattr(e, "code", None) or getattr(e, "status", None)
+    return isinstance(status, int) and status in _TRANSIENT_STATUS
+
+
+_stores: dict[tuple[str, str], "Store"] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(loc: Location) -> "Store":
+    """The process's client for `loc`'s scheme and the endpoint the environment names (made on first use)."""
+    import os
+
+    kind = _EXTRA[loc.scheme]
+    endpoint = os.environ.get("STORAGE_EMULATOR_HOST" if kind == "gcs" else "AWS_ENDPOINT_URL", "")
+    with _stores_lock:
+        if (kind, endpoint) not in _stores:
+            _stores[kind, endpoint] = Store(kind)
+        return _stores[kind, endpoint]
+
+
+def _filesystem(kind: str):
+    try:
+        if kind == "gcs":
+            import os
+
+            from gcsfs.core import GCSFileSystem
+
+            # An emulator takes no credentials; looking for them would ask the GCE metadata server.
+            return GCSFileSystem(token="anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None,
+                                 use_listings_cache=False, skip_instance_cache=True)
+        import s3fs
+
+        # No listing cache: which commit records exist must be read from the store every time.
+        return s3fs.S3FileSystem(use_listings_cache=False, skip_instance_cache=True)
+    except ImportError as e:
+        raise ModuleNotFoundError(f"checkpoints on {kind} need {'gcsfs' if kind == 'gcs' else 's3fs'}, which "
+                                  f"is not installed ({e}); install it with pip install 'xlakit[{kind}]'",
+                                  name=e.name) from e
+
+
+class Store:
+    """One object store's client: fsspec's async filesystem, driven from worker threads."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.fs = _filesystem(kind)
+        self.loop = self.fs.loop
+
+    # -- running requests ------------------------------------------------------------------
+    def run(self, op: "Operation | None", what: str, request: Callable[[], Awaitable[T]], *,
+            retry: bool = True) -> T:
+        """`request()` on the IO loop within the deadline; retried while transient and time is left."""
+        attempt = 0
+        while True:
+            try:
+                return self._once(op, what, request)
+            except CheckpointTimeoutError:
+                raise
+            except Exception as e:  # noqa: BLE001 - only transient failures are retried, the rest re-raised
+                left = self._left(op)
+                wait = min(_BACKOFF_S * 2 ** attempt, _BACKOFF_MAX_S)
+                if not (retry and is_transient(e)) or left <= wait:
+                    raise
+                attempt += 1
+                log.warning("xlakit: %s failed (%s: %s); retrying in %.1f s", what, type(e).__name__, e, wait)
+                self._sleep(op, wait)
+
+    @staticmethod
+    def _left(op: "Operation | None") -> float:
+        return op.remaining() if op is not None else _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S)
+
+    def _sleep(self, op: "Operation | None", seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if op is not None:
+                op.check()
+            time.sleep(min(_POLL_S, max(end - time.monotonic(), 0)))
+
+    def _once(self, op: "Operation | None", what: str, request: Callable[[], Awaitable[T]]) -> T:
+        left = self._left(op)
+        if left <= 0:
+            raise self._timeout(op, what, 0.0)
+        future = self.submit(request, left)
+        while True:
+            done, _ = concurrent.futures.wait([future], timeout=_POLL_S)
+            if done:
+                break
+            if op is not None and op.cancelled:
+                future.cancel()
+                op.check()  # raises Cancelled
+        try:
+            return future.result()
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            raise self._timeout(op, what, left) from e
+
+    def submit(self, request: Callable[[], Awaitable[T]], timeout_s: float) -> concurrent.futures.Future:
+        """Start `request()` on the IO loop, cancelled there after `timeout_s`; its future."""
+        async def bounded() -> T:
+            return await asyncio.wait_for(request(), timeout_s)
+
+        return asyncio.run_coroutine_threadsafe(bounded(), self.loop)
+
+    @staticmethod
+    def _timeout(op: "Operation | None", what: str, waited: float) -> CheckpointTimeoutError:
+        err = CheckpointTimeoutError(f"{what}: the object store did not answer within {waited:.1f} s "
+                                     f"(what was left of the deadline)", stage=op.stage if op else "request",
+                                     tensor=op.tensor if op else None)
+        err.add_note("The server stopped answering or is very slow; nothing was committed by this request. "
+                     "Check the bucket's endpoint and network, or raise timeout_s.")
+        return err
+
+    # -- requests ----------------------------------------------------------------------------
+    def list(self, op: "Operation | None", prefix: Location, *, starting: str = "") -> dict[str, int]:
+        """Every object under `prefix/` (recursively) whose name there begins with `starting`: its
+        name relative to the prefix, and its size."""
+        async def find() -> dict:
+            return await self.fs._find(prefix.path + "/", detail=True, prefix=starting)
+
+        try:
+            found = self.run(op, f"listing {prefix}/{starting}", find)
+        except FileNotFoundError as e:  # a missing prefix lists empty: the bucket is missing
+            raise FileNotFoundError(errno.ENOENT, f"{prefix}: the bucket {prefix.bucket!r} does not exist "
+                                    f"at this endpoint ({e}); create it first, or check the URL and the "
+                                    f"endpoint variables", prefix.url) from e
+        return {prefix.relative(p): int(info.get("size") or 0) for p, info in found.items()
+                if info.get("type", "file") == "file" and p.startswith(prefix.path + "/" + starting)}
+
+    def get_many(self, op: "Operation | None", locs: list[Location]) -> list[bytes | None]:
+        """Small objects read at once; None for one that is gone."""
+        async def cat(loc: Location) -> bytes | None:
+            try:
+                return await self.fs._cat_file(loc.path)
+            except FileNotFoundError:
+                return None
+
+        async def cat_all() -> list[bytes | None]:
+            return list(await asyncio.gather(*(cat(loc) for loc in locs)))
+
+        return self.run(op, f"reading {len(locs)} object(s) under {locs[0]}", cat_all) if locs else []
+
+    def exists(self, op: "Operation | None", loc: Location) -> bool:
+        async def info() -> bool:
+            try:
+                await self.fs._info(loc.path)
+                return True
+            except FileNotFoundError:
+                return False
+
+        return self.run(op, f"looking up {loc}", info)
+
+    def put(self, op: "Operation | None", loc: Location, data: bytes, *, create_only: bool = False) -> None:
+        """One object in one request; `create_only` fails with FileExistsError if the name is taken."""
+        async def pipe() -> Any:
+            return await self.fs._pipe_file(loc.path, data, mode="create" if create_only else "overwrite")
+
+        # A create-only request is not repeated blindly: a lost answer to a write that happened would
+        # read as someone else's; the caller resolves that case by reading the object back.
+        self.run(op, f"writing {loc}", pipe, retry=not create_only)
+
+    def get(self, op: "Operation | None", loc: Location, start: int | None = None, end: int | None = None) -> bytes:
+        async def cat() -> bytes:
+            return await self.fs._cat_file(loc.path, start=start, end=end)
+
+        return self.run(op, f"reading {loc}", cat)
+
+    def get_into(self, op: "Operation | None", loc: Location, offset: int, dst: memoryview, *,
+                 chunk_bytes: int, parallel: int) -> int:
+        """Fill `dst` from `offset` with ranged reads, `parallel` at a time; the bytes read."""
+        n = len(dst)
+
+        async def fetch() -> int:
+            gate = asyncio.Semaphore(parallel)
+
+            async def piece(start: int) -> int:
+                async with gate:
+                    data = await self.fs._cat_file(loc.path, start=offset + start,
+                                                   end=offset + min(start + chunk_bytes, n))
+                dst[start:start + len(data)] = data
+                return len(data)
+
+            got = await asyncio.gather(*(piece(s) for s in range(0, n, chunk_bytes)))
+            return sum(got)
+
+        return self.run(op, f"reading {loc}", fetch)
+
+    def copy(self, op: "Operation | None", src: Location, dst: Location) -> None:
+        """Copy an object within the store (the server copies: no bytes pass through here)."""
+        async def cp() -> None:
+            await self.fs._cp_file(src.path, dst.path)
+
+        self.run(op, f"copying {src} to {dst}", cp)
+
+    def size(self, op: "Operation | None", loc: Location) -> int:
+        async def info() -> int:
+            return int((await self.fs._info(loc.path))["size"])
+
+        return self.run(op, f"looking up {loc}", info)
+
+    def delete(self, op: "Operation | None", locs: list[Location]) -> None:
+        """Remove objects; already gone is fine."""
+        if not locs:
+            return
+
+        async def rm() -> None:
+            results = await asyncio.gather(*(self.fs._rm_file(l.path) for l in locs), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException) and not isinstance(r, FileNotFoundError):
+                    raise r
+
+        self.run(op, f"removing {len(locs)} object(s) under {locs[0]}", rm)
+
+    def delete_soon(self, locs: list[Location]) -> None:
+        """Remove objects without waiting (an owner giving up must not block on a stalled server);
+        what a failure or the process's end leaves is removed by the next save (generations.py)."""
+        if not locs:
+            return
+
+        async def rm() -> None:
+            await asyncio.gather(*(self.fs._rm_file(l.path) for l in locs), return_exceptions=True)
+
+        self.submit(rm, _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S))

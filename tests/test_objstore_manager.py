@@ -118,3 +118,21 @@ def test_a_manager_whose_lease_was_taken_over_stops_before_it_writes(bucket, mon
             assert second.all_steps() == [1] and not [n for n in names(url) if n.startswith("2/")]
     finally:
         first.close()
+
+
+def test_a_read_only_manager_reads_a_bucket_the_writer_holds_and_changes_nothing(bucket):
+    url = f"{bucket}/watched"
+    with xlakit.CheckpointManager(url) as writer:
+        writer.save(1, {"w": torch.full((2,), 1.0)}, metrics={"loss": 0.5})
+        put(f"{url}/7/{xlakit.checkpoint.steps.STEP_RECORD}", b"{not json")  # a damaged step record
+        before = names(url)
+        reader = xlakit.ReadOnlyCheckpointManager(url)  # while the writer holds the URL's lease
+        assert reader.all_steps() == [1] and reader.latest_step() == 1 and reader.metrics(1) == {"loss": 0.5}
+        assert torch.equal(reader.restore()["w"], torch.full((2,), 1.0))
+        with pytest.raises(xlakit.CheckpointCorruptError, match="step 7 .* is damaged") as info:
+            reader.restore(7)
+        assert "never deletes or reuses" in "".join(info.value.__notes__)
+        assert names(url) == before  # the reader wrote and deleted nothing
+        writer.save(2, {"w": torch.full((2,), 2.0)})
+        assert reader.wait_for_step(1, timeout_s=30, poll_interval_s=0.05) == 2
+        assert torch.equal(reader.restore()["w"], torch.full((2,), 2.0))

@@ -156,6 +156,15 @@ def record_of(folder: Path) -> dict | None:
     return check_record(text, folder.name)
 
 
+def not_a_step(step: int, where: Path | str, foreign: list[str]) -> CheckpointWriteError:
+    """The error of a save into a step folder (or prefix) holding what the manager did not make."""
+    err = CheckpointWriteError(errno.EEXIST, f"cannot save step {step} into {where}: it holds entries that "
+                               f"are not a step of an xlakit manager ({', '.join(foreign[:5])}); they are "
+                               f"left untouched")
+    err.add_note("Move them away, or give the manager a folder (or URL) of its own.")
+    return err
+
+
 def damage_note(folder: Path | str) -> str:
     """How to mend a step folder (or a step's prefix on object storage) whose record is damaged."""
     return (f"xlakit never deletes or reuses {folder}: move it away (or delete it, if its checkpoint is not "
@@ -267,11 +276,7 @@ def prepare(op, folder: Path, record: dict) -> None:
         err.add_note(damage_note(folder))
         raise err from e
     if foreign:
-        err = CheckpointWriteError(errno.EEXIST, f"cannot save step {record['step']} into {folder}: it "
-                                   f"exists and is not a step of an xlakit manager (found "
-                                   f"{', '.join(foreign[:5])}); it is left untouched")
-        err.add_note("Move it away, or give the manager a folder of its own.")
-        raise err
+        raise not_a_step(record["step"], folder, foreign)
     existing = read_record(folder) if folder.exists() else None
     if existing is not None and commit_problem(folder, existing) is None:
         raise ValueError(f"step {record['step']} is already committed in {folder.parent}")

@@ -26,7 +26,6 @@ deleted.
 
 from __future__ import annotations
 
-import errno
 import json
 import re
 from collections import defaultdict
@@ -37,7 +36,6 @@ from xlakit.checkpoint import steps
 from xlakit.checkpoint.storage import generations
 from xlakit.checkpoint.storage.client import Location, store_for
 from xlakit.checkpoint.storage.lease import Lease, is_lease
-from xlakit.errors import CheckpointWriteError
 
 DELETING = "xlakit-step.deleting.json"
 _STEP = re.compile(r"0|[1-9][0-9]{0,18}")
@@ -135,11 +133,7 @@ class BucketFolder:
         if inside and steps.STEP_RECORD not in inside:
             foreign = sorted(inside)
         if foreign:
-            err = CheckpointWriteError(errno.EEXIST, f"cannot save step {step} into {prefix}: it holds objects "
-                                       f"that are not a step of an xlakit manager ({', '.join(foreign[:5])}); "
-                                       f"they are left untouched")
-            err.add_note("Move them away, or give the manager a URL of its own.")
-            raise err
+            raise steps.not_a_step(step, prefix, foreign)
         if steps.STEP_RECORD in inside:
             steps.check_record(self.store.get(op, prefix.child(steps.STEP_RECORD)), str(step))
             if _commits(inside, record["checkpoint"]):

@@ -131,7 +131,7 @@ def test_an_asynchronous_failure_on_one_rank_surfaces_on_every_rank(tmp_path):
 
 def test_temporaries_of_killed_sharded_saves_are_removed_under_any_name(tmp_path):
     # Regression: cleanup matched only the current shard's name: 17 files, 1.1 GB after 10 crashes.
-    for crash in range(3):
+    for crash in range(2):
         results = Job(WORKER, "dies-mid-shard", tmp_path, 2).results()
         assert results[1]["exit"] == 17 and results[0]["save2"]["rank_named"] == 1, results
         left = [n for n in (tmp_path / "ckpt").iterdir() if n.name.endswith(".xlakit-tmp")]

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-RUNS = {"async": 20, "manager": 10, "sync": 4, "cancelled": 4, "ctrl-c": 4}  # CI time: ~40 interpreters
+RUNS = {"async": 8, "manager": 4, "sync": 2, "cancelled": 2, "ctrl-c": 3}  # the abort hit most runs: 8 miss it at ~0.4%
 PARALLEL = 4
 
 SCRIPTS = {

@@ -182,20 +182,6 @@ def test_the_entry_mac_is_compiled_against_boringssl_not_the_system_openssl(tmp_
 
 
 @pytest.mark.slow
-def test_a_wrong_pjrt_signature_fails_and_the_real_file_compiles(tmp_path):
-    tc, bracket = _cached_toolchain()
-    runner = _quiet()
-    cfg = pipeline.Config(work=tmp_path, wheels=tmp_path / "wheels")
-    tree = cxx_check.minimal_tree(runner, cfg, tmp_path / "placed")
-    brk = next(b for b in cxx_check.BREAKS if not b.needs_tree)
-    good = cxx_compile.compile_one(runner, tc.syntax_cmd(tree, bracket, brk.victim))
-    assert good.ok, good.errors
-    broken = cxx_check.broken_copy(runner, tree, brk, tmp_path / "broken")
-    bad = cxx_compile.compile_one(runner, tc.syntax_cmd(broken, bracket, brk.victim))
-    assert not bad.ok and any(brk.expect in e for e in bad.errors), bad.errors
-
-
-@pytest.mark.slow
 @pytest.mark.build
 def test_removing_the_friend_declaration_fails_pjrt_access(tmp_path):
     tc, bracket = _cached_toolchain()

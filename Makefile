@@ -4,6 +4,9 @@
 #   VENV           the development virtual environment                [.venv]
 #   PROFILE        VERSIONS.toml profile installed by `setup`          [cpu-dev]
 #   PYTEST_ARGS    extra arguments for `make test`                     []
+#   TEST_WORKERS   pytest-xdist options of `make test`: test files spread over
+#                  up to 4 processes (most tests wait on processes they start);
+#                  `TEST_WORKERS=` runs all in one  [-n auto --maxprocesses 4 --dist loadfile]
 #   BENCH_ARGS     extra arguments for `make bench`                    []
 #   FAULT_ARGS     extra arguments for `make faults` (--rounds, --seed) []
 #   TORCH_XLA_GIT  torch_xla git URL or local mirror (build, patches-check,
@@ -41,8 +44,10 @@ $(SETUP_STAMP): VERSIONS.toml pyproject.toml setup.py
 	$(VPY) -m pip install -e '.[test]'
 	touch $@
 
+TEST_WORKERS ?= -n auto --maxprocesses 4 --dist loadfile
+
 test: setup
-	$(VPY) -m pytest $(PYTEST_ARGS)
+	$(VPY) -m pytest $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Saves under random faults by PID (kill, Ctrl-C, stop/continue, a mutating
 # thread), every checkpoint read back; one line, exit 1 unless all hold.

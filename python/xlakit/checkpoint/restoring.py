@@ -33,7 +33,7 @@ import torch
 
 from xlakit.checkpoint import loading, spmd, structure
 from xlakit.checkpoint.archive import HASH, tensor_bytes
-from xlakit.checkpoint.matching import Target, match, rebuild
+from xlakit.checkpoint.matching import Target, match
 from xlakit.checkpoint.operation import Operation, Watch, check_idle, collection_paused
 from xlakit.checkpoint.options import LoadOptions
 from xlakit.checkpoint.structure import TensorSpec
@@ -61,10 +61,10 @@ def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any
             if opts.verify:
                 loading.verify_file(path, op)
             saved = loading.torch_load(path, False)
-            targets, extra = match(saved, template, path, opts, None)
+            targets, restored = match(saved, template, path, opts, None)
             op.enter("copy")
             _apply(op, [(t, t.source) for t in targets])
-            return rebuild(saved, targets, extra)
+            return restored
         return restore_records(op, f, path, index, template, opts)
 
 
@@ -73,7 +73,7 @@ def restore_records(op: Operation, f, path: Path, index: dict, template: Any, op
     reader = loading.RecordReader(f, path)
     layout = loading.read_structure(op, reader, index, opts.verify)
     saved = structure.decode(layout, structure.spec, str(path))
-    targets, extra = match(saved, template, path, opts, index["storages"][HASH])
+    targets, restored = match(saved, template, path, opts, index["storages"][HASH])
     users: dict[int, int] = {}  # how many template tensors each storage fills
     for t in targets:
         users[t.source.storage] = users.get(t.source.storage, 0) + 1
@@ -90,7 +90,7 @@ def restore_records(op: Operation, f, path: Path, index: dict, template: Any, op
                    f"them) may hold its bytes as read, the rest their previous values. Restore again "
                    f"from a good checkpoint before using it.")
         raise
-    return rebuild(saved, targets, extra)
+    return restored
 
 
 # -- reading and placing ----------------------------------------------------------------------

@@ -444,3 +444,23 @@ def test_an_asynchronous_save_committed_at_exit_without_close_applies_retention(
     assert run.returncode == 0 and all("waiting for the asynchronous save of step 2" in line
                                        for line in run.stderr.splitlines()), run.stderr
     assert names(tmp_path) == ["2"]
+
+
+def test_restore_of_part_of_a_step_with_strict_false_by_the_manager_and_a_reader(tmp_path):
+    # Regression (issue 19's partial restore, noticed left out of the manager): the template of the
+    # model alone, from a step that saved the model, the optimizer and the step.
+    state = {"model": {"w": torch.full((3,), 2.0)}, "optim": {"m": torch.ones(3)}, "step": 5}
+    with xlakit.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(5, state)
+        model = {"model": {"w": torch.zeros(3)}}
+        with pytest.raises(xlakit.CheckpointMismatchError, match="optim"):
+            mgr.restore(5, template=model)  # strict by default
+        assert torch.equal(model["model"]["w"], torch.zeros(3))
+        out = mgr.restore(5, template=model, options=xlakit.LoadOptions(strict=False))
+        assert out["model"]["w"] is model["model"]["w"] and torch.equal(model["model"]["w"], torch.full((3,), 2.0))
+        assert set(out) == {"model"}
+        seen = []
+        reader = xlakit.ReadOnlyCheckpointManager(tmp_path / "run")
+        fresh = {"model": {"w": torch.zeros(3)}}
+        reader.restore(template=fresh, options=xlakit.LoadOptions(strict=False, extra_keys_callback=seen.extend))
+        assert torch.equal(fresh["model"]["w"], torch.full((3,), 2.0)) and sorted(seen) == ["optim", "step"]

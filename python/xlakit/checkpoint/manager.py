@@ -41,7 +41,7 @@ from typing import Any
 from xlakit import _knobs
 from xlakit.checkpoint import agreement, readonly, retention, steps
 from xlakit.checkpoint.operation import Watch
-from xlakit.checkpoint.options import SaveOptions, _bool, _count, _seconds, resolve
+from xlakit.checkpoint.options import LoadOptions, SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
 from xlakit.checkpoint.steps import folder_at
 from xlakit.errors import CheckpointTimeoutError
@@ -234,12 +234,15 @@ class CheckpointManager:
         self._finish_pending()
 
     # -- restoring --------------------------------------------------------------------------------
-    def restore(self, step: int | None = None, *, template: Any = None) -> Any:
+    def restore(self, step: int | None = None, *, template: Any = None,
+                options: LoadOptions | None = None) -> Any:
         """The state saved at `step` (default: the latest), verified.
 
         Without `template`: `xlakit.load`'s result (CPU tensors; a sharded step gives each
         rank its shard). With `template`: `xlakit.restore`'s (the template's own tensors
         filled in place, any device, sharding kept); a "dcp" step needs one and returns it.
+        `options` go to the load (`LoadOptions(strict=False)`: the template may hold part
+        of the saved state, e.g. the model without the optimizer).
 
         Raises:
             FileNotFoundError: no committed step (or not this one); the steps found are named.
@@ -250,7 +253,7 @@ class CheckpointManager:
         found = self._scan()
         self._steps = set(found.committed)  # what is on disk now: a rollback may follow
         chosen = readonly.choose_step(found, step, self.directory, self._folder.step_path)
-        return readonly.read_step(chosen, template, replicated=self._world > 1)
+        return readonly.read_step(chosen, template, replicated=self._world > 1, options=options)
 
     # -- preemption -------------------------------------------------------------------------------
     def install_preemption_handler(self, *, grace_s: float | None = None) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from xlakit.checkpoint import retention, steps, storage
-from xlakit.checkpoint.options import _seconds
+from xlakit.checkpoint.options import LoadOptions, _seconds
 from xlakit.errors import CheckpointCorruptError, CheckpointIncompleteError
 
 _ATTEMPTS = 5  # reads of the latest step, each after retention took the one before
@@ -59,11 +59,12 @@ def choose_step(found: steps.Scan, step: int | None, directory: Any,
 
 
 def read_step(chosen: steps.StepFolder, template: Any = None, *, shard: int | None = None,
-              replicated: bool = False) -> Any:
+              replicated: bool = False, options: LoadOptions | None = None) -> Any:
     """A committed step's state: `xlakit.load`'s (or, with `template`, `xlakit.restore`'s) result.
 
     A "dcp" step needs the template and returns it; `shard` picks one shard of a "sharded" step
-    outside its job; `replicated` loads a "replicated" step on every rank of a job.
+    outside its job; `replicated` loads a "replicated" step on every rank of a job; `options`
+    (LoadOptions: `strict=False` for part of a state, timeouts) go to the load.
     """
     from xlakit import checkpoint
 
@@ -72,14 +73,14 @@ def read_step(chosen: steps.StepFolder, template: Any = None, *, shard: int | No
             raise ValueError(f"step {chosen.step} was saved with layout='dcp': a DCP checkpoint loads into "
                              f"a template, restore({chosen.step}, template=state) with tensors of the saved "
                              f"shapes (placed and sharded as wanted now)")
-        checkpoint.dcp_load(template, chosen.checkpoint)
+        checkpoint.dcp_load(template, chosen.checkpoint, options=options)
         return template
     where = {} if shard is None else {"shard": shard}
     if template is not None:
-        return checkpoint.restore(chosen.checkpoint, template, **where)
+        return checkpoint.restore(chosen.checkpoint, template, options=options, **where)
     if replicated and chosen.layout == "replicated":
-        return checkpoint.load(chosen.checkpoint, layout="replicated")
-    return checkpoint.load(chosen.checkpoint, **where)
+        return checkpoint.load(chosen.checkpoint, layout="replicated", options=options)
+    return checkpoint.load(chosen.checkpoint, options=options, **where)
 
 
 class ReadOnlyCheckpointManager:
@@ -134,11 +135,13 @@ class ReadOnlyCheckpointManager:
         """The metrics recorded with committed step `step`."""
         return choose_step(self._scan(), step, self.directory, self._folder.step_path).metrics
 
-    def restore(self, step: int | None = None, *, template: Any = None, shard: int | None = None) -> Any:
+    def restore(self, step: int | None = None, *, template: Any = None, shard: int | None = None,
+                options: LoadOptions | None = None) -> Any:
         """The state saved at `step` (default: the latest), verified; as `CheckpointManager.restore`.
 
         With `template`, its tensors are filled in place (`xlakit.restore`); a "dcp" step
-        needs one. `shard=N` reads one shard of a "sharded" step. The latest step is read
+        needs one. `shard=N` reads one shard of a "sharded" step; `options` as for
+        `xlakit.restore` (e.g. `LoadOptions(strict=False)` to restore part of the state). The latest step is read
         even while retention deletes it: the reader moves on to the new latest.
 
         Raises:
@@ -149,7 +152,7 @@ class ReadOnlyCheckpointManager:
         for _ in range(_ATTEMPTS):
             chosen = choose_step(self._scan(), step, self.directory, self._folder.step_path)
             try:
-                return read_step(chosen, template, shard=shard)
+                return read_step(chosen, template, shard=shard, options=options)
             except Exception as e:  # noqa: BLE001 - raised again unless retention took the step
                 found = self._scan()
                 if chosen.step in found.committed:

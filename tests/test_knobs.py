@@ -13,8 +13,9 @@ from xlakit.checkpoint.storage import upload
 
 # How each knob is read where xlakit reads it, and values that must be refused.
 _READERS = {
-    _knobs.SAVE_TIMEOUT_S: (lambda: xlakit.SaveOptions(), ["nan", "abc", "-1", "0", "NaN"]),
-    _knobs.MAX_INFLIGHT_BYTES: (lambda: xlakit.LoadOptions(), ["abc", "1.5", "0", "-3", "1e9"]),
+    _knobs.SAVE_TIMEOUT_S: (lambda: xlakit.SaveOptions(), ["nan", "abc", "-1", "0", "NaN", "inf", "1e999", "1_0",
+                                                           "\u0663"]),
+    _knobs.MAX_INFLIGHT_BYTES: (lambda: xlakit.LoadOptions(), ["abc", "1.5", "0", "-3", "1e9", "1_0", "\u0663"]),
     _knobs.STALL_WARNING_S: (lambda: xlakit.SaveOptions(), ["nan", "ten"]),
     _knobs.PROGRESS_INTERVAL_S: (lambda: xlakit.LoadOptions(), ["nan", "-0"]),
     _knobs.TRANSFER_BACKEND: (lambda: xlakit.SaveOptions(), ["fast", "PATCHED"]),

@@ -60,6 +60,34 @@ def test_a_reader_never_creates_a_folder_or_a_lock(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_wrong_arguments_are_named_never_a_crash_or_a_silent_wait(tmp_path, monkeypatch):
+    # From an attack as a new user: `after` went unchecked (nan waited out the timeout, 'abc' was a
+    # bare TypeError of a comparison), an infinite poll interval crashed in time.sleep, and "" read
+    # the working directory.
+    with xlakit.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(3, {"w": torch.ones(1)})
+    reader = xlakit.ReadOnlyCheckpointManager(tmp_path / "run")
+    with pytest.raises(TypeError, match="step must be a whole number, got 'abc'"):
+        reader.wait_for_step("abc", timeout_s=30)
+    with pytest.raises(TypeError, match="step must be a whole number, got nan"):
+        reader.wait_for_step(float("nan"), timeout_s=30)
+    assert reader.wait_for_step(2, timeout_s=float("inf"), poll_interval_s=float("inf")) == 3
+    slept = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        raise InterruptedError  # one poll is enough to see how long it sleeps
+
+    monkeypatch.setattr("xlakit.checkpoint.readonly.time.sleep", sleep)
+    with pytest.raises(InterruptedError):
+        reader.wait_for_step(3, timeout_s=1e300, poll_interval_s=1e300)
+    assert slept == [3600.0]
+    monkeypatch.undo()
+    for make in (xlakit.ReadOnlyCheckpointManager, xlakit.CheckpointManager):
+        with pytest.raises(ValueError, match="cannot be the empty path"):
+            make("")
+
+
 def _run(*args: str, **kwargs) -> subprocess.Popen:
     env = dict(os.environ, PJRT_DEVICE="CPU")
     return subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from collections.abc import Iterator
 
 from xlakit import _C
@@ -93,17 +94,19 @@ def _bad(name: str, raw: str, expected: str) -> ConfigurationError:
     return err
 
 
+_DECIMAL = re.compile(r"\s*\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*", re.ASCII)
+_WHOLE = re.compile(r"\s*\+?[0-9]+\s*", re.ASCII)
+
+
 def get_float(name: str) -> float:
     """A positive number of seconds from `name` (its default when unset or empty)."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return float(DEFAULTS[name])
-    try:
-        value = float(raw)
-    except ValueError:
-        raise _bad(name, raw, "a positive number of seconds") from None
-    if math.isnan(value) or value <= 0:
-        raise _bad(name, raw, "a positive number of seconds")
+    # Plain ASCII decimals only: float() also takes "inf", "1_0" and other scripts' digits.
+    value = float(raw) if _DECIMAL.fullmatch(raw) else math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise _bad(name, raw, "a positive, finite number of seconds (e.g. 600)")
     return value
 
 
@@ -112,10 +115,9 @@ def get_int(name: str) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return int(DEFAULTS[name])
-    try:
-        value = int(raw)
-    except ValueError:
-        raise _bad(name, raw, "a positive whole number (e.g. 268435456)") from None
+    if not _WHOLE.fullmatch(raw):  # int() also takes "1_0" and other scripts' digits
+        raise _bad(name, raw, "a positive whole number (e.g. 268435456)")
+    value = int(raw)
     if value <= 0:
         raise _bad(name, raw, "a positive whole number")
     return value

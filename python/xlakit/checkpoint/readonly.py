@@ -32,6 +32,7 @@ from xlakit.checkpoint.options import LoadOptions, _seconds
 from xlakit.errors import CheckpointCorruptError, CheckpointIncompleteError
 
 _ATTEMPTS = 5  # reads of the latest step, each after retention took the one before
+_LONGEST_SLEEP_S = 3600.0  # time.sleep() refuses what the platform's time_t cannot hold
 
 
 def choose_step(found: steps.Scan, step: int | None, directory: Any,
@@ -175,8 +176,10 @@ class ReadOnlyCheckpointManager:
             >>> reader.wait_for_step(timeout_s=0.1, poll_interval_s=0.05) is None
             True
         """
-        _seconds("timeout_s", timeout_s)
+        _seconds("timeout_s", timeout_s)  # inf: wait until a step comes
         _seconds("poll_interval_s", poll_interval_s)
+        if after is not None:
+            after = steps.check_step(after)
         end = time.monotonic() + timeout_s
         while True:
             latest = self.latest_step()
@@ -185,7 +188,7 @@ class ReadOnlyCheckpointManager:
             left = end - time.monotonic()
             if left <= 0:
                 return None
-            time.sleep(min(poll_interval_s, left))
+            time.sleep(min(poll_interval_s, left, _LONGEST_SLEEP_S))
 
     def _scan(self) -> steps.Scan:
         return self._folder.scan()

@@ -415,6 +415,9 @@ def folder_at(directory: str | os.PathLike) -> "LocalFolder | objsteps.BucketFol
     """A manager folder: on a file system, or a URL on object storage (storage/objsteps.py)."""
     from xlakit.checkpoint import storage
 
+    if isinstance(directory, (str, os.PathLike)) and os.fspath(directory) == "":
+        raise ValueError("a manager folder cannot be the empty path (it would be the working "
+                         "directory): name the folder, e.g. 'checkpoints/run1'")
     storage.check_url(directory)
     if storage.is_url(directory):
         from xlakit.checkpoint.storage import objsteps

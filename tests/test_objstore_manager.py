@@ -136,3 +136,33 @@ def test_a_read_only_manager_reads_a_bucket_the_writer_holds_and_changes_nothing
         writer.save(2, {"w": torch.full((2,), 2.0)})
         assert reader.wait_for_step(1, timeout_s=30, poll_interval_s=0.05) == 2
         assert torch.equal(reader.restore()["w"], torch.full((2,), 2.0))
+
+
+def test_verify_of_a_manager_url_checks_every_committed_step(bucket, capsys):
+    from xlakit import cli
+
+    url = f"{bucket}/verified"
+    record = xlakit.checkpoint.steps.STEP_RECORD
+    with xlakit.CheckpointManager(url) as mgr:
+        mgr.save(1, {"w": torch.full((1000,), 1.0)})
+        mgr.save(2, {"w": torch.full((1000,), 2.0)})
+    assert cli.main(["ckpt", "verify", "--json", url]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["status"] == "ok" and shown["steps"] == [1, 2] and shown["bytes"] >= 8000
+    # A step record without its checkpoint: a save that never committed, nothing to verify.
+    loc = Location.parse(f"{url}/1/{record}")
+    put(f"{bucket}/empty/1/{record}", store_for(loc).get(None, loc))
+    assert cli.main(["ckpt", "verify", f"{bucket}/empty"]) == 3
+    assert "holds no committed step" in capsys.readouterr().out
+    # One object of step 1 with a byte changed (its commit record still names the old digest).
+    name = next(n for n in names(url) if n.startswith("1/") and n.endswith(".pt"))
+    loc = Location.parse(f"{url}/{name}")
+    body = bytearray(store_for(loc).get(None, loc))
+    body[len(body) // 2] ^= 0xFF
+    put(f"{url}/{name}", bytes(body))
+    assert cli.main(["ckpt", "verify", url]) == 1
+    assert "DAMAGED: step 1" in capsys.readouterr().out
+    put(f"{url}/2/{record}", b"{not json")
+    assert cli.main(["ckpt", "verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "step 2 of" in out and "is damaged" in out

@@ -238,9 +238,13 @@ def _verify_url(args: argparse.Namespace) -> int:
     """A checkpoint on object storage: every object of its newest committed generation read whole and
     verified (a file's and each shard's records as `xlakit.load` reads them; DCP files against the
     commit record)."""
+    from xlakit.checkpoint import steps
     from xlakit.checkpoint.options import LoadOptions
     from xlakit.checkpoint.storage import objranks
 
+    found = steps.folder_at(args.path).scan()
+    if found.committed or found.pending or found.damaged:
+        return _verify_manager_url(args, found)
     try:
         kind, checked = objranks.verify(args.path, LoadOptions())
     except CheckpointCorruptError as e:
@@ -249,6 +253,41 @@ def _verify_url(args: argparse.Namespace) -> int:
         return DIFFERENT
     _emit(args, {"path": args.path, "kind": f"xlakit-{kind}", "status": "ok", "bytes": checked},
           [f"OK: {args.path} (xlakit-{kind} on object storage): every checksum over {_size(checked)} matches"])
+    return OK
+
+
+def _verify_manager_url(args: argparse.Namespace, found) -> int:
+    """A manager URL: every committed step's checkpoint verified; a damaged step record is a finding,
+    and a URL with no committed step has nothing to verify (never "OK")."""
+    from xlakit.checkpoint import steps
+    from xlakit.checkpoint.options import LoadOptions
+    from xlakit.checkpoint.storage import objranks
+
+    url = args.path.rstrip("/")
+    if found.damaged:
+        step, why = min(found.damaged.items())
+        message = f"step {step} of {url} is not a step: its {steps.STEP_RECORD} is damaged ({why})"
+        _emit(args, {"path": url, "status": "damaged", "step": step, "message": message}, [f"DAMAGED: {message}"])
+        return DIFFERENT
+    if not found.committed:
+        message = (f"{url} holds no committed step, so there is nothing to verify; step(s) "
+                   f"{', '.join(map(str, sorted(found.pending)))} never committed (interrupted saves). "
+                   f"`xlakit ckpt ls {url}` lists them.")
+        _emit(args, {"path": url, "status": "no-committed-step", "interrupted": sorted(found.pending),
+                     "message": message}, [message])
+        return NOTHING
+    total = 0
+    for step, chosen in sorted(found.committed.items()):
+        try:
+            _, checked = objranks.verify(str(chosen.checkpoint), LoadOptions())
+        except CheckpointCorruptError as e:
+            _emit(args, {"path": url, "status": "damaged", "step": step, "tensor": getattr(e, "tensor", None),
+                         "message": str(e)}, [f"DAMAGED: step {step}: {e}"])
+            return DIFFERENT
+        total += checked
+    _emit(args, {"path": url, "kind": "manager", "status": "ok", "steps": sorted(found.committed), "bytes": total},
+          [f"OK: {url} (manager on object storage): {len(found.committed)} committed step(s), every checksum "
+           f"over {_size(total)} matches"])
     return OK
 
 

@@ -117,7 +117,19 @@ def kill(url: str) -> None:
         report("kill", url, start, **_error(e), error_after_s=elapsed, previous=_seen(previous))
 
 
-PHASES = {"sharded": sharded, "replicated": replicated, "async": asynchronous, "dcp": dcp, "kill": kill}
+def manager(url: str) -> None:
+    start = time.monotonic()
+    with xlakit.CheckpointManager(f"{url}/mgr", layout="sharded", max_to_keep=1,
+                                  options=xlakit.SaveOptions(timeout_s=60)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step), metrics={"loss": 1.0 / step})
+        steps_seen = mgr.all_steps()
+        restored = mgr.restore()
+    report("manager", url, start, steps=steps_seen, restored=_seen(restored))
+
+
+PHASES = {"sharded": sharded, "replicated": replicated, "async": asynchronous, "dcp": dcp, "manager": manager,
+          "kill": kill}
 
 
 if __name__ == "__main__":

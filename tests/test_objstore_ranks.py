@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 WORKER = Path(__file__).resolve().parent / "objstore_ranks_worker.py"
 WORLD = 4
 SCHEMES = ("s3", "gs")  # the rank is killed in the last one's phase
-PHASES = "sharded,replicated,async,dcp,kill"
+PHASES = "sharded,replicated,async,dcp,manager,kill"
 MARGIN_S = 8.0  # the others wait for rank 0's verdict a few seconds more
 # Parts of 5 MiB, one in flight: an 8 MiB shard is uploaded in several requests on both servers.
 SMALL_PARTS = {"XLAKIT_OBJECT_PART_BYTES": str(5 << 20), "XLAKIT_OBJECT_PARTS_IN_FLIGHT": "1"}
@@ -142,3 +142,15 @@ def test_a_rank_killed_mid_upload_commits_nothing_anywhere_and_the_previous_stay
     xlakit.save({"after": torch.ones(2)}, f"{url}/sharded")
     left = [n for n in _names(f"{url}/sharded") if n.startswith(f"{3:020d}.") and ".shard-" in n]
     assert left == [], left
+
+
+def test_a_4_rank_manager_on_a_bucket_saves_keeps_one_step_and_restores_every_rank_s_shard(here):
+    url, reports, results = here
+    for r in range(WORLD):
+        got = reports[r].get("manager")
+        assert got is not None, results[r]["stderr"][-2000:]
+        assert got["steps"] == [3] and got["restored"] == {"version": 3, "rank": r, "w0": 30.0 + r}
+    left = {n.split("/")[0] for n in _names(f"{url}/mgr")}
+    assert left == {"3"}, left  # retention took steps 1 and 2 everywhere; the lease was released
+    assert xlakit.ReadOnlyCheckpointManager(f"{url}/mgr").restore(shard=1)["w"][0].item() == 31.0
+

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import measure  # noqa: E402
 
-LAYERS = 60
+LAYERS = int(os.environ.get("BENCH_LAYERS", "60"))  # the jax program's depth (--layers); 60 compiles in ~1.5 s here
 
 
 def jax_program(wrapped: bool) -> dict:
@@ -126,7 +126,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--frameworks", default="jax,torch_xla")
+    p.add_argument("--layers", type=int, default=LAYERS, help="depth of the jax program (compile time grows with it)")
     args = p.parse_args()
+    os.environ["BENCH_LAYERS"] = str(args.layers)  # read by each fresh process
     os.environ.pop("XLAKIT_CACHE_KEY", None)
     print(f"restart through xlakit's PJRT wrapper: first call of a program that takes seconds to compile "
           f"(best of {args.repeat}, each a fresh process)")

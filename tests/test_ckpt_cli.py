@@ -223,6 +223,16 @@ def test_safetensors_is_told_by_its_header_and_pickled_code_is_never_advised(tmp
     assert code == 2 and "never runs pickled code" in err and "weights_only" not in err, err
 
 
+def test_a_dcp_value_holding_pickled_code_is_one_line_naming_it_never_run(tmp_path, capsys):
+    xlakit.dcp_save({"w": torch.ones(2), "opts": argparse_namespace()}, tmp_path / "dcp")
+    for command in (["diff", tmp_path / "dcp", tmp_path / "dcp"], ["convert", tmp_path / "dcp", "--to", "xlakit",
+                                                                   tmp_path / "out.pt"]):
+        code, out, err = ckpt(capsys, *command)
+        assert code == 2 and "'opts' holds pickled objects" in err and "argparse.Namespace" in err, err
+        assert "Traceback" not in err and "safe_globals" not in err and "\x1b" not in err
+    assert not (tmp_path / "out.pt").exists()
+
+
 def argparse_namespace():
     import argparse
 

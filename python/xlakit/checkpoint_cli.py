@@ -72,7 +72,9 @@ def _about(path: Path | str) -> Iterator[None]:
 def cmd_ls(args: argparse.Namespace) -> int:
     from xlakit.checkpoint import describe, retention, steps, storage
 
-    if not storage.is_url(args.dir):
+    if storage.is_url(args.dir):
+        _check_manager_url(args.dir)
+    else:
         path = Path(args.dir)
         if not path.exists():
             raise FileNotFoundError(2, f"{path} does not exist; ls lists a CheckpointManager folder", str(path))
@@ -122,6 +124,30 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return OK
 
 
+def _check_manager_url(url: str) -> None:
+    from xlakit.checkpoint import describe
+    from xlakit.checkpoint.storage import objinspect
+
+    try:
+        found = objinspect.kind_of(url)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(2, f"{url} is not a CheckpointManager URL: it holds no step, no interrupted "
+                                   f"save and no manager lease ({e.strerror})", url) from e
+    if found.kind != objinspect.MANAGER:
+        what = ("one step of a manager" if found.step else
+                describe.KIND_NAMES.get(_url_kind(found.kind), found.kind).replace(" folder", ""))
+        raise CheckpointFormatError(f"{url} is {what}, not a CheckpointManager URL; `xlakit ckpt inspect "
+                                    f"{url}` shows what it holds")
+
+
+def _url_kind(kind: str) -> str:
+    """A bucket checkpoint's kind under the name a local one of that kind has."""
+    from xlakit.checkpoint import describe
+    from xlakit.checkpoint.storage import objinspect
+
+    return {objinspect.FILE: describe.XLAKIT_FILE}.get(kind, kind)
+
+
 # -- inspect --------------------------------------------------------------------------------------
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -134,19 +160,59 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _inspect_url(args: argparse.Namespace) -> int:
-    """A file checkpoint on object storage: read whole (verified), then listed like a local file."""
+    """A checkpoint on object storage (a file, each shard, a DCP checkpoint's metadata), a manager's
+    step, or a manager URL (listed as `ls` lists it)."""
+    from xlakit.checkpoint.storage import objinspect
+
+    found = objinspect.kind_of(args.path)
+    if found.kind == objinspect.MANAGER:
+        args.dir = args.path
+        return cmd_ls(args)
+    heading = (f"{found.url}: {{}} on object storage, committed (generation {found.record['generation']})")
+    if found.kind == objinspect.FILE:
+        tensors, values = _flat_infos(objinspect.read_state(found.url)[0])
+        data = {"tensors": tensors, "values": values}
+        text = [heading.format("xlakit checkpoint") + ", every checksum verified"]
+        text += _tensor_table(tensors) + _values(values)
+    elif found.kind == objinspect.SHARDED:
+        shards = []
+        for rank in range(found.record["world"]):
+            name = found.record["shards"][rank]
+            tensors, values = _flat_infos(objinspect.read_shard(found.loc, found.record, rank))
+            shards.append({"rank": rank, "object": name, "bytes": found.record["objects"][name]["nbytes"],
+                           "tensors": tensors, "values": values})
+        data = {"commit": found.record, "shards": shards}
+        text = [heading.format(f"sharded checkpoint, {found.record['world']} shard(s)")
+                + ", every checksum verified"]
+        for shard in shards:
+            text += [f" shard {shard['rank']}: {shard['object']}, {_size(shard['bytes'])}"]
+            text += _tensor_table(shard["tensors"]) + _values(shard["values"])
+    else:
+        from xlakit.checkpoint import describe
+
+        tensors, values = describe.dcp_entries(objinspect.dcp_metadata(found.loc, found.record))
+        nbytes = sum(e["nbytes"] for e in found.record["objects"].values())
+        data = {"commit": found.record, "tensors": tensors, "values": values, "bytes": nbytes}
+        text = [heading.format("torch.distributed.checkpoint") + f", {len(found.record['objects'])} file(s) "
+                f"with checksums, {_size(nbytes)}"]
+        text += _tensor_table(tensors) + ([f"  values: {', '.join(values)}"] if values else [])
+    data = {"path": found.url, "kind": _url_kind(found.kind), "object_storage": True, **data}
+    if found.step is not None:
+        data["step"] = found.step
+        text.insert(0, f"step {found.step['step']} ({found.step['layout']}), metrics {found.step['metrics']}")
+    _emit(args, data, text)
+    return OK
+
+
+def _flat_infos(state: Any) -> tuple[list[dict], dict]:
+    """A state's tensors (name, dtype, shape, bytes, shared storages) and other values, for printing."""
     import dataclasses
 
-    from xlakit import checkpoint
     from xlakit.checkpoint import describe
 
-    tensors, values = describe.flatten(checkpoint.load(args.path))
-    data = {"path": args.path, "kind": "xlakit-file", "object_storage": True,
-            "tensors": [dataclasses.asdict(t) for t in describe.tensor_infos(tensors)],
-            "values": {k: describe.jsonable(v) for k, v in values.items()}}
-    text = [f"{args.path}: xlakit checkpoint on object storage, committed, every checksum verified"]
-    _emit(args, data, text + _tensor_table(data["tensors"]) + _values(data["values"]))
-    return OK
+    tensors, values = describe.flatten(state)
+    return ([dataclasses.asdict(t) for t in describe.tensor_infos(tensors)],
+            {k: describe.jsonable(v) for k, v in values.items()})
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -237,22 +303,23 @@ class _Bar:
 def _verify_url(args: argparse.Namespace) -> int:
     """A checkpoint on object storage: every object of its newest committed generation read whole and
     verified (a file's and each shard's records as `xlakit.load` reads them; DCP files against the
-    commit record)."""
+    commit record); a step's checkpoint; every committed step of a manager URL."""
     from xlakit.checkpoint import steps
     from xlakit.checkpoint.options import LoadOptions
-    from xlakit.checkpoint.storage import objranks
+    from xlakit.checkpoint.storage import objinspect, objranks
 
-    found = steps.folder_at(args.path).scan()
-    if found.committed or found.pending or found.damaged:
-        return _verify_manager_url(args, found)
     try:
-        kind, checked = objranks.verify(args.path, LoadOptions())
+        found = objinspect.kind_of(args.path)
+        if found.kind == objinspect.MANAGER:
+            return _verify_manager_url(args, steps.folder_at(args.path).scan())
+        kind, checked = objranks.verify(found.url, LoadOptions())
     except CheckpointCorruptError as e:
         _emit(args, {"path": args.path, "status": "damaged", "tensor": getattr(e, "tensor", None),
                      "message": str(e)}, [f"DAMAGED: {e}"])
         return DIFFERENT
-    _emit(args, {"path": args.path, "kind": f"xlakit-{kind}", "status": "ok", "bytes": checked},
-          [f"OK: {args.path} (xlakit-{kind} on object storage): every checksum over {_size(checked)} matches"])
+    _emit(args, {"path": found.url, "kind": _url_kind(kind), "status": "ok", "bytes": checked},
+          [f"OK: {found.url} ({_url_kind(kind)} on object storage): every checksum over {_size(checked)} "
+           f"matches"])
     return OK
 
 
@@ -374,43 +441,65 @@ def _difference_line(d: dict) -> str:
 # -- convert --------------------------------------------------------------------------------------
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import tensors
+    from xlakit.checkpoint import storage
 
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise FileExistsError(17, f"{out} exists; pass --force to replace it", str(out))
+    if storage.is_url(args.out):
+        _check_url_target(args)
+    else:
+        out = Path(args.out)
+        if out.exists() and not args.force:
+            raise FileExistsError(17, f"{out} exists; pass --force to replace it", str(out))
     with _about(args.path):
         state, kind = _read_state(args.path, with_kind=True)
-    with _about(out):
-        result = _write(state, out, args.to)
-    _emit(args, {"source": args.path, "source_kind": kind, "to": args.to, "out": str(out), **result},
-          [f"wrote {out} ({args.to}): {result['tensors']} tensor(s), {_size(result['bytes'])}"])
+    with _about(args.out):
+        result = _write(state, args.out, args.to)
+    _emit(args, {"source": args.path, "source_kind": kind, "to": args.to, "out": str(args.out), **result},
+          [f"wrote {args.out} ({args.to}): {result['tensors']} tensor(s), {_size(result['bytes'])}"])
     return OK
 
 
+def _check_url_target(args: argparse.Namespace) -> None:
+    """`convert --to xlakit gs://...`: a new checkpoint in the bucket (replacing one only with --force)."""
+    from xlakit.checkpoint.storage import objinspect
+
+    if args.to != "xlakit":
+        raise ValueError(f"{args.out}: convert writes {args.to} to a local file; to a bucket it writes an xlakit "
+                         f"checkpoint (--to xlakit), which loads and verifies there")
+    if not args.force and objinspect.exists(args.out):
+        raise FileExistsError(17, f"{args.out} holds a committed checkpoint; pass --force to save a new one "
+                                  f"over it (the save commits a new generation)", args.out)
+
+
 def _read_state(path: str, *, with_kind: bool = False) -> Any:
-    """The state of a checkpoint, verified: a local path of any kind, or a file checkpoint's URL."""
+    """The state of a checkpoint, verified: a local path or a URL of any kind (a step's included)."""
     from xlakit.checkpoint import storage, tensors
 
     if storage.is_url(path):
-        from xlakit import checkpoint
+        from xlakit.checkpoint.storage import objinspect
 
-        state, kind = checkpoint.load(path), "xlakit-file"
+        state, found = objinspect.read_state(path)
+        kind = _url_kind(found.kind)
     else:
         state, found = tensors.read_state(Path(path))
         kind = found.kind
     return (state, kind) if with_kind else state
 
 
-def _write(state: Any, out: Path, to: str) -> dict:
-    from xlakit.checkpoint import describe, tensors
+def _write(state: Any, out: str, to: str) -> dict:
+    from xlakit.checkpoint import describe, storage, tensors
 
     if to == "safetensors":
-        return tensors.write_safetensors(state, out)  # refuses a state whose names collide
+        return tensors.write_safetensors(state, Path(out))  # refuses a state whose names collide
     from xlakit import checkpoint
 
     checkpoint.save(state, out)  # keeps the state's structure: names cannot collide here
-    return {"tensors": describe.tensor_count(state), "bytes": out.stat().st_size}
+    if storage.is_url(out):
+        from xlakit.checkpoint.storage import objinspect
+
+        nbytes = sum(e["nbytes"] for e in objinspect.kind_of(out).record["objects"].values())
+    else:
+        nbytes = Path(out).stat().st_size
+    return {"tensors": describe.tensor_count(state), "bytes": nbytes}
 
 
 # -- the parser -----------------------------------------------------------------------------------
@@ -440,9 +529,10 @@ def add_parser(subparsers) -> None:
     sub = p.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     commands: list[tuple[str, Any, str, list[tuple[str, str]]]] = [
         ("ls", cmd_ls, "list a CheckpointManager folder: steps, commit state, sizes, metrics, best",
-         [("dir", "the manager folder")]),
+         [("dir", "the manager folder (or its gs:// or s3:// URL)")]),
         ("inspect", cmd_inspect, "tensors (dtype, shape, bytes, shared storages), format, checksums, commit record",
-         [("path", "a checkpoint file, a sharded or DCP folder, or a manager step folder")]),
+         [("path", "a checkpoint file, a sharded or DCP folder, or a manager step folder (or their gs:// or "
+                   "s3:// URLs)")]),
         ("verify", cmd_verify, "check every checksum, streamed; exit 1 naming the first bad tensor",
          [("path", "a checkpoint file, a sharded or DCP folder, a step folder or a manager folder")]),
         ("diff", cmd_diff, "which tensors differ between two checkpoints, and by how much",
@@ -456,7 +546,7 @@ def add_parser(subparsers) -> None:
             q.add_argument(arg, help=arg_help)
         if name == "convert":
             q.add_argument("--to", required=True, choices=("safetensors", "xlakit"), help="the output format")
-            q.add_argument("out", help="the file to write")
+            q.add_argument("out", help="the file to write (or, with --to xlakit, a gs:// or s3:// URL)")
             q.add_argument("--force", action="store_true", help="replace OUT if it exists")
         q.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
         q.set_defaults(func=_guarded(func))

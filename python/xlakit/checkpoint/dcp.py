@@ -111,7 +111,7 @@ def write_folder(op: Operation, state: dict, device: list[torch.Tensor], folder:
         transfer.backend_for(device[0].device.type, device[0], mode=opts.transfer_backend).prepare(device)
     op.enter("plan")
     writer = writer or _Writer(op, folder)
-    _run_dcp(dcp.save, state, group, storage_writer=writer, planner=dcp_plan.SavePlanner(op, opts))
+    run_dcp(dcp.save, state, group, storage_writer=writer, planner=dcp_plan.SavePlanner(op, opts))
     return writer.files
 
 
@@ -153,7 +153,7 @@ def read_folder(op: Operation, state: dict, final: Path | None, group: Any = Non
             op.enter("read", read_item.dest_index.fqn)
             return super().resolve_tensor(read_item)
 
-    _run_dcp(dcp.load, state, group, storage_reader=reader or _Reader(op, final), planner=_LoadPlanner())
+    run_dcp(dcp.load, state, group, storage_reader=reader or _Reader(op, final), planner=_LoadPlanner())
 
 
 class StagedReader:
@@ -201,7 +201,7 @@ class _Writer(StagedWriter, dcp.FileSystemWriter):
         self.op, self.files = op, []
 
 
-def _run_dcp(fn, state: dict, group: Any, **kwargs):
+def run_dcp(fn, state: dict, group: Any, **kwargs):
     """Run a DCP entry point, alone or on `group`; its per-rank failure wrapper gives way.
 
     This rank's own failure is raised as itself. Under a group, failures of other

@@ -274,9 +274,16 @@ def _checksum_count(meta: dict | None) -> int:
 
 def describe_dcp(path: Path, record: dict) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
+
+    tensors, values = dcp_entries(FileSystemReader(str(path)).read_metadata())
+    return {"path": str(path), "kind": DCP, "commit": record, "tensors": tensors,
+            "values": values, "bytes": sum(f["nbytes"] for f in record["files"].values())}
+
+
+def dcp_entries(metadata: Any) -> tuple[list[dict], list[str]]:
+    """A DCP checkpoint's tensors (name, dtype, shape, bytes, chunks) and other values, from its metadata."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(path)).read_metadata()
     tensors, values = [], []
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
@@ -285,8 +292,7 @@ def describe_dcp(path: Path, record: dict) -> dict:
                             "shape": list(item.size), "bytes": nbytes, "chunks": len(item.chunks)})
         else:
             values.append(fqn)
-    return {"path": str(path), "kind": DCP, "commit": record, "tensors": tensors,
-            "values": values, "bytes": sum(f["nbytes"] for f in record["files"].values())}
+    return tensors, values
 
 
 def _itemsize(dtype) -> int:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import re
 import struct
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +52,20 @@ def read_state(path: Path) -> tuple[Any, describe.Kind]:
     if kind.kind == describe.SHARDED:
         return {f"shard{e['rank']}": describe.load_mapped(kind.path / e["file"])
                 for e in kind.record["shards"]}, kind
-    return _read_dcp(kind.path), kind
+    import torch.distributed.checkpoint as dcp
+
+    return read_dcp(dcp.FileSystemReader(str(kind.path)), str(kind.path)), kind
 
 
-def _read_dcp(path: Path) -> dict[str, Any]:
+def read_dcp(reader: Any, where: str) -> dict[str, Any]:
+    """Every value of the DCP checkpoint `reader` reads (a folder's, or a bucket's through
+    `storage/objinspect.py`), flat by name: full tensors, other values weights-only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(path))
+    from xlakit.checkpoint.dcp import run_dcp
+
     template: dict[str, Any] = {}
     for fqn, item in reader.read_metadata().state_dict_metadata.items():
         template[fqn] = (torch.empty(tuple(item.size), dtype=item.properties.dtype)
@@ -72,13 +77,12 @@ def _read_dcp(path: Path) -> dict[str, Any]:
             try:  # the template is flat already: its keys are the fqns
                 self.original_state_dict[fqn] = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
-                raise CheckpointFormatError(f"{path}: the value {fqn!r} holds pickled objects that a "
-                                            f"weights-only load refuses to run: {str(e).splitlines()[0]}") from e
+                found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+                raise CheckpointFormatError(f"{where}: the value {fqn!r} holds pickled objects that a "
+                                            f"weights-only load refuses to run"
+                                            + (f" (it names {found.group(1)})" if found else "")) from None
 
-    with warnings.catch_warnings():
-        # One process reading a folder is the intent here; DCP warns about it.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(template, storage_reader=reader, planner=WeightsOnly(flatten_state_dict=False), no_dist=True)
+    run_dcp(dcp.load, template, None, storage_reader=reader, planner=WeightsOnly(flatten_state_dict=False))
     return template
 
 

@@ -147,7 +147,8 @@ def latest_record(store: Store, op: "Operation | None", loc: Location, kind: str
     found = scan(store, op, loc)
     if found.latest is None:
         what = (f"it holds {len(found.data)} object(s) of saves that never committed" if found.data
-                else "nothing is there")
+                else f"it holds {len(found.other)} object(s), none an xlakit checkpoint's (e.g. "
+                     f"{found.other[0]!r})" if found.other else "nothing is there")
         message = f"no committed checkpoint at {loc}: no commit record ({commit_name(0)[:14]}*.json); {what}"
         if found.data:
             raise CheckpointIncompleteError(message)

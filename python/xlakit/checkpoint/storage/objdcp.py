@@ -153,6 +153,13 @@ class _Reader(dcp.StagedReader, FsspecReader):
         self.path, self.op = root.url, op
 
 
+def reader_for(op: Operation, loc: Location, record: dict) -> _Reader:
+    """A DCP storage reader of the files the commit record `record` at `loc` names."""
+    folder = record["folder"]
+    sizes = {n[len(folder) + 1:]: e["nbytes"] for n, e in record["objects"].items()}
+    return _Reader(op, store_for(loc), loc.child(folder), sizes)
+
+
 def _agreed(op: Operation, coord: Coordination | None, prepare, error: BaseException | None) -> dict:
     """Rank 0's proposal, agreed by every rank (alone: prepared here)."""
     prepared = {}
@@ -271,10 +278,8 @@ def load(state: dict, url: str, opts: LoadOptions) -> None:
             if coord is not None:
                 coord.vote({}, "verified")
                 coord.votes(op, "verified")
-            folder = record["folder"]
-            sizes = {n[len(folder) + 1:]: e["nbytes"] for n, e in objects.items()}
             dcp.read_folder(op, state, None, group=coord.group(op) if coord else None,
-                            reader=_Reader(op, store, loc.child(folder), sizes))
+                            reader=reader_for(op, loc, record))
             if coord is not None:
                 coord.vote({}, "read")
                 coord.votes(op, "read")

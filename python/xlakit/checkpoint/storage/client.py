@@ -140,25 +140,31 @@ class Store:
     # -- running requests ------------------------------------------------------------------
     def run(self, op: "Operation | None", what: str, request: Callable[[], Awaitable[T]], *,
             retry: bool = True) -> T:
-        """`request()` on the IO loop within the deadline; retried while transient and time is left."""
-        attempt = 0
+        """`request()` on the IO loop within the deadline (the operation's; without one,
+        `XLAKIT_OBJECT_REQUEST_TIMEOUT_S` for the request and its retries together); retried while
+        transient and time is left."""
+        end = None if op is not None else time.monotonic() + _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S)
+        attempt, last = 0, None
         while True:
             try:
-                return self._once(op, what, request)
+                return self._once(op, what, request, end, last)
             except CheckpointTimeoutError:
                 raise
             except Exception as e:  # noqa: BLE001 - only transient failures are retried, the rest re-raised
-                left = self._left(op)
-                wait = min(_BACKOFF_S * 2 ** attempt, _BACKOFF_MAX_S)
-                if not (retry and is_transient(e)) or left <= wait:
+                if not (retry and is_transient(e)):
                     raise
-                attempt += 1
+                left = self._left(op, end)
+                wait = min(_BACKOFF_S * 2 ** attempt, _BACKOFF_MAX_S)
+                if left <= wait:
+                    raise self._timeout(op, what, f"it failed, and the {left:.1f} s left of the deadline "
+                                                  f"leave no time to retry it", e) from e
+                attempt, last = attempt + 1, e
                 log.warning("xlakit: %s failed (%s: %s); retrying in %.1f s", what, type(e).__name__, e, wait)
                 self._sleep(op, wait)
 
     @staticmethod
-    def _left(op: "Operation | None") -> float:
-        return op.remaining() if op is not None else _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S)
+    def _left(op: "Operation | None", end: float | None) -> float:
+        return op.remaining() if op is not None else end - time.monotonic()
 
     def _sleep(self, op: "Operation | None", seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -167,10 +173,11 @@ class Store:
                 op.check()
             time.sleep(min(_POLL_S, max(end - time.monotonic(), 0)))
 
-    def _once(self, op: "Operation | None", what: str, request: Callable[[], Awaitable[T]]) -> T:
-        left = self._left(op)
+    def _once(self, op: "Operation | None", what: str, request: Callable[[], Awaitable[T]], end: float | None,
+              last: BaseException | None) -> T:
+        left = self._left(op, end)
         if left <= 0:
-            raise self._timeout(op, what, 0.0)
+            raise self._timeout(op, what, "no time was left of the deadline for it", last)
         future = self.submit(request, left)
         while True:
             done, _ = concurrent.futures.wait([future], timeout=_POLL_S)
@@ -182,7 +189,8 @@ class Store:
         try:
             return future.result()
         except (asyncio.TimeoutError, TimeoutError) as e:
-            raise self._timeout(op, what, left) from e
+            raise self._timeout(op, what, f"the object store did not answer within {left:.1f} s (what was "
+                                          f"left of the deadline)", last) from e
 
     def submit(self, request: Callable[[], Awaitable[T]], timeout_s: float) -> concurrent.futures.Future:
         """Start `request()` on the IO loop, cancelled there after `timeout_s`; its future."""
@@ -192,12 +200,13 @@ class Store:
         return asyncio.run_coroutine_threadsafe(bounded(), self.loop)
 
     @staticmethod
-    def _timeout(op: "Operation | None", what: str, waited: float) -> CheckpointTimeoutError:
-        err = CheckpointTimeoutError(f"{what}: the object store did not answer within {waited:.1f} s "
-                                     f"(what was left of the deadline)", stage=op.stage if op else "request",
+    def _timeout(op: "Operation | None", what: str, how: str, last: BaseException | None) -> CheckpointTimeoutError:
+        err = CheckpointTimeoutError(f"{what}: {how}", stage=op.stage if op else "request",
                                      tensor=op.tensor if op else None)
-        err.add_note("The server stopped answering or is very slow; nothing was committed by this request. "
-                     "Check the bucket's endpoint and network, or raise timeout_s.")
+        if last is not None:
+            err.add_note(f"The store's last answer was a transient failure: {type(last).__name__}: {last}")
+        err.add_note("The server stopped answering, is very slow or kept failing; nothing was committed by "
+                     "this request. Check the bucket's endpoint and network, or raise timeout_s.")
         return err
 
     # -- requests ----------------------------------------------------------------------------

@@ -15,7 +15,10 @@ when that many are out, so host memory stays at `part_bytes` times
   bytes in flight as on S3, in fewer, larger requests: each chunk costs a
   round trip). An object of one chunk is one request.
 
-Nothing is visible under the final name of an upload until it completes. A
+A completed object's size is checked against the bytes sent before `finish`
+returns (a part resent after its answer was lost must not leave an object
+the commit record cannot match). Nothing is visible under the final name of
+an upload until it completes. A
 failed or abandoned upload is aborted (the multipart upload or the resumable
 session removed) without waiting; a session the process's death left is
 invisible and expires on the store's side (S3: a bucket lifecycle rule
@@ -25,6 +28,7 @@ invisible and expires on the store's side (S3: a bucket lifecycle rule
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +36,7 @@ import xxhash
 
 from xlakit import _knobs
 from xlakit.checkpoint.storage.client import Location, Store
+from xlakit.errors import CheckpointWriteError
 
 if TYPE_CHECKING:
     from xlakit.checkpoint.operation import Operation
@@ -104,6 +109,7 @@ class Upload:
             self._send(final=True)
             self._drain(0)
             self._complete()
+            self._check_stored(self._sent)
         self.finished = True
         self.op.object = None
         size = self._sent + (self._filled if self._session is None else 0)
@@ -127,6 +133,18 @@ class Upload:
             async def abort() -> None:
                 await self.store.fs._call("DELETE", session)
         self.store.submit(abort, _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S))
+
+    def _check_stored(self, sent: int) -> None:
+        """The completed object holds as many bytes as were sent, or the save stops here, before any
+        commit: a part whose answer was lost is resent by the client, and a store that appends it
+        again (a resumable session) would leave an object the commit record could never match."""
+        stored = self.store.size(self.op, self.loc)
+        if stored != sent:
+            self.finished = True  # complete, so it is removed as a leftover, not aborted
+            raise CheckpointWriteError(errno.EIO, f"cannot save {self.loc}: the store holds {stored} bytes "
+                                                  f"of it after the upload, {sent} were sent (a part applied "
+                                                  f"twice or lost, e.g. one resent after its answer was "
+                                                  f"lost); nothing was committed, save again")
 
     # -- parts ----------------------------------------------------------------------------------
     def _send(self, *, final: bool) -> None:

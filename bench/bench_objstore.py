@@ -14,7 +14,7 @@ tensors is saved and read back, each row in a fresh process, best of
 Peak RSS is the process's high-water mark above its RSS with the state (or
 template) in memory: what the transfer itself holds. The targets: save within
 1.3x of the plain upload's time; RSS within 1.25x of `max_inflight_bytes`
-plus the part buffers (part bytes x (parts in flight + 1)).
+plus the part buffers (S3: part bytes x (parts in flight + 1); GCS: two chunks).
 """
 
 from __future__ import annotations

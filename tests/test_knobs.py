@@ -26,6 +26,7 @@ _READERS = {
     _knobs.PROFILE: (lambda: xlakit.manifest(), ["no-such-profile"]),
     _knobs.OBJECT_PART_BYTES: (upload.part_bytes, ["16M", "0", "nan"]),
     _knobs.OBJECT_PARTS_IN_FLIGHT: (upload.parts_in_flight, ["four", "0", "-1"]),
+    _knobs.OBJECT_CHUNK_BYTES: (upload.chunk_bytes, ["100MiB", "0", "-1"]),
     _knobs.OBJECT_REQUEST_TIMEOUT_S: (lambda: _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S), ["nan", "0"]),
     _knobs.MANAGER_LEASE_S: (lambda: _knobs.get_float(_knobs.MANAGER_LEASE_S), ["nan", "-5"]),
 }

@@ -22,6 +22,7 @@ from xlakit.checkpoint.storage import generations
 from xlakit.checkpoint.storage.client import Location, store_for
 
 WORKER = Path(__file__).resolve().parent / "objstore_worker.py"
+SMALL_PARTS = {"XLAKIT_OBJECT_PART_BYTES": str(5 << 20), "XLAKIT_OBJECT_CHUNK_BYTES": str(5 << 20)}
 
 
 def listing(url: str) -> list[str]:
@@ -201,7 +202,7 @@ def test_kill_9_mid_upload_leaves_the_previous_checkpoint_and_no_commit(bucket):
     url = f"{bucket}/mid.pt"
     xlakit.save(state(1), url)
     before = listing(url)
-    with _worker("slow-upload", url, env={"XLAKIT_OBJECT_PART_BYTES": str(5 << 20)}) as proc:
+    with _worker("slow-upload", url, env=SMALL_PARTS) as proc:
         assert _wait_line(proc)["event"] == "uploading"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
@@ -219,7 +220,8 @@ def test_a_server_that_stops_answering_raises_the_deadline_naming_the_object(sch
     try:
         for name, value in server.env().items():
             monkeypatch.setenv(name, value)
-        monkeypatch.setenv("XLAKIT_OBJECT_PART_BYTES", str(5 << 20))
+        for name, value in SMALL_PARTS.items():
+            monkeypatch.setenv(name, value)
         url = f"{server.bucket()}/stalled.pt"
         xlakit.save(state(1), url)
 

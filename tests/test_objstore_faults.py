@@ -28,6 +28,7 @@ def flaky(request, objstore_servers, monkeypatch, loopback_only):
     for name, value in proxy.env().items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("XLAKIT_OBJECT_PART_BYTES", str(5 * MiB))  # several parts of a small state
+    monkeypatch.setenv("XLAKIT_OBJECT_CHUNK_BYTES", str(5 * MiB))
     yield proxy, server.bucket(), request.param
     proxy.stop()
 

@@ -26,7 +26,8 @@ SCHEMES = ("s3", "gs")  # the rank is killed in the last one's phase
 PHASES = "sharded,replicated,async,dcp,manager,kill"
 MARGIN_S = 8.0  # the others wait for rank 0's verdict a few seconds more
 # Parts of 5 MiB, one in flight: an 8 MiB shard is uploaded in several requests on both servers.
-SMALL_PARTS = {"XLAKIT_OBJECT_PART_BYTES": str(5 << 20), "XLAKIT_OBJECT_PARTS_IN_FLIGHT": "1"}
+SMALL_PARTS = {"XLAKIT_OBJECT_PART_BYTES": str(5 << 20), "XLAKIT_OBJECT_PARTS_IN_FLIGHT": "1",
+               "XLAKIT_OBJECT_CHUNK_BYTES": str(5 << 20)}
 
 
 @pytest.fixture(scope="module")

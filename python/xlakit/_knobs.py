@@ -25,10 +25,12 @@ TRANSFER_BACKEND = "XLAKIT_TRANSFER_BACKEND"
 PROFILE = "XLAKIT_PROFILE"  # VERSIONS.toml profile the manifest checks against
 PREEMPTION_GRACE_S = "XLAKIT_PREEMPTION_GRACE_S"  # CheckpointManager: SIGTERM to the last moment to save
 DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
-# Object storage (checkpoint/storage): the size of one upload part and how many are sent at once
-# (host memory for the upload: part bytes times parts in flight, plus the one being filled).
+# Object storage (checkpoint/storage): S3, the size of one upload part and how many are sent at once
+# (host memory for the upload: part bytes times parts in flight, plus the one being filled); GCS,
+# the size of one resumable upload chunk (one is sent while the next fills).
 OBJECT_PART_BYTES = "XLAKIT_OBJECT_PART_BYTES"
 OBJECT_PARTS_IN_FLIGHT = "XLAKIT_OBJECT_PARTS_IN_FLIGHT"
+OBJECT_CHUNK_BYTES = "XLAKIT_OBJECT_CHUNK_BYTES"
 # The bound of one object-storage request made outside a save or load's deadline (listings of
 # `xlakit ckpt`, a manager's scan).
 OBJECT_REQUEST_TIMEOUT_S = "XLAKIT_OBJECT_REQUEST_TIMEOUT_S"
@@ -76,6 +78,7 @@ DEFAULTS: dict[str, float | int | str] = {
     DOCTOR_TIMEOUT_S: 120.0,
     OBJECT_PART_BYTES: 16 * MiB,
     OBJECT_PARTS_IN_FLIGHT: 4,
+    OBJECT_CHUNK_BYTES: 100 * MiB,  # google-cloud-storage's own default chunk
     OBJECT_REQUEST_TIMEOUT_S: 120.0,
     MANAGER_LEASE_S: 300.0,
 }

@@ -4,16 +4,17 @@
 `write`, bytes go into a part buffer, and a full buffer is sent as one part
 once more bytes arrive (so the last part is never empty). At most
 `parts_in_flight` parts are being sent at once; `write` waits for the oldest
-when that many are out, so host memory stays at `part_bytes` times
-(`parts_in_flight` + 1) whatever the object's size (`buffer_bytes`). Each part is hashed
+when that many are out, so host memory stays at the part size times
+(parts in flight + 1) whatever the object's size (`buffer_bytes`). Each part is hashed
 (xxh3-64, for the commit record) from the very buffer that is sent.
 
 * s3: a multipart upload (`CreateMultipartUpload`, `UploadPart` concurrently,
   `CompleteMultipartUpload`); an object of one part is one `PutObject`.
-* gs: a resumable upload; GCS takes its chunks in order, so one chunk is sent
-  while the next fills, and a chunk is `parts_in_flight` parts long (the same
-  bytes in flight as on S3, in fewer, larger requests: each chunk costs a
-  round trip). An object of one chunk is one request.
+* gs: a resumable upload; GCS takes its chunks in order, so one chunk
+  (`XLAKIT_OBJECT_CHUNK_BYTES`, 100 MiB by default as in Google's own client:
+  each chunk costs a round trip, and fake-gcs-server rewrites the object so far
+  on every chunk) is sent while the next fills. An object of one chunk is one
+  request.
 
 A completed object's size is checked against the bytes sent before `finish`
 returns (a part resent after its answer was lost must not leave an object
@@ -43,22 +44,29 @@ if TYPE_CHECKING:
 
 _GCS_QUANTUM = 256 << 10  # resumable chunks are multiples of this (all but the last)
 _S3_MIN_PART = 5 << 20
+_SLICE_BYTES = 8 << 20
 
 
 def part_bytes() -> int:
-    n = _knobs.get_int(_knobs.OBJECT_PART_BYTES)
-    return max(-(-n // _GCS_QUANTUM) * _GCS_QUANTUM, _S3_MIN_PART)
+    """S3: one part of a multipart upload (at least S3's 5 MiB)."""
+    return max(_knobs.get_int(_knobs.OBJECT_PART_BYTES), _S3_MIN_PART)
 
 
 def parts_in_flight() -> int:
     return _knobs.get_int(_knobs.OBJECT_PARTS_IN_FLIGHT)
 
 
+def chunk_bytes() -> int:
+    """GCS: one chunk of a resumable upload (a multiple of 256 KiB, as GCS requires)."""
+    n = _knobs.get_int(_knobs.OBJECT_CHUNK_BYTES)
+    return -(-n // _GCS_QUANTUM) * _GCS_QUANTUM
+
+
 def shape(kind: str) -> tuple[int, int]:
     """(bytes of one part, parts in flight) of an upload to a store of `kind`."""
     if kind == "s3":
         return part_bytes(), parts_in_flight()
-    return part_bytes() * parts_in_flight(), 1
+    return chunk_bytes(), 1
 
 
 def buffer_bytes(kind: str) -> int:
@@ -199,16 +207,36 @@ class Upload:
                     out = await self.store.fs._call_s3("upload_part", Bucket=self.loc.bucket, Key=self.loc.key,
                                                        PartNumber=number, UploadId=self._session, Body=data)
                     return out["ETag"]
-                end = offset + len(data) - 1
-                headers = {"Content-Range": f"bytes {offset}-{end}/{'*' if total is None else total}",
-                           "Content-Type": "application/octet-stream", "Content-Length": str(len(data))}
-                await self.store.fs._call("POST", self._session, headers=headers, data=data)
+                await self._chunk(offset, memoryview(data), total)
                 return ""
             except Exception as e:  # noqa: BLE001 - transient failures are retried, the rest raised
                 if attempt == 4 or not is_transient(e):
                     raise
                 await asyncio.sleep(0.5 * 2 ** attempt)
         raise AssertionError("unreachable")
+
+    async def _chunk(self, offset: int, data: memoryview, total: int | None) -> None:
+        """One chunk of the resumable session, once (no blind resend: `_part` retries), streamed; a
+        session that took only the first bytes (its 308 names them) gets the rest."""
+        from gcsfs.retry import validate_response
+
+        fs = self.store.fs
+        await fs._set_session()
+        while True:
+            end = offset + len(data) - 1
+            headers = fs._get_headers({"Content-Range": f"bytes {offset}-{end}/{'*' if total is None else total}",
+                                       "Content-Type": "application/octet-stream",
+                                       "Content-Length": str(len(data))})
+            async with fs.session.request("POST", self._session, headers=headers, data=_Slices(data),
+                                          allow_redirects=False, timeout=fs.requests_timeout) as r:
+                validate_response(r.status, await r.read(), self._session)
+                taken = r.headers.get("Range") if r.status == 308 else None
+            if taken is None:
+                return
+            last = int(taken.rsplit("-", 1)[1])
+            if last >= end:
+                return
+            data, offset = data[last + 1 - offset:], last + 1
 
     def _complete(self) -> None:
         if self.store.kind != "s3":
@@ -221,6 +249,22 @@ class Upload:
                                          UploadId=self._session, MultipartUpload={"Parts": parts})
 
         self.store.run(self.op, f"completing the upload of {self.loc}", complete)
+
+
+class _Slices:
+    """A chunk's body handed to the socket a slice at a time (its length is in the headers): given
+    whole, the client's transport copied it (an upload held about five chunks, measured). Each
+    request iterates it afresh."""
+
+    def __init__(self, data: memoryview):
+        self.view = data
+
+    def __aiter__(self):
+        return self._slices()
+
+    async def _slices(self):
+        for at in range(0, len(self.view), _SLICE_BYTES):
+            yield self.view[at:at + _SLICE_BYTES]
 
 
 async def _wrap(future: concurrent.futures.Future) -> Any:

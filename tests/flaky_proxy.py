@@ -117,6 +117,9 @@ class FlakyProxy:
         class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
             daemon_threads = True
 
+            def handle_error(self, request, client_address) -> None:
+                pass  # a client that gave up (its deadline) closed the connection: nothing to report
+
         self.httpd = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()

@@ -233,6 +233,36 @@ def test_a_dcp_value_holding_pickled_code_is_one_line_naming_it_never_run(tmp_pa
     assert not (tmp_path / "out.pt").exists()
 
 
+class _RunsCode:
+    """Unpickling this calls os.system: what a tampered DCP .metadata could hold."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_dcp_metadata_naming_code_is_refused_never_run(tmp_path, capsys):
+    import pickle
+
+    folder = tmp_path / "dcp"
+    xlakit.dcp_save({"w": torch.ones(2)}, folder)
+    import xxhash
+
+    marker = tmp_path / "ran"
+    body = pickle.dumps(_RunsCode(marker))
+    (folder / ".metadata").write_bytes(body)
+    record = json.loads((folder / "xlakit-commit.json").read_text())  # the tamperer fixes the record too
+    record["files"][".metadata"] = {"nbytes": len(body), "xxh3_64": xxhash.xxh3_64(body).hexdigest()}
+    (folder / "xlakit-commit.json").write_text(json.dumps(record))
+    for command in (["inspect", folder], ["diff", folder, folder], ["convert", folder, "--to", "xlakit",
+                                                                     tmp_path / "out.pt"]):
+        code, _, err = ckpt(capsys, *command)
+        assert code == 2 and "names posix.system" in err and "never runs pickled code" in err, err
+    assert not marker.exists()
+
+
 def argparse_namespace():
     import argparse
 

@@ -172,3 +172,78 @@ def test_convert_writes_an_xlakit_checkpoint_to_a_bucket_and_replaces_one_only_w
     assert code == 2 and "local file" in err
     folder = Location.parse(f"{bucket}/conv")
     assert not [n for n in store_for(folder).list(None, folder) if "safetensors" in n]
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a tampered DCP .metadata could hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_dcp_metadata_object_naming_code_is_refused_never_run(bucket, tmp_path, capsys):
+    import pickle
+
+    url = f"{bucket}/dcp-meta"
+    xlakit.dcp_save({"w": torch.ones(2)}, url)
+    loc = Location.parse(url)
+    store = store_for(loc)
+    (name,) = [n for n in store.list(None, loc) if n.endswith("/.metadata")]
+    marker = tmp_path / "ran"
+    store.put(None, loc.child(name), pickle.dumps(_RunsCode(marker)))
+    code, _, err = ckpt(capsys, "inspect", url)  # inspect reads the metadata alone, unverified
+    assert code == 2 and "names posix.system" in err, err
+    assert ckpt(capsys, "diff", url, url)[0] == 2  # diff verifies first: the changed object is damage
+    assert not marker.exists()
+
+
+def test_convert_never_saves_over_a_manager_a_step_or_objects_that_are_not_xlakits(bucket, tmp_path, capsys):
+    source = tmp_path / "src.pt"
+    xlakit.save(state(1), source)
+    with xlakit.CheckpointManager(f"{bucket}/run") as mgr:
+        mgr.save(1, state(1))
+    loc = Location.parse(f"{bucket}/notes/readme.txt")
+    store_for(loc).put(None, loc, b"a user's file")
+    for target, what in ((f"{bucket}/run", "a manager URL"), (f"{bucket}/run/1", "a manager's step"),
+                         (f"{bucket}/notes", "not an xlakit checkpoint's")):
+        code, _, err = ckpt(capsys, "convert", str(source), "--to", "xlakit", target, "--force")
+        assert code == 2 and what in err, err
+    assert xlakit.CheckpointManager(f"{bucket}/run").all_steps() == [1]
+
+
+def test_a_step_being_deleted_or_with_a_damaged_record_is_not_verified_ok(bucket, capsys):
+    from xlakit.checkpoint.storage import objsteps
+
+    url = f"{bucket}/run"
+    with xlakit.CheckpointManager(url) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state(step))
+    objsteps.BucketFolder(url).discard([1])  # a retention's first act, before a kill could stop it
+    code, out, _ = ckpt(capsys, "verify", f"{url}/1")
+    assert code == 1 and "retention is deleting" in out
+    record = Location.parse(f"{url}/2/xlakit-step.json")
+    store_for(record).put(None, record, b'{"format": "xlakit-st')
+    code, out, _ = ckpt(capsys, "verify", f"{url}/2")
+    assert code == 1 and "damaged" in out  # as on disk: damage, exit 1
+
+
+def test_an_endpoint_that_cannot_be_reached_is_one_line_within_the_request_timeout(bucket, monkeypatch, capsys):
+    import time
+
+    monkeypatch.setenv("XLAKIT_OBJECT_REQUEST_TIMEOUT_S", "3")
+    import os
+
+    from tests.objstore_servers import free_port
+
+    for name in ("STORAGE_EMULATOR_HOST", "AWS_ENDPOINT_URL"):
+        if name in os.environ:
+            monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    start = time.monotonic()
+    code, _, err = ckpt(capsys, "verify", f"{bucket}/x.pt")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert time.monotonic() - start < 3 + 5

@@ -131,3 +131,44 @@ def test_a_request_outside_any_operation_ends_at_the_request_timeout(flaky, monk
     assert cli.main(["ckpt", "ls", f"{bucket}/run"]) == 2
     assert time.monotonic() - start < 4 + 3
     assert "deadline" in capsys.readouterr().err
+
+
+def test_s3_failures_that_s3fs_turns_into_oserrors_are_retried_by_xlakit(objstore_servers, monkeypatch,
+                                                                         loopback_only, caplog):
+    """s3fs raises a 503 as OSError(EBUSY), its status only in the cause: still transient."""
+    server = objstore_servers("s3")
+    proxy = FlakyProxy(server)
+    try:
+        for name, value in proxy.env().items():
+            monkeypatch.setenv(name, value)
+        url = f"{server.bucket()}/x.pt"
+        proxy.add(lambda method, path, headers: method == "GET" and "list-type=2" in path, FAIL, times=12)
+        xlakit.save(state(8), url, timeout_s=120)
+        assert len(proxy.injected()) == 12
+        assert any("retrying" in r.getMessage() for r in caplog.records)  # xlakit's own retry, not only botocore's
+        assert torch.equal(xlakit.load(url)["w"], state(8)["w"])
+    finally:
+        proxy.stop()
+
+
+def test_ctrl_c_of_the_cli_reading_a_stalled_store_is_one_line_and_exit_130(flaky, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proxy, bucket, scheme = flaky
+    url = f"{bucket}/x.pt"
+    xlakit.save(state(9), url)
+    proxy.server.pause()
+    try:
+        env = {**os.environ, "PJRT_DEVICE": "CPU"}
+        proc = subprocess.Popen([sys.executable, "-m", "xlakit", "ckpt", "verify", url], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        time.sleep(4)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proxy.server.resume()
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []

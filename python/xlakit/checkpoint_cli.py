@@ -62,7 +62,7 @@ def _about(path: Path | str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if e.filename is None:
+        if e.filename is None and e.strerror is not None:  # an errno error; not a CheckpointTimeoutError
             e.filename = str(path)
         raise
 
@@ -274,7 +274,7 @@ def _tensor_table(tensors: list[dict]) -> list[str]:
 
 
 def _values(values: dict) -> list[str]:
-    return [f"  values: " + ", ".join(f"{k}={v!r}" for k, v in values.items())] if values else []
+    return ["  values: " + ", ".join(f"{k}={v!r}" for k, v in values.items())] if values else []
 
 
 # -- verify ---------------------------------------------------------------------------------------
@@ -465,9 +465,7 @@ def _check_url_target(args: argparse.Namespace) -> None:
     if args.to != "xlakit":
         raise ValueError(f"{args.out}: convert writes {args.to} to a local file; to a bucket it writes an xlakit "
                          f"checkpoint (--to xlakit), which loads and verifies there")
-    if not args.force and objinspect.exists(args.out):
-        raise FileExistsError(17, f"{args.out} holds a committed checkpoint; pass --force to save a new one "
-                                  f"over it (the save commits a new generation)", args.out)
+    objinspect.check_target(args.out, args.force)
 
 
 def _read_state(path: str, *, with_kind: bool = False) -> Any:
@@ -509,7 +507,10 @@ def _guarded(func):
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
-        except (XlakitError, OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        except KeyboardInterrupt:
+            print(f"xlakit ckpt {args.ckpt_command}: interrupted; nothing was changed", file=sys.stderr)
+            return 130
+        except Exception as e:  # noqa: BLE001 - a client library's own error too: one line, never a traceback
             print(f"xlakit ckpt {args.ckpt_command}: {_error_message(e)}", file=sys.stderr)
             return ERROR
     return run

@@ -273,9 +273,9 @@ def _checksum_count(meta: dict | None) -> int:
 
 
 def describe_dcp(path: Path, record: dict) -> dict:
-    from torch.distributed.checkpoint import FileSystemReader
+    from xlakit.checkpoint import dcp_metadata
 
-    tensors, values = dcp_entries(FileSystemReader(str(path)).read_metadata())
+    tensors, values = dcp_entries(dcp_metadata.folder_reader(path).read_metadata())
     return {"path": str(path), "kind": DCP, "commit": record, "tensors": tensors,
             "values": values, "bytes": sum(f["nbytes"] for f in record["files"].values())}
 

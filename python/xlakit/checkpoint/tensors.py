@@ -52,14 +52,15 @@ def read_state(path: Path) -> tuple[Any, describe.Kind]:
     if kind.kind == describe.SHARDED:
         return {f"shard{e['rank']}": describe.load_mapped(kind.path / e["file"])
                 for e in kind.record["shards"]}, kind
-    import torch.distributed.checkpoint as dcp
+    from xlakit.checkpoint import dcp_metadata
 
-    return read_dcp(dcp.FileSystemReader(str(kind.path)), str(kind.path)), kind
+    return read_dcp(dcp_metadata.folder_reader(kind.path), str(kind.path)), kind
 
 
 def read_dcp(reader: Any, where: str) -> dict[str, Any]:
     """Every value of the DCP checkpoint `reader` reads (a folder's, or a bucket's through
-    `storage/objinspect.py`), flat by name: full tensors, other values weights-only."""
+    `storage/objinspect.py`; its metadata read through `dcp_metadata`'s allowlist), flat by name:
+    full tensors, other values weights-only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -77,7 +78,7 @@ def read_dcp(reader: Any, where: str) -> dict[str, Any]:
             try:  # the template is flat already: its keys are the fqns
                 self.original_state_dict[fqn] = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
-                found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+                found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e))
                 raise CheckpointFormatError(f"{where}: the value {fqn!r} holds pickled objects that a "
                                             f"weights-only load refuses to run"
                                             + (f" (it names {found.group(1)})" if found else "")) from None

@@ -84,12 +84,29 @@ class Location:
 
 
 def is_transient(e: BaseException) -> bool:
-    """A failure worth retrying: the connection, or a status the store says to retry."""
+    """A failure worth retrying: the connection, or a status the store says to retry. s3fs turns
+    botocore's errors into OSErrors (a 503 into EBUSY), so the chain of causes is read too."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if _transient_one(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _transient_one(e: BaseException) -> bool:
     import aiohttp
 
     if isinstance(e, (ConnectionError, aiohttp.ClientError)) and not isinstance(e, aiohttp.ClientResponseError):
         return True
+    if type(e).__module__.startswith("botocore") and any(
+            c.__name__ in ("ConnectionError", "HTTPClientError") for c in type(e).__mro__):
+        return True  # EndpointConnectionError, ConnectionClosedError, ReadTimeoutError, ...
     status = getattr(e, "code", None) or getattr(e, "status", None)
+    if not isinstance(status, int):
+        status = (getattr(e, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode") \
+            if isinstance(getattr(e, "response", None), dict) else None
     return isinstance(status, int) and status in _TRANSIENT_STATUS
 
 

@@ -33,7 +33,7 @@ import xxhash
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
-from xlakit.checkpoint import dcp, dcp_ranks, loading, operation
+from xlakit.checkpoint import dcp, dcp_metadata, dcp_ranks, loading, operation
 from xlakit.checkpoint.agreement import Coordination, world_size
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
@@ -153,11 +153,15 @@ class _Reader(dcp.StagedReader, FsspecReader):
         self.path, self.op = root.url, op
 
 
-def reader_for(op: Operation, loc: Location, record: dict) -> _Reader:
+class _SafeReader(dcp_metadata.SafeMetadata, _Reader):
+    """`_Reader` whose metadata is read through `dcp_metadata`'s allowlist (`xlakit ckpt`)."""
+
+
+def reader_for(op: Operation, loc: Location, record: dict, *, safe_metadata: bool = False) -> _Reader:
     """A DCP storage reader of the files the commit record `record` at `loc` names."""
     folder = record["folder"]
     sizes = {n[len(folder) + 1:]: e["nbytes"] for n, e in record["objects"].items()}
-    return _Reader(op, store_for(loc), loc.child(folder), sizes)
+    return (_SafeReader if safe_metadata else _Reader)(op, store_for(loc), loc.child(folder), sizes)
 
 
 def _agreed(op: Operation, coord: Coordination | None, prepare, error: BaseException | None) -> dict:

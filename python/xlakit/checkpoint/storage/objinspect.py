@@ -18,13 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from xlakit import _knobs
 from xlakit.checkpoint import loading, steps
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions
 from xlakit.checkpoint.storage import generations, objdcp, objfile, objranks
 from xlakit.checkpoint.storage.client import Location, store_for
 from xlakit.checkpoint.storage.lease import is_lease
-from xlakit.errors import CheckpointError, CheckpointFormatError, CheckpointIncompleteError
+from xlakit.checkpoint.storage.objsteps import DELETING
+from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
 
 FILE, SHARDED, DCP, MANAGER = objfile.KIND, objranks.SHARDED, objdcp.KIND, "manager"
 
@@ -32,11 +34,12 @@ FILE, SHARDED, DCP, MANAGER = objfile.KIND, objranks.SHARDED, objdcp.KIND, "mana
 @dataclass(frozen=True)
 class UrlKind:
     """`kind`: FILE, SHARDED, DCP or MANAGER. `url`: the checkpoint's URL (a step's checkpoint when
-    the URL named a step); `record` its newest commit record; `step` the step record, for a step."""
+    the URL named a step); `record` its newest commit record (empty for a manager); `step` the step
+    record, for a step."""
 
     kind: str
     url: str
-    record: dict | None = None
+    record: dict = field(default_factory=dict)
     step: dict | None = None
 
     @property
@@ -45,8 +48,10 @@ class UrlKind:
 
 
 def kind_of(url: str, opts: LoadOptions | None = None) -> UrlKind:
-    """What `url` holds; a URL that holds none of the above is refused, saying what is there."""
-    opts = opts or LoadOptions()
+    """What `url` holds; a URL that holds none of the above is refused, saying what is there. Its
+    few requests are bounded by XLAKIT_OBJECT_REQUEST_TIMEOUT_S unless `opts` says otherwise (an
+    endpoint that cannot be reached is said within that, not the hour of a load's deadline)."""
+    opts = opts or LoadOptions(timeout_s=_knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S))
     loc = Location.parse(url)
     try:
         record = objfile.peek(loc, opts)
@@ -68,16 +73,20 @@ def kind_of(url: str, opts: LoadOptions | None = None) -> UrlKind:
 
 
 def _step_record(loc: Location, opts: LoadOptions) -> dict | None:
-    """The step record of `loc` if it is a manager's step; a damaged one is refused, naming why."""
-    store, where = store_for(loc), loc.child(steps.STEP_RECORD)
+    """The step record of `loc` if it is a manager's step; a damaged one, or a step retention is
+    deleting, is refused, naming why."""
+    store = store_for(loc)
     op = Operation("load", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED)
-    (text,) = op.run(lambda op: store.get_many(op, [where]))
+    text, deleting = op.run(lambda op: store.get_many(op, [loc.child(steps.STEP_RECORD), loc.child(DELETING)]))
+    if deleting is not None:
+        raise CheckpointIncompleteError(f"{loc} is a step that a retention is deleting ({DELETING}); it is "
+                                        f"no longer a step, and the manager's next run removes it")
     if text is None:
         return None
     try:
         return steps.check_record(text, loc.key.rsplit("/", 1)[-1])
     except ValueError as e:
-        raise CheckpointFormatError(f"{loc} is not a step: its {steps.STEP_RECORD} is damaged ({e})") from e
+        raise CheckpointCorruptError(f"{loc} is not a step: its {steps.STEP_RECORD} is damaged ({e})") from e
 
 
 def _is_manager(loc: Location) -> bool:
@@ -109,7 +118,8 @@ def read_state(url: str) -> tuple[Any, UrlKind]:
 
         objdcp.verify(loc, record, opts)
         op = Operation("load", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED)
-        return op.run(lambda op: tensors.read_dcp(objdcp.reader_for(op, loc, record), loc.url)), found
+        read = lambda op: tensors.read_dcp(objdcp.reader_for(op, loc, record, safe_metadata=True), loc.url)  # noqa: E731
+        return op.run(read), found
     raise generations.kind_error(loc, record, FILE)
 
 
@@ -121,16 +131,28 @@ def read_shard(loc: Location, record: dict, rank: int) -> Any:
 def dcp_metadata(loc: Location, record: dict) -> Any:
     """The DCP metadata (`.metadata`) of the checkpoint `record` at `loc`."""
     op = Operation("load", loc.url, Watch.of(LoadOptions()), untouched=loading.NOTHING_CHANGED)
-    return op.run(lambda op: objdcp.reader_for(op, loc, record).read_metadata())
+    return op.run(lambda op: objdcp.reader_for(op, loc, record, safe_metadata=True).read_metadata())
 
 
-def exists(url: str) -> bool:
-    """Whether a committed checkpoint is at `url` (a target `xlakit ckpt convert` would replace)."""
+def check_target(url: str, force: bool) -> None:
+    """Refuse to save a new file checkpoint at `url` (`xlakit ckpt convert`) unless the URL is
+    empty, or, with `force`, holds a file checkpoint or saves of one that never committed: never
+    over a manager, a step, a sharded or DCP checkpoint, or objects that are not xlakit's."""
+    loc = Location.parse(url)
+    if not store_for(loc).list(None, loc):
+        return
     try:
-        objfile.peek(Location.parse(url), LoadOptions())
-        return True
-    except (FileNotFoundError, CheckpointIncompleteError):
-        return False
-    except CheckpointError:
-        return True
+        found = kind_of(url)
+        what = ("a manager URL" if found.kind == MANAGER else "a manager's step" if found.step is not None
+                else None if found.kind == FILE else f"a {found.kind} checkpoint")
+    except CheckpointIncompleteError:
+        what = None  # saves that never committed: a new save goes on from them
+    except FileNotFoundError as e:
+        what = f"objects that are not an xlakit checkpoint's ({e.strerror})"
+    if what is not None:
+        raise FileExistsError(17, f"{url} holds {what}; convert writes a file checkpoint to an empty URL, "
+                                  f"or over a file checkpoint with --force", url)
+    if not force:
+        raise FileExistsError(17, f"{url} holds a file checkpoint; pass --force to save a new one over it "
+                                  f"(the save commits a new generation)", url)
 

@@ -11,6 +11,7 @@ stdout) and maps outcomes to exit codes:
      a source that cannot be read
   3  verify: nothing to verify (a plain torch.save file has no checksums, a manager folder
      has no committed step)
+  130  interrupted (Ctrl-C); nothing was changed
 
 Errors are one line on stderr, never a traceback, and name the file they are
 about. The progress bar of `verify` appears on a terminal only. `--json`
@@ -38,7 +39,7 @@ from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, XlakitE
 OK, DIFFERENT, ERROR, NOTHING = 0, 1, 2, 3
 _EPILOG = ("exit codes: 0 success; 1 verify found damage, or diff found differences; 2 error (bad argument, "
            "missing path, not a checkpoint, unreadable source); 3 verify found nothing to check (no checksums, "
-           "no committed step)")
+           "no committed step); 130 interrupted")
 
 
 def _size(n: float) -> str:

@@ -263,6 +263,14 @@ def test_a_dcp_metadata_naming_code_is_refused_never_run(tmp_path, capsys):
     assert not marker.exists()
 
 
+def test_a_url_of_a_scheme_xlakit_does_not_commit_to_is_refused_by_its_scheme(tmp_path, capsys):
+    for command in (["inspect", "az://b/x"], ["verify", "http://host/x"], ["ls", "az://b/run"],
+                    ["diff", tmp_path / "a.pt", "az://b/x"], ["convert", tmp_path / "a.pt", "--to", "xlakit",
+                                                              "az://b/out.pt"]):
+        code, _, err = ckpt(capsys, *command)
+        assert code == 2 and "are not supported" in err and "gs:// and s3://" in err, err
+
+
 def argparse_namespace():
     import argparse
 

@@ -338,9 +338,9 @@ def _verify_manager_url(args: argparse.Namespace, found) -> int:
         _emit(args, {"path": url, "status": "damaged", "step": step, "message": message}, [f"DAMAGED: {message}"])
         return DIFFERENT
     if not found.committed:
-        message = (f"{url} holds no committed step, so there is nothing to verify; step(s) "
-                   f"{', '.join(map(str, sorted(found.pending)))} never committed (interrupted saves). "
-                   f"`xlakit ckpt ls {url}` lists them.")
+        message = (f"{url} holds no committed step, so there is nothing to verify"
+                   + (f"; step(s) {', '.join(map(str, sorted(found.pending)))} never committed (interrupted "
+                      f"saves)" if found.pending else "") + f". `xlakit ckpt ls {url}` lists what it holds.")
         _emit(args, {"path": url, "status": "no-committed-step", "interrupted": sorted(found.pending),
                      "message": message}, [message])
         return NOTHING

@@ -98,8 +98,8 @@ def _is_manager(loc: Location) -> bool:
 
 
 def refuse_manager(url: str) -> CheckpointFormatError:
-    return CheckpointFormatError(f"{url} is a manager URL holding several steps; name one ({url}/<step>; "
-                                 f"`xlakit ckpt ls {url}` lists them)")
+    return CheckpointFormatError(f"{url} is a manager URL, not one checkpoint; name one of its steps "
+                                 f"({url}/<step>; `xlakit ckpt ls {url}` lists them)")
 
 
 def read_state(url: str) -> tuple[Any, UrlKind]:

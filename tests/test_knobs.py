@@ -9,7 +9,7 @@ import torch
 import xlakit
 from xlakit import _knobs
 from xlakit.checkpoint import transfer
-from xlakit.checkpoint.storage import upload
+from xlakit.checkpoint.objstore import upload
 
 # How each knob is read where xlakit reads it, and values that must be refused.
 _READERS = {

@@ -40,11 +40,11 @@ from xlakit.errors import XlakitError
 def _guarded(func):
     """Run a subcommand; any failure is one line on stderr and exit status 2 (never a traceback)."""
     def run(args: argparse.Namespace) -> int:
-        from xlakit.checkpoint import storage
+        from xlakit.checkpoint import objstore
 
         try:
             for name in ("path", "dir", "a", "b", "out"):
-                storage.check_url(getattr(args, name, None))  # az://, http://: refused by scheme
+                objstore.check_url(getattr(args, name, None))  # az://, http://: refused by scheme
             return func(args)
         except KeyboardInterrupt:
             print(f"xlakit ckpt {args.ckpt_command}: interrupted; nothing was changed", file=sys.stderr)

@@ -48,19 +48,19 @@ def about(path: Path | str) -> Iterator[None]:
 def url_kind(kind: str) -> str:
     """A bucket checkpoint's kind under the name a local one of that kind has."""
     from xlakit.checkpoint import describe
-    from xlakit.checkpoint.storage import objinspect
+    from xlakit.checkpoint import bucket_describe
 
-    return {objinspect.FILE: describe.XLAKIT_FILE}.get(kind, kind)
+    return {bucket_describe.FILE: describe.XLAKIT_FILE}.get(kind, kind)
 
 
 def read_state(path: str, *, with_kind: bool = False) -> Any:
     """The state of a checkpoint, verified: a local path or a URL of any kind (a step's included)."""
-    from xlakit.checkpoint import storage, tensors
+    from xlakit.checkpoint import objstore, tensors
 
-    if storage.is_url(path):
-        from xlakit.checkpoint.storage import objinspect
+    if objstore.is_url(path):
+        from xlakit.checkpoint import bucket_describe
 
-        state, found = objinspect.read_state(path)
+        state, found = bucket_describe.read_state(path)
         kind = url_kind(found.kind)
     else:
         state, found = tensors.read_state(Path(path))

@@ -11,9 +11,9 @@ from xlakit.cli.ckpt.common import OK, size, emit, about, read_state
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import storage
+    from xlakit.checkpoint import objstore
 
-    if storage.is_url(args.out):
+    if objstore.is_url(args.out):
         _check_url_target(args)
     else:
         out = Path(args.out)
@@ -30,26 +30,26 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _check_url_target(args: argparse.Namespace) -> None:
     """`convert --to xlakit gs://...`: a new checkpoint in the bucket (replacing one only with --force)."""
-    from xlakit.checkpoint.storage import objinspect
+    from xlakit.checkpoint import bucket_describe
 
     if args.to != "xlakit":
         raise ValueError(f"{args.out}: convert writes {args.to} to a local file; to a bucket it writes an xlakit "
                          f"checkpoint (--to xlakit), which loads and verifies there")
-    objinspect.check_target(args.out, args.force)
+    bucket_describe.check_target(args.out, args.force)
 
 
 def _write(state: Any, out: str, to: str) -> dict:
-    from xlakit.checkpoint import describe, storage, tensors
+    from xlakit.checkpoint import describe, objstore, tensors
 
     if to == "safetensors":
         return tensors.write_safetensors(state, Path(out))  # refuses a state whose names collide
     from xlakit import checkpoint
 
     checkpoint.save(state, out)  # keeps the state's structure: names cannot collide here
-    if storage.is_url(out):
-        from xlakit.checkpoint.storage import objinspect
+    if objstore.is_url(out):
+        from xlakit.checkpoint import bucket_describe
 
-        nbytes = sum(e["nbytes"] for e in objinspect.kind_of(out).record["objects"].values())
+        nbytes = sum(e["nbytes"] for e in bucket_describe.kind_of(out).record["objects"].values())
     else:
         nbytes = Path(out).stat().st_size
     return {"tensors": describe.tensor_count(state), "bytes": nbytes}

@@ -12,9 +12,9 @@ from xlakit.errors import CheckpointCorruptError
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import storage
+    from xlakit.checkpoint import objstore
 
-    if storage.is_url(args.path):
+    if objstore.is_url(args.path):
         return _inspect_url(args)
     with about(args.path):
         return _inspect(args)
@@ -23,23 +23,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _inspect_url(args: argparse.Namespace) -> int:
     """A checkpoint on object storage (a file, each shard, a DCP checkpoint's metadata), a manager's
     step, or a manager URL (listed as `ls` lists it)."""
-    from xlakit.checkpoint.storage import objinspect
+    from xlakit.checkpoint import bucket_describe
 
-    found = objinspect.kind_of(args.path)
-    if found.kind == objinspect.MANAGER:
+    found = bucket_describe.kind_of(args.path)
+    if found.kind == bucket_describe.MANAGER:
         args.dir = args.path
         return cmd_ls(args)
     heading = (f"{found.url}: {{}} on object storage, committed (generation {found.record['generation']})")
-    if found.kind == objinspect.FILE:
-        tensors, values = _flat_infos(objinspect.read_state(found.url)[0])
+    if found.kind == bucket_describe.FILE:
+        tensors, values = _flat_infos(bucket_describe.read_state(found.url)[0])
         data = {"tensors": tensors, "values": values}
         text = [heading.format("xlakit checkpoint") + ", every checksum verified"]
         text += _tensor_table(tensors) + _values(values)
-    elif found.kind == objinspect.SHARDED:
+    elif found.kind == bucket_describe.SHARDED:
         shards = []
         for rank in range(found.record["world"]):
             name = found.record["shards"][rank]
-            tensors, values = _flat_infos(objinspect.read_shard(found.loc, found.record, rank))
+            tensors, values = _flat_infos(bucket_describe.read_shard(found.loc, found.record, rank))
             shards.append({"rank": rank, "object": name, "bytes": found.record["objects"][name]["nbytes"],
                            "tensors": tensors, "values": values})
         data = {"commit": found.record, "shards": shards}
@@ -51,7 +51,7 @@ def _inspect_url(args: argparse.Namespace) -> int:
     else:
         from xlakit.checkpoint import describe
 
-        tensors, values = describe.dcp_entries(objinspect.dcp_metadata(found.loc, found.record))
+        tensors, values = describe.dcp_entries(bucket_describe.dcp_metadata(found.loc, found.record))
         nbytes = sum(e["nbytes"] for e in found.record["objects"].values())
         data = {"commit": found.record, "tensors": tensors, "values": values, "bytes": nbytes}
         text = [heading.format("torch.distributed.checkpoint") + f", {len(found.record['objects'])} file(s) "

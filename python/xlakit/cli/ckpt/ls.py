@@ -10,9 +10,9 @@ from xlakit.errors import CheckpointFormatError
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import describe, retention, steps, storage
+    from xlakit.checkpoint import describe, retention, step_folders, steps, objstore
 
-    if storage.is_url(args.dir):
+    if objstore.is_url(args.dir):
         _check_manager_url(args.dir)
     else:
         path = Path(args.dir)
@@ -26,7 +26,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if kind.kind != describe.MANAGER:
                 raise CheckpointFormatError(f"{path} is {describe.KIND_NAMES[kind.kind]}, not a CheckpointManager "
                                             f"folder; `xlakit ckpt inspect {path}` shows what it holds")
-    where = steps.folder_at(args.dir)  # a folder, or a manager URL on object storage
+    where = step_folders.folder_at(args.dir)  # a folder, or a manager URL on object storage
     folder = where.directory
     with about(folder):
         found = where.scan()
@@ -66,14 +66,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _check_manager_url(url: str) -> None:
     from xlakit.checkpoint import describe
-    from xlakit.checkpoint.storage import objinspect
+    from xlakit.checkpoint import bucket_describe
 
     try:
-        found = objinspect.kind_of(url)
+        found = bucket_describe.kind_of(url)
     except FileNotFoundError as e:
         raise FileNotFoundError(2, f"{url} is not a CheckpointManager URL: it holds no step, no interrupted "
                                    f"save and no manager lease ({e.strerror})", url) from e
-    if found.kind != objinspect.MANAGER:
+    if found.kind != bucket_describe.MANAGER:
         what = ("one step of a manager" if found.step else
                 describe.KIND_NAMES.get(url_kind(found.kind), found.kind).replace(" folder", ""))
         raise CheckpointFormatError(f"{url} is {what}, not a CheckpointManager URL; `xlakit ckpt inspect "

@@ -33,9 +33,9 @@ class _Bar:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import describe, integrity, storage
+    from xlakit.checkpoint import describe, integrity, objstore
 
-    if storage.is_url(args.path):
+    if objstore.is_url(args.path):
         return _verify_url(args)
     path = Path(args.path)
     try:
@@ -63,15 +63,14 @@ def _verify_url(args: argparse.Namespace) -> int:
     """A checkpoint on object storage: every object of its newest committed generation read whole and
     verified (a file's and each shard's records as `xlakit.load` reads them; DCP files against the
     commit record); a step's checkpoint; every committed step of a manager URL."""
-    from xlakit.checkpoint import steps
+    from xlakit.checkpoint import bucket_describe, bucket_ranks, step_folders
     from xlakit.checkpoint.options import LoadOptions
-    from xlakit.checkpoint.storage import objinspect, objranks
 
     try:
-        found = objinspect.kind_of(args.path)
-        if found.kind == objinspect.MANAGER:
-            return _verify_manager_url(args, steps.folder_at(args.path).scan())
-        kind, checked = objranks.verify(found.url, LoadOptions())
+        found = bucket_describe.kind_of(args.path)
+        if found.kind == bucket_describe.MANAGER:
+            return _verify_manager_url(args, step_folders.folder_at(args.path).scan())
+        kind, checked = bucket_ranks.verify(found.url, LoadOptions())
     except CheckpointCorruptError as e:
         emit(args, {"path": args.path, "status": "damaged", "tensor": getattr(e, "tensor", None),
                      "message": str(e)}, [f"DAMAGED: {e}"])
@@ -87,7 +86,7 @@ def _verify_manager_url(args: argparse.Namespace, found) -> int:
     and a URL with no committed step has nothing to verify (never "OK")."""
     from xlakit.checkpoint import steps
     from xlakit.checkpoint.options import LoadOptions
-    from xlakit.checkpoint.storage import objranks
+    from xlakit.checkpoint import bucket_ranks
 
     url = args.path.rstrip("/")
     if found.damaged:
@@ -105,7 +104,7 @@ def _verify_manager_url(args: argparse.Namespace, found) -> int:
     total = 0
     for step, chosen in sorted(found.committed.items()):
         try:
-            _, checked = objranks.verify(str(chosen.checkpoint), LoadOptions())
+            _, checked = bucket_ranks.verify(str(chosen.checkpoint), LoadOptions())
         except CheckpointCorruptError as e:
             emit(args, {"path": url, "status": "damaged", "step": step, "tensor": getattr(e, "tensor", None),
                          "message": str(e)}, [f"DAMAGED: step {step}: {e}"])

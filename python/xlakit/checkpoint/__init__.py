@@ -18,11 +18,18 @@ Reading order, top-down:
   `transfer.py` / `spmd.py` (device to host), `paths.py` / `folders.py`
   (temporary names, atomic replacement, commit records), `options.py`.
 
+A `gs://` / `s3://` URL is handed, at each entry point, to the object-storage
+sibling of the local module: `bucket_file.py` (of `pipeline` / `loading` /
+`restoring`), `bucket_ranks.py` (of `ranks`), `bucket_dcp.py` (of `dcp`),
+`bucket_steps.py` (of `steps`), `bucket_describe.py` (of `describe`), all over
+`objstore/` (the store and its commit protocol, a layer below this one).
+
 On top of the entry points: `manager.py` (`CheckpointManager`: when to save,
-what to keep, where to resume, preemption) with `steps.py` (its folder),
-`retention.py` and `preemption.py`; and, for `xlakit ckpt`, `describe.py`
-(what a path holds), `integrity.py` (streamed verification) and `tensors.py`
-(compare, convert).
+what to keep, where to resume, preemption) with `steps.py` (its folder, and
+`step_folders.py` choosing the local or bucket one), `retention.py` and
+`preemption.py`; and, for `xlakit ckpt`, `describe.py` (what a path holds),
+`integrity.py` (streamed verification) and `tensors.py` (compare, convert).
+docs/architecture.md draws the whole package.
 
 Nothing heavy is imported until a function is called, so `import xlakit`
 works where torch is missing or broken.

@@ -23,7 +23,8 @@ LAYERS = [
     ("base", ["xlakit._C", "xlakit._version", "xlakit._knobs", "xlakit.errors"]),
     ("runtime", ["xlakit.runtime"]),
     # An operation (deadline, cancellation, its files) is what both the store and the entry points run under.
-    ("operation", ["xlakit.checkpoint.options", "xlakit.checkpoint.operation", "xlakit.checkpoint.paths"]),
+    ("operation", ["xlakit.checkpoint.options", "xlakit.checkpoint.workers", "xlakit.checkpoint.operation",
+                   "xlakit.checkpoint.paths"]),
     ("objstore", ["xlakit.checkpoint.objstore"]),
     ("checkpoint", ["xlakit.checkpoint"]),
     ("integrations", ["xlakit.integrations", "xlakit.lightning"]),

@@ -17,9 +17,9 @@ MARGIN_S = 1.5
 @pytest.fixture(autouse=True)
 def no_stuck_workers_left():
     yield
-    from xlakit.checkpoint import operation
+    from xlakit.checkpoint import workers
 
-    assert operation.wait_until_idle(10), "a fake hung device was never released"
+    assert workers.wait_until_idle(10), "a fake hung device was never released"
 
 
 @pytest.fixture

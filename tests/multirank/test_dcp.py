@@ -18,7 +18,7 @@ import torch
 import xlakit
 from tests.support import fakes
 from tests.support.spmd_run import run_scenario
-from xlakit.checkpoint import folders, operation, paths
+from xlakit.checkpoint import folders, paths, workers
 
 
 def _state(value: float) -> dict:
@@ -210,7 +210,7 @@ def test_hung_transfer_times_out_and_keeps_previous(tmp_path, monkeypatch):
         hung.release()
     assert 0.5 <= elapsed < 0.5 + 1.5
     assert info.value.stage == "transfer" and info.value.tensor == "model.w"
-    assert operation.wait_until_idle(10)
+    assert workers.wait_until_idle(10)
     assert _temps(tmp_path) == []
     loaded = _template()
     xlakit.dcp_load(loaded, path)

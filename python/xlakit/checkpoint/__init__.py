@@ -11,8 +11,10 @@ Reading order, top-down:
   `background.py`: the save with its write and commit in the background;
 * `ranks.py` (replicated and sharded layouts) and `dcp.py` / `dcp_ranks.py`
   (torch.distributed.checkpoint folders), over `agreement.py` (what every
-  rank agrees on before anything is deleted or committed);
-* below them: `operation.py` (deadline, cancellation, commit point), `state.py`
+  rank agrees on before anything is deleted or committed; its commit gate
+  `agreed_gate.py`, and `decisions.py` for the manager's other decisions);
+* below them: `operation.py` (deadline, cancellation, commit point) over
+  `workers.py` (its threads, the clean exit), `state.py`
   (the plan of tensors and storages), `archive.py` (the zip and its index),
   `pickled.py` / `structure.py` (the state as torch.load and as xlakit reads it),
   `transfer.py` / `spmd.py` (device to host), `paths.py` / `folders.py`
@@ -84,7 +86,7 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
         >>> import torch, xlakit
         >>> xlakit.save({"w": torch.ones(2)}, getfixture("tmp_path") / "ckpt.pt")
     """
-    from xlakit.checkpoint import background, operation, pipeline
+    from xlakit.checkpoint import background, pipeline, workers
 
     opts: SaveOptions = resolve(SaveOptions, options, overrides)
     objstore.check_url(path)
@@ -96,7 +98,7 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
         from xlakit.checkpoint import ranks
 
         return ranks.save(obj, final, opts)  # checks for busy work on every rank, and tells them
-    operation.check_idle()
+    workers.check_idle()
     if opts.asynchronous:
         return background.save_file(obj, final, opts)
     pipeline.save_file(obj, final, opts)
@@ -104,12 +106,11 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
 
 
 def _save_url(obj: Any, url: str, opts: SaveOptions) -> "SaveHandle | None":
-    from xlakit.checkpoint import operation
-    from xlakit.checkpoint import bucket_file, bucket_ranks
+    from xlakit.checkpoint import bucket_file, bucket_ranks, workers
 
     if opts.layout != "single":
         return bucket_ranks.save(obj, url, opts)
-    operation.check_idle()
+    workers.check_idle()
     return bucket_file.save_file(obj, url, opts)
 
 
@@ -389,6 +390,6 @@ def wait_until_idle(timeout_s: float | None = None) -> bool:
         >>> xlakit.wait_until_idle(1.0)
         True
     """
-    from xlakit.checkpoint import operation
+    from xlakit.checkpoint import workers
 
-    return operation.wait_until_idle(timeout_s)
+    return workers.wait_until_idle(timeout_s)

@@ -27,9 +27,10 @@ needs a process group for its collectives, `group()` makes a fresh gloo group
 for the one operation, after the agreement proved every rank present, with the
 remaining deadline as its timeout.
 
-`decide` runs any other job-wide decision on the same terms (a manager's
-step, the steps its retention deletes): agree, rank 0 prepares, every rank
-votes, rank 0 acts at the commit point. A `Coordination` with a fixed
+The commit decision itself is `agreed_gate.AgreedGate`, the gate of every
+coordinated operation; `decisions.decide` runs any other job-wide decision on
+the same terms (a manager's step, the steps its retention deletes). A
+`Coordination` with a fixed
 `prefix` is a notice board ranks read at their own pace (preemption);
 `answering` lets a rank that waits inside an operation answer such a notice.
 """
@@ -45,14 +46,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from xlakit.checkpoint.operation import CANCEL, COMMIT, Gate, Operation, Watch
+from xlakit.checkpoint.agreed_gate import _POLL_S, STORE_HOST, AgreedGate
+from xlakit.checkpoint.operation import CANCEL, COMMIT, Operation
 from xlakit.errors import CheckpointPeerError, CheckpointTimeoutError, XlakitError
 
-_POLL_S = 0.02
-_CLAIM_WAIT_S = 2.0  # how long a cancel waits for the store to confirm its abort
 _SURVIVOR_WAIT_S = 3.0  # after a broken collective, how long survivors wait for each other's reports
-_VERDICT_GRACE_S = 2.0  # at its deadline, how long a rank waits for the committer's verdict
-STORE_HOST = 0  # the rank whose process serves the job's TCPStore when the job is not under torchrun
 _COMMIT_MARGIN_S = 1.0  # the committing rank stops this long before the earliest deadline
 _sequence = 0  # coordinated operations started by this process; every rank counts the same
 _sequence_lock = threading.Lock()
@@ -399,143 +397,3 @@ class Coordination:
             self._group = None
 
 
-def decide(kind: str, path: str, proposal: dict[str, Any], watch: Watch, *,
-           prepare: Callable[[Operation], None] | None = None, act: Callable[[], None] | None = None) -> None:
-    """One decision of the whole job, on the terms of a coordinated save.
-
-    Every rank proposes `proposal` (each field must match on every rank, or the
-    odd rank is named everywhere and nothing happens). Rank 0 first runs
-    `prepare(op)` (a rename there goes through `op.guarded()`): if it fails,
-    every rank raises, naming it. With `act`, every rank
-    then votes ready and rank 0 runs `act()` at the commit point: once every rank
-    voted, never after any rank gave up. Outside a torch.distributed job,
-    `prepare` and `act` run here under the same deadline and commit point.
-    """
-    if world_size() == 1:
-        def alone(op: Operation) -> None:
-            if prepare is not None:
-                prepare(op)
-            if act is not None:
-                op.enter("commit")
-                with op.commit_point():
-                    act()
-
-        Operation(kind, path, watch).run(alone)
-        return
-    coord = Coordination(kind, {"path": path, **proposal}, agreed=tuple(proposal))
-    op = Operation(kind, path, watch, gate=coord.gate, rank=coord.rank)
-    coord.op = op
-
-    def work(op: Operation) -> None:
-        error = None
-        if coord.rank == coord.committer and prepare is not None:
-            try:
-                prepare(op)
-            except (XlakitError, OSError, ValueError, TypeError) as e:
-                error = e  # published with the proposal: every rank learns it at once
-        coord.agree(op, None, error)
-        if act is None:
-            return
-        with coord.giving_up(op):
-            coord.vote({})
-            if coord.rank != coord.committer:
-                final = coord.outcome(op)
-                if not final.get("ok"):
-                    raise CheckpointPeerError(f"rank {coord.committer} could not carry out the "
-                                              f"{kind} of {path}: {final.get('error')}",
-                                              rank=coord.committer)
-                return
-            coord.votes(op)
-            op.enter("commit")
-            with op.commit_point():
-                act()
-            coord.finish({"ok": True})
-
-    op.run(work)
-
-
-class AgreedGate(Gate):
-    """A commit gate whose decision is also claimed in the store, for every rank at once."""
-
-    def __init__(self, coord: Coordination):
-        super().__init__()
-        self.coord = coord
-        self.held: dict | None = None
-        self.confirmed = True
-        self.store_silent = False
-
-    def settle(self, held: dict) -> None:
-        self.held = held
-        self.outcome = COMMIT if held["decision"] == COMMIT else CANCEL
-
-    def claim_commit(self) -> bool:
-        if self.outcome is not None:
-            return self.outcome == COMMIT
-        c = self.coord
-        if c._past_commit_time():
-            self.settle(c.claim(c._abort_record(
-                "the earliest deadline of the ranks was reached before every rank was ready",
-                [c.rank], True, "commit")))
-        else:
-            self.settle(c.claim({"decision": COMMIT, "rank": c.rank}))
-        return self.outcome == COMMIT
-
-    def claim_cancel(self, reason: str) -> str:
-        if self.outcome is not None:
-            return self.outcome
-        c = self.coord
-        waiting = list(c.waiting_for)
-        stage = c.op.stage if c.op is not None else "start"
-        error = (f"rank {c.rank} gave up ({reason}) in stage {stage!r}"
-                 + (f" while waiting for rank(s) {waiting} (stalled or died)" if waiting else ""))
-        record = c._abort_record(error, waiting or [c.rank], "deadline" in reason, stage)
-        answer: list[dict] = []
-
-        grace = _VERDICT_GRACE_S if c.rank != c.committer and c.committer in waiting else 0.0
-
-        def ask() -> None:
-            try:
-                # Waiting on the committer: its verdict, due about now, names the real culprit.
-                end = time.monotonic() + grace
-                while time.monotonic() < end and c.decision() is None:
-                    time.sleep(_POLL_S)
-                answer.append(c.claim(record))
-            except CheckpointPeerError:
-                pass  # the store is gone: nobody can commit through it any more
-
-        claimer = threading.Thread(target=ask, daemon=True, name="xlakit-abort-claim")
-        claimer.start()
-        claimer.join(_CLAIM_WAIT_S + grace)
-        if answer:
-            self.settle(answer[0])
-        else:  # the store host does not answer: the request is queued there, ahead of any later claim
-            c.waiting_for, self.store_silent = [STORE_HOST], True
-            self.held = c._abort_record(
-                f"rank {c.rank} gave up ({reason}) in stage {stage!r}: the job's store did not answer",
-                [STORE_HOST], True, stage)
-            self.outcome, self.confirmed = CANCEL, False
-        return self.outcome
-
-    def may_discard(self) -> bool:
-        # Until the store confirms an abort, this rank's files might be named by a commit.
-        return self.outcome == CANCEL and self.confirmed
-
-    def foreign_error(self) -> Exception | None:
-        """The error for an abort another rank decided, if that is why this operation ended."""
-        held = self.held
-        if (held is not None and held.get("decision") != COMMIT and held.get("rank") != self.coord.rank
-                and self.coord.rank not in held.get("culprits", [])):
-            return self.coord.peer_error(held)
-        return None  # this rank's own failure: its own error says more
-
-    def blame(self) -> int | None:
-        if self.held is not None and self.held.get("decision") != COMMIT:
-            return (self.held.get("culprits") or [None])[0]
-        return self.coord.waiting_for[0] if self.coord.waiting_for else None
-
-    def wait_note(self) -> str | None:
-        if self.store_silent:
-            return (f"rank {self.coord.rank} was waiting for the job's store, which did not answer: "
-                    f"its host (rank {STORE_HOST}, unless the job runs under torchrun) stalled or died")
-        waiting = self.coord.waiting_for
-        return f"rank {self.coord.rank} was waiting for rank(s) {waiting} (stalled or died)" if waiting else None

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from xlakit.checkpoint import pipeline
-from xlakit.checkpoint.operation import COMMIT, Cancelled, Gate, Operation, Watch, start_thread
+from xlakit.checkpoint.operation import COMMIT, Cancelled, Gate, Operation, Watch
+from xlakit.checkpoint.workers import start_thread
 from xlakit.checkpoint.options import SaveOptions
 from xlakit.checkpoint.state import StorageEntry
 from xlakit.errors import CheckpointAsyncError

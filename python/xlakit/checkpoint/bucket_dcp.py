@@ -35,12 +35,12 @@ import xxhash
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
-from xlakit.checkpoint import dcp, dcp_metadata, dcp_ranks, loading, operation
+from xlakit.checkpoint import dcp, dcp_metadata, dcp_ranks, loading
 from xlakit.checkpoint.agreement import Coordination, world_size
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.objstore import generations
-from xlakit.checkpoint import bucket_file
+from xlakit.checkpoint import bucket_file, workers
 from xlakit.checkpoint.objstore.client import Location, Store, store_for
 from xlakit.checkpoint.objstore.reader import CHUNK_BYTES, PARALLEL, ObjectFile
 from xlakit.checkpoint.objstore.upload import Upload
@@ -209,7 +209,7 @@ def save(state: dict, url: str, opts: SaveOptions) -> None:
     def work(op: Operation) -> None:
         error = None
         try:
-            operation.check_idle(exclude=op)
+            workers.check_idle(exclude=op)
         except CheckpointError as e:
             error = e
         chosen = _agreed(op, coord, propose, error)

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from xlakit.checkpoint import background, loading, operation, pipeline, restoring
+from xlakit.checkpoint import background, loading, pipeline, restoring, workers
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.objstore import generations
@@ -179,7 +179,7 @@ def load_file(loc: Location, opts: LoadOptions, choose: Choose, record: dict | N
 
 def restore(loc: Location, template: Any, opts: LoadOptions, choose: Choose, record: dict | None = None) -> Any:
     """`xlakit.restore("gs://...", template)`: one data object's records streamed into the template."""
-    operation.check_idle(writing_ok=True)
+    workers.check_idle(writing_ok=True)
     op = Operation("restore", loc.url, Watch.of(opts), untouched=restoring.PARTLY)
 
     def work(op: Operation) -> Any:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from xlakit.checkpoint import dcp_plan, folders, operation, paths, transfer
+from xlakit.checkpoint import dcp_plan, folders, operation, paths, transfer, workers
 from xlakit.checkpoint.operation import Cancelled, Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
 from xlakit.errors import CheckpointError, CheckpointPeerError
@@ -78,7 +78,7 @@ def commit_folder(op: Operation, tmp: Path, final: Path) -> None:
 
 def save(state: dict, final: Path, opts: SaveOptions) -> None:
     """`xlakit.dcp_save` in a single process."""
-    operation.check_idle()
+    workers.check_idle()
     device = device_tensors(state)
     check_transfer(device, opts)
     op = Operation("dcp save", final, Watch.of(opts),

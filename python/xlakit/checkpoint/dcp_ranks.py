@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from xlakit.checkpoint import dcp, folders, operation, paths
+from xlakit.checkpoint import dcp, folders, paths, workers
 from xlakit.checkpoint.agreement import Coordination
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
@@ -55,7 +55,7 @@ def save(state: dict, final: Path, opts: SaveOptions) -> None:
     def work(op: Operation) -> None:
         prepared, error = {}, None
         try:
-            operation.check_idle(exclude=op)
+            workers.check_idle(exclude=op)
             dcp.check_transfer(device, opts)
             dcp.check_parent(final)
             if coord.rank == 0:

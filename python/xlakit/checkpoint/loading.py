@@ -28,7 +28,8 @@ import torch
 import xxhash
 
 from xlakit.checkpoint import archive, structure
-from xlakit.checkpoint.operation import Operation, Watch, collection_paused
+from xlakit.checkpoint.operation import Operation, Watch
+from xlakit.checkpoint.workers import collection_paused
 from xlakit.checkpoint.options import LoadOptions
 from xlakit.errors import CheckpointCorruptError, CheckpointFormatError
 

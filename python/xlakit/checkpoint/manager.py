@@ -7,7 +7,7 @@ committed on disk (see `steps.py` for the layout and why a crash at any
 moment leaves a consistent view; `bucket_steps.py` for the same on
 object storage, where a lease replaces the folder's lock). In a
 torch.distributed job every decision goes through the job's agreement
-(`agreement.decide`): the configuration
+(`decisions.decide`): the configuration
 when the managers start, the step before each save (rank 0 writes its
 record, or every rank learns why it could not), and the set of steps to
 delete after each commit (rank 0 moves them to the trash only once every
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from xlakit import _knobs
-from xlakit.checkpoint import agreement, readonly, retention, steps
+from xlakit.checkpoint import agreement, decisions, readonly, retention, steps
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
@@ -113,7 +113,7 @@ class CheckpointManager:
         config = {"layout": layout, "asynchronous": asynchronous, "interval": save_interval_steps,
                   **dataclasses.asdict(self.policy)}
         try:
-            agreement.decide("manager start", self._path(), {"config": config, "latest": self._last,
+            decisions.decide("manager start", self._path(), {"config": config, "latest": self._last,
                                                              "steps": sorted(self._steps),
                                                              "manager": self._prefix}, self._watch(),
                              prepare=self._hold_folder)
@@ -205,7 +205,7 @@ class CheckpointManager:
             self._folder.renew(op, opts.timeout_s)  # object storage: the lease covers the save
             self._folder.prepare(op, step, record)
 
-        agreement.decide("manager save", self._folder.identity(step), {"step": step}, Watch.of(opts),
+        decisions.decide("manager save", self._folder.identity(step), {"step": step}, Watch.of(opts),
                          prepare=prepare)
         previous, self._last = self._last, step if self._last is None else max(self._last, step)
         target = self._folder.target(step, record)
@@ -381,7 +381,7 @@ class CheckpointManager:
             self._folder.renew()  # object storage: still this manager's to delete in (or it raises)
             self._folder.discard(doomed)
 
-        agreement.decide("retention", self._path(), {"after": step, "doomed": doomed}, self._watch(),
+        decisions.decide("retention", self._path(), {"after": step, "doomed": doomed}, self._watch(),
                          act=discard if doomed else None)
         self._steps.difference_update(doomed)
         if self._rank == 0 and not self._preempt_saved:  # preempted: the grace is for the save

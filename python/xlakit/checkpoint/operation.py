@@ -16,23 +16,15 @@ name, a commit record, a folder exchange) happens only inside
 that `cancel()` takes: the commit either happens entirely before the owner
 gives up, or never. A gate can also be agreed across ranks (`agreement.py`).
 
-Interpreter exit is clean: an exit hook waits for asynchronous saves still
-writing (bounded by their deadlines), cancels everything else, then joins
-every thread xlakit started, with a bound. Waiting for an operation's `done`
-is not enough: its thread goes on after it, freeing the tensors its frames
-held (native code), and a daemon thread caught in native code by the
-interpreter's finalization aborts the process.
+The worker threads themselves, and the clean exit, are `workers.py`'s.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import gc
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,22 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xlakit.checkpoint import workers
 from xlakit.checkpoint.options import LoadOptions, Progress, ProgressCallback, SaveOptions
-from xlakit.errors import CheckpointBusyError, CheckpointTimeoutError
+from xlakit.errors import CheckpointTimeoutError
 
 log = logging.getLogger("xlakit")
 
 _POLL_S = 0.05
-STOP_GRACE_S = 0.5  # how long an owner waits, after cancelling, to say whether the worker stopped
-BUSY_WAIT_S = 5.0  # how long a new operation waits for a cancelled worker before refusing
-EXIT_GRACE_S = 5.0  # how long the exit hook waits for cancelled workers
 _LOCK_WAIT_S = 5.0  # how long a cancel waits for a commit already under way
-_START_WAIT_S = 1.0  # how long an interrupted start waits to learn whether its thread began
 COMMIT, CANCEL = "commit", "cancel"
-
-_live: set["Operation"] = set()  # operations whose worker has not returned
-_threads: set[threading.Thread] = set()  # threads `start_thread` started and nobody saw end yet
-_live_lock = threading.Lock()
 
 
 class Cancelled(Exception):
@@ -271,8 +256,7 @@ class Operation:
     def start(self, work: Callable[["Operation"], Any]) -> None:
         def never_started() -> None:  # no worker will set `done`: nothing may wait for one
             self.cancel("interrupted before its worker started")
-            with _live_lock:
-                _live.discard(self)
+            workers.forget(self)
             self.done.set()
 
         def target() -> None:
@@ -283,13 +267,11 @@ class Operation:
             finally:
                 if self.gate.outcome != COMMIT:
                     self.discard_temps()
-                with _live_lock:
-                    _live.discard(self)
+                workers.forget(self)
                 self.done.set()
 
-        with _live_lock:
-            _live.add(self)
-        start_thread(target, f"xlakit-{self.kind}", never_started=never_started)
+        workers.track(self)
+        workers.start_thread(target, f"xlakit-{self.kind}", never_started=never_started)
 
     def watch_worker(self) -> Any:
         """Wait for the worker, reporting progress and enforcing the deadline."""
@@ -322,7 +304,7 @@ class Operation:
         outcome = self.cancel("the deadline passed")
         if outcome == CANCEL:
             raise _Expired(self.gate.foreign_error() or self.timeout_error(None))
-        if self.done.wait(STOP_GRACE_S) and self.error is None:
+        if self.done.wait(workers.STOP_GRACE_S) and self.error is None:
             return self.result  # committed in the last instant: its own outcome wins
         raise _Expired(self.timeout_error(
             f"The commit had been decided when the deadline passed, but it was not confirmed in "
@@ -345,7 +327,7 @@ class Operation:
                 _note(e, self._cancel_note(True))
             return
         outcome = self.cancel(f"{type(e).__name__} in the caller")
-        stopped = self.done.wait(STOP_GRACE_S)
+        stopped = self.done.wait(workers.STOP_GRACE_S)
         if outcome == CANCEL:
             _note(e, self._cancel_note(stopped))
         else:
@@ -373,7 +355,7 @@ class Operation:
             + (f"; {waiting}" if waiting else ""),
             stage=self.stage, tensor=self.tensor, bytes_done=self.bytes_done, elapsed_s=elapsed,
             rank=self.gate.blame() if self.gate.blame() is not None else self.rank)
-        err.add_note(hint or self._cancel_note(self.done.wait(STOP_GRACE_S)))
+        err.add_note(hint or self._cancel_note(self.done.wait(workers.STOP_GRACE_S)))
         if self.bytes_done and elapsed > 0:
             err.add_note(f"It was moving {human_bytes(self.bytes_done / elapsed)}/s; if the "
                          f"{self.kind} is merely slow, raise timeout_s.")
@@ -395,52 +377,6 @@ class _Expired(Exception):
         self.error = error
 
 
-def start_thread(target: Callable[[], None], name: str, *, never_started: Callable[[], None]) -> None:
-    """Start a daemon thread running `target`, safe against an interruption of the start itself.
-
-    Ctrl-C can land inside `Thread.start()`: after the thread was launched (it waits there for
-    the thread to begin) or just before. The exception propagates either way; when the thread
-    has not begun within a second, `never_started()` runs first, so that nothing waits for it.
-    """
-    began = threading.Event()
-
-    def run() -> None:
-        began.set()
-        target()
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    with _live_lock:  # known before it runs, so that the exit hook joins it
-        _threads.difference_update([t for t in _threads if t.ident is not None and not t.is_alive()])
-        _threads.add(thread)
-    try:
-        thread.start()
-    except BaseException:
-        if not began.wait(_START_WAIT_S):
-            never_started()
-        if thread.ident is None:  # never launched: nothing to join
-            with _live_lock:
-                _threads.discard(thread)
-        raise
-
-
-@contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-    """Python's cycle collector off while a synchronous operation's caller waits for it.
-
-    With many tensors a save, load or restore allocates several objects per tensor, none of
-    them cyclic garbage, and the collector's passes over them cost a quarter of the work.
-    Whatever happens, it is on again after (if it was on before). Not for an asynchronous
-    save's background phase: the training loop runs meanwhile.
-    """
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
-
-
 def _note(e: BaseException, note: str) -> None:
     try:
         e.add_note(note)
@@ -460,107 +396,3 @@ def remove_path(p: Path) -> None:
     except OSError as e:
         log.warning("xlakit: could not remove the temporary %s: %s", p, e)
 
-
-def live_operations() -> list[Operation]:
-    with _live_lock:
-        return list(_live)
-
-
-def check_idle(*, wait_s: float = BUSY_WAIT_S, exclude: Operation | None = None,
-               writing_ok: bool = False) -> None:
-    """Before a new save: wait briefly for cancelled workers; refuse if work is still running.
-
-    `exclude` is the operation asking (when it checks from its own worker). With
-    `writing_ok` (a restore), an asynchronous save that is writing its file is no
-    obstacle: only a cancelled worker stuck in the runtime is.
-
-    Raises:
-        CheckpointBusyError: an asynchronous save is still writing, or a cancelled
-            worker is still blocked inside the runtime after `wait_s`.
-    """
-    end = time.monotonic() + wait_s
-    others = [op for op in live_operations() if op is not exclude]
-    for op in others:
-        if op.cancelled:
-            op.done.wait(max(end - time.monotonic(), 0.0))
-    busy = [op for op in others if not op.done.is_set() and not (writing_ok and not op.cancelled)]
-    if not busy:
-        return
-    op = busy[0]
-    if op.cancelled:
-        err = CheckpointBusyError(
-            f"cannot start: the {op.describe()} was given up and its worker is still blocked inside "
-            f"the runtime after {wait_s:g} s; starting another transfer over it could hang the same way")
-        err.add_note("The device or runtime is probably hung. Saving works again as soon as that call "
-                     "returns (xlakit.wait_until_idle() waits for it); if it never does, the process "
-                     "must be restarted. The last committed checkpoint is intact.")
-    else:
-        err = CheckpointBusyError(f"cannot start: the asynchronous {op.describe()} is still writing; a "
-                                  f"new save would compete with it for host memory and disk")
-        err.add_note("Call handle.result() on the previous save's handle (or xlakit.wait_until_idle()) "
-                     "before saving again.")
-    raise err
-
-
-def wait_until_idle(timeout_s: float | None = None) -> bool:
-    """Wait for every live operation's worker; False if some still run after `timeout_s`."""
-    end = None if timeout_s is None else time.monotonic() + timeout_s
-    for op in live_operations():
-        left = None if end is None else max(end - time.monotonic(), 0.0)
-        if not op.done.wait(left):
-            return False
-    return True
-
-
-def _at_exit() -> None:
-    """Let asynchronous saves commit, cancel the rest, and never leave a worker in native code."""
-    try:
-        for op in live_operations():
-            if op.background and not op.cancelled and not op.done.is_set():
-                log.warning("xlakit: waiting for the asynchronous %s to commit before exiting "
-                            "(at most %.0f s; Ctrl-C abandons it)", op.describe(), op.remaining())
-                op.done.wait(op.remaining() + STOP_GRACE_S)
-    except KeyboardInterrupt:
-        pass
-    for op in live_operations():
-        op.cancel("the interpreter is exiting")
-    end = time.monotonic() + EXIT_GRACE_S
-    for op in live_operations():
-        _wait_through_ctrl_c(op.done.wait, end)
-    stuck = [op for op in live_operations() if not op.done.is_set()]
-    if not stuck:
-        with _live_lock:
-            threads = [t for t in _threads if t.ident is not None]
-        for thread in threads:  # ended operations' threads are still freeing what they held
-            _wait_through_ctrl_c(lambda left, t=thread: t.join(left) or not t.is_alive(), end)
-        if not any(t.is_alive() for t in threads):
-            return
-        what = next(t.name for t in threads if t.is_alive())
-        log.error("xlakit: exiting without waiting for the thread %s: it is still inside the runtime "
-                  "after %.0f s", what, EXIT_GRACE_S)
-    else:
-        log.error("xlakit: exiting without waiting for the %s: its worker is blocked inside the runtime; "
-                  "nothing was committed", stuck[0].describe())
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    # A worker inside native code would abort the interpreter's shutdown (its thread is
-    # torn down under C++ frames); leave before that, with the status Python would give.
-    os._exit(130 if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt) else 1)
-
-
-def _wait_through_ctrl_c(wait: Callable[[float], bool], end: float) -> None:
-    """`wait(seconds left)` until it returns True or `end`; Ctrl-C does not cut the wait short.
-
-    At exit the waits are bounded and short; an interrupt escaping the exit hook would let the
-    interpreter finalize under the very threads being waited for.
-    """
-    while True:
-        try:
-            if wait(max(end - time.monotonic(), 0.0)) or time.monotonic() >= end:
-                return
-        except KeyboardInterrupt:
-            continue
-
-
-atexit.register(_at_exit)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from xlakit.checkpoint import archive, operation, paths, pickled, state, structure, transfer
+from xlakit.checkpoint import archive, paths, pickled, state, structure, transfer, workers
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import SaveOptions
 from xlakit.checkpoint.state import Plan, StorageEntry
@@ -54,7 +54,7 @@ def prepare(obj: Any, final: Path, opts: SaveOptions, *, check_target: bool = Tr
     """Everything checked before a byte is written: the target, the state's storages, its pickle."""
     if check_target:
         paths.check_target(final)
-    with operation.collection_paused():
+    with workers.collection_paused():
         plan = state.plan(obj)
         if any(s.device_type == "xla" for s in plan.storages):
             transfer.check_backend(opts.transfer_backend)
@@ -161,7 +161,7 @@ def commit_file(op: Operation, tmp: Path, final: Path) -> None:
 
 def save_file(obj: Any, final: Path, opts: SaveOptions) -> None:
     """Plan on the caller's thread, then sync, transfer, write and commit under one deadline."""
-    with operation.collection_paused():  # the caller waits for all of it
+    with workers.collection_paused():  # the caller waits for all of it
         job = prepare(obj, final, opts)
         op = Operation("save", final, Watch.of(opts), bytes_total=job.plan.nbytes)
         op.run(lambda op: write(op, job, device_batches(op, job.plan, opts)))

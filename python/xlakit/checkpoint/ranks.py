@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from xlakit.checkpoint import archive, background, folders, loading, operation, paths, pipeline
+from xlakit.checkpoint import archive, background, folders, loading, paths, pipeline, workers
 from xlakit.checkpoint.agreement import Coordination
 from xlakit.checkpoint.operation import Operation, Watch, remove_path
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
@@ -60,7 +60,7 @@ class CoordinatedSave:
         self.error: BaseException | None = None
         self.job: pipeline.FileSave | None = None
         try:
-            operation.check_idle()
+            workers.check_idle()
             if opts.layout == "replicated" and opts.writer_rank >= self.world:
                 raise ValueError(f"writer_rank={opts.writer_rank} is not a rank of this job "
                                  f"(0..{self.world - 1})")

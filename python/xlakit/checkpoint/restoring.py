@@ -34,7 +34,8 @@ import torch
 from xlakit.checkpoint import loading, spmd, structure
 from xlakit.checkpoint.archive import HASH, tensor_bytes
 from xlakit.checkpoint.matching import Target, match
-from xlakit.checkpoint.operation import Operation, Watch, check_idle, collection_paused
+from xlakit.checkpoint.operation import Operation, Watch
+from xlakit.checkpoint.workers import check_idle, collection_paused
 from xlakit.checkpoint.options import LoadOptions
 from xlakit.checkpoint.structure import TensorSpec
 

@@ -10,9 +10,13 @@ torch.distributed job every decision goes through the job's agreement
 (`agreement.decide`): the configuration
 when the managers start, the step before each save (rank 0 writes its
 record, or every rank learns why it could not), and the set of steps to
-delete after each commit (rank 0 moves them to the trash only once every
-rank proposed the same set and voted). Ranks call the manager's methods in
-the same order, as they call collectives.
+delete after each commit or at a rollback (rank 0 moves them to the trash
+only once every rank proposed the same set and voted). Ranks call the
+manager's methods in the same order, as they call collectives.
+
+A save at or below the latest committed step is refused: beside the newer
+steps it would fork the timeline (a restart resumes from the newest step,
+retention keeps it first). A rollback is the explicit `retire_steps_after`.
 
 Asynchronous saves run one at a time; the next `save`, `wait`, `restore` or
 `close` waits for the one in flight and raises its error, and runs retention
@@ -204,7 +208,7 @@ class CheckpointManager:
         def prepare(op) -> None:
             self._folder.renew(op, opts.timeout_s)  # object storage: the lease covers the save
             # The folder as it is now decides (rank 0's answer reaches every rank).
-            _refuse_at_or_below_latest(step, self._scan().committed, self.directory)
+            _refuse_at_or_below_latest(step, self._scan(op).committed, self.directory)
             self._folder.prepare(op, step, record)
 
         agreement.decide("manager save", self._folder.identity(step), {"step": step}, Watch.of(opts),
@@ -274,7 +278,7 @@ class CheckpointManager:
         doomed = sorted(s for s in (*found.committed, *found.pending) if s > step)
 
         def check(op) -> None:  # rank 0, on the folder as it is now
-            now = self._scan()
+            now = self._scan(op)
             if step not in now.committed:
                 raise ValueError(f"cannot retire the steps after {step} in {self.directory}: step {step} is "
                                  f"not committed there (committed: {sorted(now.committed) or 'none'}); name "
@@ -399,9 +403,9 @@ class CheckpointManager:
         below = bool(self._steps) and step < max(self._steps)
         return step % self.save_interval_steps == 0 and (below or step not in self._steps) and not in_flight
 
-    def _scan(self) -> steps.Scan:
+    def _scan(self, op=None) -> steps.Scan:
         """The folder as it is now; a step with a damaged record is named (once), never left out silently."""
-        found = self._folder.scan()
+        found = self._folder.scan(op)  # object storage: within `op`'s deadline
         for step, why in sorted(found.damaged.items()):
             if (step, why) not in self._damage_told:
                 self._damage_told.add((step, why))

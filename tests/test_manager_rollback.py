@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import xlakit
 from tests.ranks import Job
 from xlakit import cli
 from xlakit.checkpoint import steps
@@ -189,3 +190,20 @@ def test_ranks_that_disagree_on_a_rollback_delete_nothing(tmp_path):
         assert out["retire"]["error"] == "CheckpointPeerError" and "the ranks disagree on" in out["retire"]["message"]
         assert out["steps"] == [10, 20, 100], out
     assert entries(tmp_path) == ["10", "100", "20"]
+
+
+def test_on_a_bucket_a_rollback_never_touches_what_is_not_the_managers(bucket):
+    # (tests/test_objstore_manager.py's save into a user's prefix is now below the latest step,
+    # refused before the prefix is looked at: the same refusal above the latest is checked here.)
+    url = f"{bucket}/run"
+    loc = Location.parse(url)
+    with CheckpointManager(url) as mgr:
+        for step in (10, 20, 100):
+            mgr.save(step, state(step))
+        store_for(loc).put(None, loc.child("200/notes.txt"), b"a user's file named like a step")
+        with pytest.raises(xlakit.CheckpointWriteError, match="not a step of an xlakit manager"):
+            mgr.save(200, state(200))
+        assert mgr.retire_steps_after(10) == [20, 100]
+        assert mgr.all_steps() == [10] and mgr.save(20, state(20)) is True
+    assert entries(url) == ["10", "20", "200"]
+    assert sorted(store_for(loc).list(None, loc.child("200"))) == ["notes.txt"]

@@ -37,7 +37,7 @@ LAYERS = int(os.environ.get("BENCH_LAYERS", "60"))  # the jax program's depth (-
 
 def jax_program(wrapped: bool) -> dict:
     from tests import pjrt_job
-    from xlakit import pjrt_wrap
+    from xlakit.runtime import pjrt_wrap
 
     os.environ["JAX_PLATFORMS"] = "bench"
     import jax
@@ -97,7 +97,7 @@ def torch_xla_program() -> dict:
 
 def one(framework: str, mode: str) -> None:
     """In a fresh process: run the program, print timing and the wrapper's counters as JSON."""
-    from xlakit import pjrt_wrap
+    from xlakit.runtime import pjrt_wrap
 
     row = jax_program(mode != "plugin") if framework == "jax" else torch_xla_program()
     status = pjrt_wrap.status()

@@ -47,7 +47,7 @@ def _state(gib: float):
 
 
 def _fs(url: str):
-    from xlakit.checkpoint.storage.client import Location, store_for
+    from xlakit.checkpoint.objstore.client import Location, store_for
 
     return store_for(Location.parse(f"{url}/x")).fs
 
@@ -127,7 +127,7 @@ def main() -> None:
         return
     from tests.objstore_servers import Server
     from xlakit import _knobs
-    from xlakit.checkpoint.storage import upload
+    from xlakit.checkpoint.objstore import upload
 
     budgets = {s: _knobs.get_int(_knobs.MAX_INFLIGHT_BYTES) + upload.buffer_bytes("s3" if s == "s3" else "gcs")
                for s in ("gs", "s3")}

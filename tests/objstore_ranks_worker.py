@@ -97,7 +97,7 @@ def dcp(url: str) -> None:
 
 def kill(url: str) -> None:
     if RANK == VICTIM:
-        from xlakit.checkpoint.storage import upload
+        from xlakit.checkpoint.objstore import upload
 
         real_send = upload.Upload._send
 

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import xlakit  # noqa: E402
 from tests import objstore_servers  # noqa: E402
-from xlakit.checkpoint.storage import generations  # noqa: E402
+from xlakit.checkpoint.objstore import generations  # noqa: E402
 
 
 def say(**event) -> None:

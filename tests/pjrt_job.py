@@ -36,7 +36,7 @@ def xla_cpu_plugin() -> str:
 
 
 def run_jax(variant: int) -> list[bytes]:
-    from xlakit import pjrt_wrap
+    from xlakit.runtime import pjrt_wrap
 
     os.environ.setdefault("XLAKIT_PJRT_PLUGIN", lammps_plugin())
     os.environ["JAX_PLATFORMS"] = "xlakitcpu"
@@ -101,18 +101,18 @@ def main() -> None:
     parser.add_argument("--enable", help="xlakit.enable_persistent_cache(DIR) (torch_xla)")
     args = parser.parse_args()
     results = run_jax(args.variant) if args.framework == "jax" else run_torch_xla(args.variant, args.enable)
-    from xlakit import compile_cache, pjrt_wrap
+    from xlakit.runtime import compile_cache, pjrt_wrap
 
     import resource
 
     out = {"results": [r.hex() for r in results], "status": pjrt_wrap.status(),
            "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
     if args.framework == "torch_xla":
-        from xlakit import _manifest, doctor
+        from xlakit.runtime import manifest, doctor
 
         out["cache_stats"] = compile_cache.cache_stats()
-        m = _manifest.manifest()
-        out["manifest_line"] = _manifest.manifest_line(m)
+        m = manifest.manifest()
+        out["manifest_line"] = manifest.manifest_line(m)
         out["doctor"] = doctor.probe_pjrt_wrapper(m["pjrt_wrap"], m["runtime"].get("device_type")).render()
     print(json.dumps(out), flush=True)
     sys.stdout.flush()

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 import xlakit
-from xlakit import _pins, contract
+from xlakit.runtime import pins, contract
 
 pytestmark = [pytest.mark.xla, pytest.mark.slow]
 
 ROOT = str(Path(xlakit.__file__).resolve().parents[1])
-PINNED_LIBTPU = _pins.newest_pinned("libtpu", "tpu")
+PINNED_LIBTPU = pins.newest_pinned("libtpu", "tpu")
 ACCEPTED = ", ".join(contract.accepted_devices({})[0])
 
 
@@ -55,7 +55,7 @@ def _fake_torch_xla(tmp_path: Path, raises: str) -> str:
 
 @pytest.fixture
 def tpu_without_libtpu(tmp_path):
-    if _pins.installed_version("libtpu"):
+    if pins.installed_version("libtpu"):
         pytest.skip("libtpu is installed here")
     return _env(tmp_path, PJRT_DEVICE="TPU")
 

@@ -57,7 +57,7 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(tmp_path):
         "e = c.encode_entry(b'p', kind='executable', platform_name='a', platform_version='b',"
         " torch_xla_revision='c', patch_series_id='d');"
         "print(c.verify_entry(e)['status']);"
-        "import xlakit.pjrt_wrap as w; s = w.status(); assert s['built'] and s['built_api'], s;"
+        "import xlakit.runtime.pjrt_wrap as w; s = w.status(); assert s['built'] and s['built_api'], s;"
         "assert w.library_path().is_relative_to(%r)" % (str(venv), str(venv))
     )
     out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=60, env=env)

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 import xlakit
-from xlakit import _C, cache_files, compile_cache
-from xlakit.compile_cache import KEY_FILE
+from xlakit import _C
+from xlakit.runtime import cache_files, compile_cache
+from xlakit.runtime.compile_cache import KEY_FILE
 from xlakit.cli import main
 
 IDENTITY = dict(platform_name="tpu", platform_version="v1", patch_series_id="xlakit1:abc")
@@ -77,7 +78,7 @@ def test_verify_checksums_and_checks_identity(cache, capsys):
 def test_verify_of_a_clean_cache_made_by_xlakit_exits_zero(tmp_path, capsys):
     # Regression: the key file enable_persistent_cache writes was counted as a foreign, unloadable entry.
     (tmp_path / "1").write_bytes(_entry())
-    (tmp_path / xlakit.compile_cache.KEY_FILE).write_text(KEY_JSON)
+    (tmp_path / xlakit.runtime.compile_cache.KEY_FILE).write_text(KEY_JSON)
     assert main(["cache", "verify", str(tmp_path)]) == 0
     assert "2 files, " in capsys.readouterr().out
 
@@ -146,18 +147,18 @@ def test_links_and_subfolders_named_like_entries_are_listed_as_other(cache, caps
 def test_foreign_is_refused_outside_a_folder_xlakit_made(mixed, capsys):
     before = _tree(mixed)
     assert main(["cache", "prune", str(mixed), "--foreign"]) == 2
-    assert f"only in a folder xlakit.enable_persistent_cache made (it holds {xlakit.compile_cache.KEY_FILE})" in \
+    assert f"only in a folder xlakit.enable_persistent_cache made (it holds {xlakit.runtime.compile_cache.KEY_FILE})" in \
         capsys.readouterr().err
     assert _tree(mixed) == before
 
 
 def test_foreign_removes_only_entry_named_files_in_a_folder_xlakit_made(mixed, capsys):
-    (mixed / xlakit.compile_cache.KEY_FILE).write_text(KEY_JSON)
+    (mixed / xlakit.runtime.compile_cache.KEY_FILE).write_text(KEY_JSON)
     assert main(["cache", "prune", str(mixed), "--foreign"]) == 0
     left = {p.name for p in mixed.iterdir()}
     assert not left & {"12345", "678", "679"}
     assert left == {"__init__.py", ".gitkeep", "cache.lock", "empty", "README", "sub", "notes.bin", "4242",
-                    xlakit.compile_cache.KEY_FILE}
+                    xlakit.runtime.compile_cache.KEY_FILE}
     assert (mixed / "sub" / "target").exists() and (mixed / "sub" / "9").exists()
 
 
@@ -217,7 +218,7 @@ def test_a_killed_writers_temporary_is_kept_while_young_and_pruned_when_old(tmp_
 
 
 def test_an_entry_replaced_after_it_was_judged_is_kept(cache, monkeypatch, capsys):
-    judge = cache_files._classify
+    judge = cache_files.classify
     fresh = _entry(payload=b"fresh")
 
     def classify_then_a_writer_renames(path, st, **kw):  # a writer's rename lands between judging and unlinking
@@ -227,7 +228,7 @@ def test_an_entry_replaced_after_it_was_judged_is_kept(cache, monkeypatch, capsy
             os.replace(cache / "new", path)
         return report
 
-    monkeypatch.setattr(cache_files, "_classify", classify_then_a_writer_renames)
+    monkeypatch.setattr(cache_files, "classify", classify_then_a_writer_renames)
     assert main(["cache", "prune", str(cache)]) == 0
     assert "changed since it was checked, kept: 444" in capsys.readouterr().out
     assert (cache / "444").read_bytes() == fresh

@@ -22,7 +22,7 @@ import pytest
 
 import xlakit
 from tests.test_compile_cache import FakeXLAC
-from xlakit import _features, cache_trust, compile_cache
+from xlakit.runtime import features, cache_trust, compile_cache
 
 OTHER = 4242
 ROOT = str(Path(xlakit.__file__).resolve().parents[1])
@@ -42,7 +42,7 @@ def _as_user(code: str, *args: str, uid: int = OTHER, groups: str | None = None,
 
 JUDGE = """
 import dataclasses, json, sys
-from xlakit import cache_trust
+from xlakit.runtime import cache_trust
 v = cache_trust.judge(sys.argv[1], trust_shared=sys.argv[2] == "1")
 print(json.dumps({**dataclasses.asdict(v), "folder": str(v.folder)}))
 """
@@ -69,7 +69,7 @@ def enable(monkeypatch):
     import torch_xla.runtime as xr
 
     asked = []
-    monkeypatch.setattr(_features, "xlac", lambda: FakeXLAC(_features._import_xlac()[0]))
+    monkeypatch.setattr(features, "xlac", lambda: FakeXLAC(features._import_xlac()[0]))
     monkeypatch.setattr(xr, "initialize_cache", lambda path, readonly: asked.append(path))
     monkeypatch.delenv("XLAKIT_CACHE_TRUST_SHARED", raising=False)
     monkeypatch.delenv("XLAKIT_CACHE_KEY", raising=False)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from xlakit import _C, _knobs, compile_cache
+from xlakit import _C, _knobs
+from xlakit.runtime import compile_cache
 
 IDENTITY = dict(platform_name="tpu", platform_version="libtpu 0.0.36", patch_series_id="xlakit1:abc")
 

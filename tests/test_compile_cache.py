@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import xlakit
-from xlakit import _features, compile_cache
+from xlakit.runtime import features, compile_cache
 
 pytestmark = pytest.mark.xla
 
@@ -63,7 +63,7 @@ def test_key_describes_this_runtime():
 def test_key_carries_the_patched_runtimes_own_series_id(monkeypatch):
     # The id the C++ salts its keys with and writes into entries, read from the binary, never recomputed.
     series_id = "xlakit3:" + "cd" * 32
-    monkeypatch.setattr(_features, "build_info", lambda: {"patch_set": "xlakit3", "patch_series_id": series_id,
+    monkeypatch.setattr(features, "build_info", lambda: {"patch_set": "xlakit3", "patch_series_id": series_id,
                                                           "torch_xla_commit": "c" * 40, "xla_commit": "x" * 40})
     key = compile_cache.cache_key()
     assert key["patch_series_id"] == series_id and key["patch_set"] == "xlakit3"
@@ -101,14 +101,14 @@ def test_readonly_creates_nothing(monkeypatch, tmp_path):
     import torch_xla.runtime as xr
 
     asked = []
-    monkeypatch.setattr(_features, "xlac", lambda: FakeXLAC(_features._import_xlac()[0]))
+    monkeypatch.setattr(features, "xlac", lambda: FakeXLAC(features._import_xlac()[0]))
     monkeypatch.setattr(xr, "initialize_cache", lambda path, readonly: asked.append((path, readonly)))
     where = xlakit.enable_persistent_cache(tmp_path / "shared", readonly=True)
     assert asked == [(str(where), True)] and not (tmp_path / "shared").exists()
 
 
 def test_unwritable_folder_is_refused_naming_it(monkeypatch, tmp_path):
-    monkeypatch.setattr(_features, "xlac", lambda: FakeXLAC(_features._import_xlac()[0]))
+    monkeypatch.setattr(features, "xlac", lambda: FakeXLAC(features._import_xlac()[0]))
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with pytest.raises(xlakit.CompileCacheError, match="expected a writable cache folder"):
@@ -131,7 +131,7 @@ def enable_here(monkeypatch):
     """The real enable_persistent_cache before any compilation; torch_xla's own switch is recorded, not flipped."""
     import torch_xla.runtime as xr
 
-    monkeypatch.setattr(_features, "xlac", lambda: FakeXLAC(_features._import_xlac()[0]))
+    monkeypatch.setattr(features, "xlac", lambda: FakeXLAC(features._import_xlac()[0]))
     monkeypatch.setattr(xr, "initialize_cache", lambda path, readonly: None)
     monkeypatch.delenv("XLAKIT_CACHE_TRUST_SHARED", raising=False)
     return xlakit.enable_persistent_cache

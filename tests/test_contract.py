@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import xlakit
-from xlakit import _pins, contract
+from xlakit.runtime import pins, contract
 
 BAD = "--xla_tpu_enable_latency_hiding_scheduler=true --xla_disable_hlo_passes=rematerialization"
 REPLACEMENT = "--xla_jf_vmem_memory_space_assignment=false"
@@ -53,7 +53,7 @@ def test_absl_negated_spelling_is_the_same_flag():
     assert len(problems) == 1 and "--noxla_disable_hlo_passes" in problems[0]
 
 
-@pytest.mark.skipif(_pins.installed_version("libtpu") is not None, reason="libtpu is installed: its version rules")
+@pytest.mark.skipif(pins.installed_version("libtpu") is not None, reason="libtpu is installed: its version rules")
 def test_without_libtpu_the_pinned_tpu_profile_decides(tmp_path):
     problems = contract.contract_violations(env={"LIBTPU_INIT_ARGS": BAD}, pins=PINS)
     assert len(problems) == 1 and "the newest the pinned tpu profile allows" in problems[0]
@@ -82,7 +82,7 @@ def test_flag_table_rows_are_well_formed():
     assert rows, "the shipped libtpu flag table is empty"
     for row in rows:
         assert row.name and not row.name.startswith("-") and "=" not in row.name
-        _pins.release(row.removed_in)  # raises on a malformed version
+        pins.release(row.removed_in)  # raises on a malformed version
         assert row.replacement == "" or row.replacement.startswith("--")
     assert contract.RemovedFlag("xla_disable_hlo_passes", "0.0.37", REPLACEMENT) in rows
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import xlakit
-from xlakit import doctor
+from xlakit.runtime import doctor
 
 pytestmark = pytest.mark.xla
 

@@ -9,7 +9,7 @@ import torch
 import xlakit
 from xlakit import _knobs
 from xlakit.checkpoint import transfer
-from xlakit.checkpoint.storage import upload
+from xlakit.checkpoint.objstore import upload
 
 # How each knob is read where xlakit reads it, and values that must be refused.
 _READERS = {
@@ -92,9 +92,9 @@ def test_patched_transfer_on_a_stock_build_is_refused_before_anything_is_written
     # AttributeError ("module '_XLAC' has no attribute '_xla_transfer_to_host'") from inside the save.
     import torch_xla
 
-    from xlakit import _features
+    from xlakit.runtime import features
 
-    if _features.has_binding(_features.TRANSFER_TO_HOST):
+    if features.has_binding(features.TRANSFER_TO_HOST):
         pytest.skip("this torch_xla is xlakit's patched build")
     state = {"w": torch.ones(4, device=torch_xla.device()), "cpu": torch.zeros(2)}
     if from_env:

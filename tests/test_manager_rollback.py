@@ -19,7 +19,7 @@ from tests.ranks import Job
 from xlakit import cli
 from xlakit.checkpoint import steps
 from xlakit.checkpoint.manager import CheckpointManager
-from xlakit.checkpoint.storage.client import Location, store_for
+from xlakit.checkpoint.objstore.client import Location, store_for
 
 pytestmark = pytest.mark.usefixtures("no_pending_save")
 WORKER = Path(__file__).resolve().parent / "rollback_worker.py"

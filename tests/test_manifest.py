@@ -12,7 +12,8 @@ import pytest
 
 import xlakit
 from tests.fakes import FakePatchedXLAC
-from xlakit import _features, _manifest, _pins, cli
+from xlakit import cli
+from xlakit.runtime import features, manifest, pins
 
 PINS = Path(__file__).resolve().parent.parent / "VERSIONS.toml"
 
@@ -58,7 +59,7 @@ def test_the_installed_cpu_dev_stack_has_no_drift(m):
 def _pins_copy(tmp_path: Path, old: str, new: str) -> Path:
     text = PINS.read_text()
     assert old in text, f"VERSIONS.toml no longer holds {old!r}"
-    out = tmp_path / "pins.toml"
+    out = tmp_path / "_pins.toml"
     out.write_text(text.replace(old, new))
     return out
 
@@ -77,8 +78,8 @@ def test_drift_is_reported_against_a_profile_that_differs(tmp_path, capsys):
 
 
 def test_stock_wheels_drift_from_the_tpu_profile(m):
-    drift = {d["what"]: d for d in _manifest.drift(m, "tpu", PINS)}
-    level = _pins.load(PINS)["xlakit"]["patch_level"]
+    drift = {d["what"]: d for d in manifest.drift(m, "tpu", PINS)}
+    level = pins.load(PINS)["xlakit"]["patch_level"]
     assert drift["patch set"]["expected"] == f"xlakit{level}" and drift["patch set"]["found"] == "stock"
     assert drift["torch git revision"]["expected"] == "21fec65781bebe867faf209f89bb687ffd236ca4"
     assert drift["torch_xla git revision"]["found"].startswith("unknown")  # stock wheels do not record it
@@ -93,7 +94,7 @@ def test_check_passes_on_the_pinned_stack(capsys):
 def test_json_output_is_the_manifest(capsys):
     assert cli.main(["manifest", "--json", "--profile", "cpu-dev", "--pins", str(PINS)]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed["schema"] == _manifest.SCHEMA and printed["patches"]["patch_set"] == "stock"
+    assert printed["schema"] == manifest.SCHEMA and printed["patches"]["patch_set"] == "stock"
 
 
 def test_manifest_line_format(m):
@@ -119,13 +120,13 @@ def test_log_manifest_logs_the_row_and_json(caplog):
 
 
 def test_patched_build_info_is_read_from_the_binding(monkeypatch):
-    patch_set = f"xlakit{_pins.load(PINS)['xlakit']['patch_level']}"
+    patch_set = f"xlakit{pins.load(PINS)['xlakit']['patch_level']}"
     build = {"patch_set": patch_set, "patches": ["0001-add-build-info.patch"], "series_sha256": "ab" * 32,
              "patch_series_id": "xlakit3:" + "cd" * 16,
              "torch_xla_commit": "c04e61c3424142c0eebcc9e59984b9d8fced18c0",
              "xla_commit": "9a9aa0e11e4fcda8d6a9c3267dca6776ddbdb0ca"}
-    fake = FakePatchedXLAC(_features.xlac(), _xlakit_build_info=lambda: dict(build))
-    monkeypatch.setattr(_features, "xlac", lambda: fake)
+    fake = FakePatchedXLAC(features.xlac(), _xlakit_build_info=lambda: dict(build))
+    monkeypatch.setattr(features, "xlac", lambda: fake)
     m = xlakit.manifest(profile="tpu", pins=PINS)
     # Regression: the patch series id the runtime checks cache entries against was not reported.
     assert m["patches"] == {k: build[k] for k in ("patch_set", "patches", "series_sha256", "patch_series_id")}
@@ -143,19 +144,19 @@ def test_patched_build_info_is_read_from_the_binding(monkeypatch):
     ("0.0.38", {"floor": "0.0.36", "allowed": ["0.0.36", "0.0.37"]}, False),
 ])
 def test_pin_matching(found, spec, ok):
-    assert _pins.satisfies(found, spec) is ok
+    assert pins.satisfies(found, spec) is ok
 
 
 def test_profile_choice(monkeypatch):
     monkeypatch.delenv("XLAKIT_PROFILE", raising=False)
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
-    assert _pins.choose_profile()[0] == "tpu"
+    assert pins.choose_profile()[0] == "tpu"
     monkeypatch.setenv("XLAKIT_PROFILE", "cpu-dev")
-    assert _pins.choose_profile() == ("cpu-dev", "from XLAKIT_PROFILE")
-    assert _pins.choose_profile("tpu") == ("tpu", "given explicitly")
+    assert pins.choose_profile() == ("cpu-dev", "from XLAKIT_PROFILE")
+    assert pins.choose_profile("tpu") == ("tpu", "given explicitly")
     monkeypatch.delenv("XLAKIT_PROFILE")
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    assert _pins.choose_profile()[0] == ("tpu" if _pins.installed_version("libtpu") else "cpu-dev")
+    assert pins.choose_profile()[0] == ("tpu" if pins.installed_version("libtpu") else "cpu-dev")
 
 
 def test_unknown_profile_names_the_known_ones():
@@ -165,13 +166,13 @@ def test_unknown_profile_names_the_known_ones():
 
 def test_missing_pins_file_says_how_to_fix(tmp_path):
     with pytest.raises(xlakit.PinsError, match="reinstall xlakit"):
-        _pins.load(tmp_path / "nope.toml")
+        pins.load(tmp_path / "nope.toml")
 
 
 def test_the_package_reads_its_baked_pins_not_the_checkout(monkeypatch, tmp_path):
-    assert _pins.baked_path() == Path(xlakit.__file__).parent / "_pins.toml"
+    assert pins.baked_path() == Path(xlakit.__file__).parent / "_pins.toml"
     baked = _pins_copy(tmp_path, 'torch = "2.9.0"', 'torch = "2.8.0"')
-    monkeypatch.setattr(_pins, "baked_path", lambda: baked)  # an installed copy that differs from the checkout
+    monkeypatch.setattr(pins, "baked_path", lambda: baked)  # an installed copy that differs from the checkout
     m = xlakit.manifest(profile="cpu-dev")
     assert m["profile"]["pins"] == str(baked) and [d["what"] for d in m["drift"]] == ["torch"]
 

@@ -6,7 +6,9 @@ import pytest
 
 import xlakit
 from tests.fakes import FakePatchedXLAC
-from xlakit import _features, cli, memory
+from xlakit import cli
+from xlakit.cli import runtime as cli_runtime
+from xlakit.runtime import features, memory
 
 pytestmark = pytest.mark.xla
 
@@ -14,7 +16,7 @@ pytestmark = pytest.mark.xla
 
 @pytest.fixture
 def local_devices():
-    return list(_features.xlac()._xla_get_runtime_devices())
+    return list(features.xlac()._xla_get_runtime_devices())
 
 
 def test_cpu_client_answers_not_supported_clearly(local_devices):
@@ -44,8 +46,8 @@ def test_patched_binding_is_asked_by_raw_device(monkeypatch, local_devices):
         calls.append(device)
         return {"bytes_used": 1 << 30, "bytes_limit": 32 << 30, "peak_bytes_used": None}
 
-    fake = FakePatchedXLAC(_features.xlac(), _xla_runtime_memory_info=runtime_memory_info)
-    monkeypatch.setattr(_features, "xlac", lambda: fake)
+    fake = FakePatchedXLAC(features.xlac(), _xla_runtime_memory_info=runtime_memory_info)
+    monkeypatch.setattr(features, "xlac", lambda: fake)
     monkeypatch.setenv("XLA_USE_SPMD", "1")  # the patched binding answers under SPMD too
     info = xlakit.memory_info(local_devices[0])
     assert calls == [local_devices[0]]
@@ -57,8 +59,8 @@ def test_patched_binding_unsupported_error_becomes_the_reason(monkeypatch, local
     def runtime_memory_info(device):
         raise RuntimeError(f"allocator statistics are not supported by the CPU client ({device})")
 
-    fake = FakePatchedXLAC(_features.xlac(), _xla_runtime_memory_info=runtime_memory_info)
-    monkeypatch.setattr(_features, "xlac", lambda: fake)
+    fake = FakePatchedXLAC(features.xlac(), _xla_runtime_memory_info=runtime_memory_info)
+    monkeypatch.setattr(features, "xlac", lambda: fake)
     info = xlakit.memory_info(local_devices[0])
     assert not info.supported and info.unsupported.startswith("allocator statistics are not supported")
 
@@ -70,8 +72,8 @@ def test_stock_fallback_maps_the_raw_device_to_its_torch_device(monkeypatch, loc
         asked.append(torch_device)
         return {"bytes_used": 10, "bytes_limit": 100, "peak_bytes_used": 20}
 
-    fake = FakePatchedXLAC(_features.xlac(), _xla_memory_info=stock_memory_info)
-    monkeypatch.setattr(_features, "xlac", lambda: fake)
+    fake = FakePatchedXLAC(features.xlac(), _xla_memory_info=stock_memory_info)
+    monkeypatch.setattr(features, "xlac", lambda: fake)
     info = xlakit.memory_info(local_devices[-1])
     assert asked == [f"xla:{len(local_devices) - 1}"]
     assert info.source == "_xla_memory_info" and info.bytes_used == 10
@@ -92,6 +94,6 @@ def test_cli_prints_a_table(capsys, local_devices):
 
 
 def test_table_formats_bytes():
-    table = memory.format_table([memory.MemoryInfo("TPU:0", 3 << 30, 32 << 30, 512, "_xla_runtime_memory_info")])
+    table = cli_runtime.format_table([memory.MemoryInfo("TPU:0", 3 << 30, 32 << 30, 512, "_xla_runtime_memory_info")])
     assert table.splitlines()[1].split() == ["TPU:0", "3.0", "GiB", "32.0", "GiB", "512", "B",
                                              "_xla_runtime_memory_info"]

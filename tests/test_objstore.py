@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint.storage import generations
-from xlakit.checkpoint.storage.client import Location, store_for
+from xlakit.checkpoint.objstore import generations
+from xlakit.checkpoint.objstore.client import Location, store_for
 
 WORKER = Path(__file__).resolve().parent / "objstore_worker.py"
 SMALL_PARTS = {"XLAKIT_OBJECT_PART_BYTES": str(5 << 20), "XLAKIT_OBJECT_CHUNK_BYTES": str(5 << 20)}

@@ -10,7 +10,7 @@ import torch
 
 import xlakit
 from xlakit import cli
-from xlakit.checkpoint.storage.client import Location, store_for
+from xlakit.checkpoint.objstore.client import Location, store_for
 
 
 @pytest.fixture
@@ -217,13 +217,13 @@ def test_convert_never_saves_over_a_manager_a_step_or_objects_that_are_not_xlaki
 
 
 def test_a_step_being_deleted_or_with_a_damaged_record_is_not_verified_ok(bucket, capsys):
-    from xlakit.checkpoint.storage import objsteps
+    from xlakit.checkpoint import bucket_steps
 
     url = f"{bucket}/run"
     with xlakit.CheckpointManager(url) as mgr:
         for step in (1, 2):
             mgr.save(step, state(step))
-    objsteps.BucketFolder(url).discard([1])  # a retention's first act, before a kill could stop it
+    bucket_steps.BucketFolder(url).discard([1])  # a retention's first act, before a kill could stop it
     code, out, _ = ckpt(capsys, "verify", f"{url}/1")
     assert code == 1 and "retention is deleting" in out
     record = Location.parse(f"{url}/2/xlakit-step.json")

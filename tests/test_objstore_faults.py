@@ -15,7 +15,7 @@ import torch
 
 import xlakit
 from tests.flaky_proxy import FAIL, LOSE, FlakyProxy
-from xlakit.checkpoint.storage.client import Location, store_for
+from xlakit.checkpoint.objstore.client import Location, store_for
 
 MiB = 1 << 20
 
@@ -117,7 +117,7 @@ def test_a_request_outside_any_operation_ends_at_the_request_timeout(flaky, monk
     """A manager URL's scan (`xlakit ckpt ls`) runs outside any operation: its requests, retries
     included, end at XLAKIT_OBJECT_REQUEST_TIMEOUT_S (they were retried for ever)."""
     from xlakit import cli
-    from xlakit.checkpoint.storage import objsteps
+    from xlakit.checkpoint import bucket_steps
 
     proxy, bucket, scheme = flaky
     monkeypatch.setenv("XLAKIT_OBJECT_REQUEST_TIMEOUT_S", "4")
@@ -125,7 +125,7 @@ def test_a_request_outside_any_operation_ends_at_the_request_timeout(flaky, monk
     proxy.add(lambda *_: True, FAIL, times=10 ** 9)
     start = time.monotonic()
     with pytest.raises(xlakit.CheckpointTimeoutError, match="deadline"):
-        objsteps.BucketFolder(f"{bucket}/run").scan()
+        bucket_steps.BucketFolder(f"{bucket}/run").scan()
     assert time.monotonic() - start < 4 + 3
     start = time.monotonic()
     assert cli.main(["ckpt", "ls", f"{bucket}/run"]) == 2

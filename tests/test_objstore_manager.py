@@ -13,8 +13,9 @@ import torch
 
 import xlakit
 from xlakit.checkpoint import paths
-from xlakit.checkpoint.storage import lease, objsteps
-from xlakit.checkpoint.storage.client import Location, store_for
+from xlakit.checkpoint.objstore import lease
+from xlakit.checkpoint import bucket_steps
+from xlakit.checkpoint.objstore.client import Location, store_for
 
 
 def names(url: str) -> list[str]:
@@ -63,7 +64,7 @@ def test_a_retention_killed_after_its_deletion_record_is_finished_by_the_next_ma
     with xlakit.CheckpointManager(url, layout="dcp") as mgr:
         for step in (1, 2):
             mgr.save(step, {"w": torch.full((4,), float(step)), "step": step})
-    objsteps.BucketFolder(url).discard([1])  # what a retention does before a kill could stop it
+    bucket_steps.BucketFolder(url).discard([1])  # what a retention does before a kill could stop it
     assert [n for n in names(url) if n.startswith("1/")]  # still there, but not a step any more
     with xlakit.CheckpointManager(url, layout="dcp") as mgr:
         assert mgr.all_steps() == [2]

@@ -16,8 +16,8 @@ import xlakit
 from tests import ranks
 from tests.objstore_ranks_worker import DEADLINE_S, VICTIM
 from tests.objstore_servers import REFUSED
-from xlakit.checkpoint.storage import generations
-from xlakit.checkpoint.storage.client import Location, store_for
+from xlakit.checkpoint.objstore import generations
+from xlakit.checkpoint.objstore.client import Location, store_for
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 WORKER = Path(__file__).resolve().parent / "objstore_ranks_worker.py"

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from tests import pjrt_job
-from xlakit import _C, _pins, cache_files, pjrt_wrap
+from xlakit import _C
+from xlakit.runtime import pins, cache_files, pjrt_wrap
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = Path(pjrt_job.__file__)
@@ -186,7 +187,7 @@ def test_a_folder_others_can_write_is_refused(tmp_path):
     assert not list(folder.iterdir())
     # The same rule, and the same words, as enable_persistent_cache (one implementation).
     with pytest.raises(Exception, match="writable by group"):
-        from xlakit import compile_cache
+        from xlakit.runtime import compile_cache
 
         compile_cache._trusted(folder, trust_shared=False)
 
@@ -368,7 +369,7 @@ def test_torch_xla_refuses_an_untrusted_folder_before_the_runtime_starts(tmp_pat
 
 def test_status_without_a_runtime_and_the_library_it_reports():
     s = pjrt_wrap.status()
-    pin = _pins.load()["pjrt_wrap"]["header"]["api_version"]
+    pin = pins.load()["pjrt_wrap"]["header"]["api_version"]
     assert s["built"] and not s["loaded"] and not s["active"] and s["built_api"] == pin
     # Regression (CI): status() maps the file itself; a second call must not call that a runtime's load.
     assert not pjrt_wrap.status()["loaded"]

@@ -1,5 +1,5 @@
 // xlakit's torch_xla._XLAC bindings; see xlakit_bindings.h. Names and return
-// shapes are the contract with python/xlakit/_features.py.
+// shapes are the contract with python/xlakit/runtime/features.py.
 #include "torch_xla/csrc/xlakit/xlakit_bindings.h"
 
 #include <pybind11/stl.h>

@@ -5,8 +5,8 @@ patched binding exists it is used, otherwise the stock path that behaves best.
 """
 
 from xlakit._version import __version__
-from xlakit.compile_cache import cache_stats, enable_persistent_cache
-from xlakit.contract import check_run_contract
+from xlakit.runtime.compile_cache import cache_stats, enable_persistent_cache
+from xlakit.runtime.contract import check_run_contract
 from xlakit.checkpoint.options import LoadOptions, Progress, SaveOptions
 from xlakit.errors import (
     CacheFolderTrustError,
@@ -29,8 +29,8 @@ from xlakit.errors import (
     RuntimeFeatureError,
     XlakitError,
 )
-from xlakit._manifest import log_manifest, manifest, manifest_line
-from xlakit.memory import MemoryInfo, memory_info
+from xlakit.runtime.manifest import log_manifest, manifest, manifest_line
+from xlakit.runtime.memory import MemoryInfo, memory_info
 
 # Loaded on first use so that `import xlakit` (and the CLI) works where torch is
 # missing or broken; `xlakit doctor` has to run exactly there. The checkpoint

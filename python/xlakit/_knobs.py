@@ -25,7 +25,7 @@ TRANSFER_BACKEND = "XLAKIT_TRANSFER_BACKEND"
 PROFILE = "XLAKIT_PROFILE"  # VERSIONS.toml profile the manifest checks against
 PREEMPTION_GRACE_S = "XLAKIT_PREEMPTION_GRACE_S"  # CheckpointManager: SIGTERM to the last moment to save
 DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
-# Object storage (checkpoint/storage): S3, the size of one upload part and how many are sent at once
+# Object storage (checkpoint/objstore): S3, the size of one upload part and how many are sent at once
 # (host memory for the upload: part bytes times parts in flight, plus the one being filled); GCS,
 # the size of one resumable upload chunk (one is sent while the next fills).
 OBJECT_PART_BYTES = "XLAKIT_OBJECT_PART_BYTES"
@@ -34,7 +34,7 @@ OBJECT_CHUNK_BYTES = "XLAKIT_OBJECT_CHUNK_BYTES"
 # The bound of one object-storage request made outside a save or load's deadline (listings of
 # `xlakit ckpt`, a manager's scan).
 OBJECT_REQUEST_TIMEOUT_S = "XLAKIT_OBJECT_REQUEST_TIMEOUT_S"
-# How long a CheckpointManager's lease on an object-storage URL lasts unless renewed (storage/lease.py).
+# How long a CheckpointManager's lease on an object-storage URL lasts unless renewed (checkpoint/objstore/lease.py).
 MANAGER_LEASE_S = "XLAKIT_MANAGER_LEASE_S"
 # Accept a persistent cache folder a group you belong to can write (see cache_trust); the PJRT
 # wrapping plugin reads it too, so its name comes from the C++ (csrc/pjrt_wrap/env.h).

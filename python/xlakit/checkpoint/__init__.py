@@ -34,7 +34,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xlakit.checkpoint import storage
+from xlakit.checkpoint import objstore
 from xlakit.checkpoint.options import LoadOptions, SaveOptions, resolve
 
 if TYPE_CHECKING:
@@ -80,9 +80,9 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
     from xlakit.checkpoint import background, operation, pipeline
 
     opts: SaveOptions = resolve(SaveOptions, options, overrides)
-    storage.check_url(path)
+    objstore.check_url(path)
     background.check_previous()  # an unseen background failure speaks first
-    if storage.is_url(path):
+    if objstore.is_url(path):
         return _save_url(obj, path, opts)
     final = Path(path)
     if opts.layout != "single":
@@ -98,12 +98,12 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
 
 def _save_url(obj: Any, url: str, opts: SaveOptions) -> "SaveHandle | None":
     from xlakit.checkpoint import operation
-    from xlakit.checkpoint.storage import objfile, objranks
+    from xlakit.checkpoint import bucket_file, bucket_ranks
 
     if opts.layout != "single":
-        return objranks.save(obj, url, opts)
+        return bucket_ranks.save(obj, url, opts)
     operation.check_idle()
-    return objfile.save_file(obj, url, opts)
+    return bucket_file.save_file(obj, url, opts)
 
 
 def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overrides: Any) -> Any:
@@ -140,11 +140,11 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     if not opts.strict:
         raise ValueError("strict=False applies to xlakit.restore (a template that lacks some of the "
                          "checkpoint's entries); xlakit.load returns every entry")
-    storage.check_url(path)
-    if storage.is_url(path):
-        from xlakit.checkpoint.storage import objranks
+    objstore.check_url(path)
+    if objstore.is_url(path):
+        from xlakit.checkpoint import bucket_ranks
 
-        return objranks.load(path, opts)
+        return bucket_ranks.load(path, opts)
     final = Path(path)
     if final.is_dir():
         return _load_folder(final, opts)
@@ -227,11 +227,11 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
     if opts.mmap:
         raise ValueError("mmap does not apply to restore: the values go into the template's own memory")
-    storage.check_url(path)
-    if storage.is_url(path):
-        from xlakit.checkpoint.storage import objranks
+    objstore.check_url(path)
+    if objstore.is_url(path):
+        from xlakit.checkpoint import bucket_ranks
 
-        return objranks.restore(path, template, opts)
+        return bucket_ranks.restore(path, template, opts)
     final = Path(path)
     if final.is_dir():
         return _restore_folder(final, template, opts)
@@ -295,11 +295,11 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
     from xlakit.checkpoint import agreement, background
 
     background.check_previous()
-    storage.check_url(path)
-    if storage.is_url(path):
-        from xlakit.checkpoint.storage import objdcp
+    objstore.check_url(path)
+    if objstore.is_url(path):
+        from xlakit.checkpoint import bucket_dcp
 
-        return objdcp.save(state, path, opts)
+        return bucket_dcp.save(state, path, opts)
     if agreement.world_size() > 1:
         from xlakit.checkpoint import dcp_ranks
 
@@ -349,11 +349,11 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
             raise ValueError(f"{name} applies to xlakit.load's files, not to DCP folders")
     from xlakit.checkpoint import agreement
 
-    storage.check_url(path)
-    if storage.is_url(path):
-        from xlakit.checkpoint.storage import objdcp
+    objstore.check_url(path)
+    if objstore.is_url(path):
+        from xlakit.checkpoint import bucket_dcp
 
-        return objdcp.load(state, path, opts)
+        return bucket_dcp.load(state, path, opts)
     if agreement.world_size() > 1:
         from xlakit.checkpoint import dcp_ranks
 

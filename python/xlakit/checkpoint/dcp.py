@@ -104,7 +104,7 @@ def write_folder(op: Operation, state: dict, device: list[torch.Tensor], folder:
     """Sync, then let DCP write this process's part of `state` into `folder`; its file names.
 
     With `group` (several ranks) DCP's plan and metadata exchange run on it. `writer`
-    replaces the file writer into `folder` (object storage: `storage/objdcp.py`).
+    replaces the file writer into `folder` (object storage: `bucket_dcp.py`).
     """
     if device:
         op.enter("sync")
@@ -140,7 +140,7 @@ def verify_files(op: Operation, final: Path, record: dict, names: list[str]) -> 
 def read_folder(op: Operation, state: dict, final: Path | None, group: Any = None, *,
                 reader: "StagedReader | None" = None) -> None:
     """Let DCP fill `state` in place from the committed folder `final` (on `group` if given);
-    `reader` replaces the file reader of `final` (object storage: `storage/objdcp.py`)."""
+    `reader` replaces the file reader of `final` (object storage: `bucket_dcp.py`)."""
     device = device_tensors(state)
     if device:
         # The SPMD planner reads shard buffers of the targets: they must be materialised.

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.utils._pytree import tree_leaves
 
-from xlakit import _features
+from xlakit.runtime import features
 from xlakit.checkpoint import spmd, transfer
 from xlakit.checkpoint.operation import Operation
 from xlakit.checkpoint.options import SaveOptions
@@ -106,7 +106,7 @@ def _shard_item(fqn: str, i: int, index: tuple[slice, ...], t: torch.Tensor) -> 
 
 
 def _flatten(state: dict) -> tuple[dict, dict]:
-    if _features.xlac() is not None:
+    if features.xlac() is not None:
         from torch_xla.experimental.distributed_checkpoint._helpers import flatten_state_dict
     else:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -114,7 +114,7 @@ def _flatten(state: dict) -> tuple[dict, dict]:
 
 
 def load_planner_base() -> type:
-    if _features.xlac() is not None:
+    if features.xlac() is not None:
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
         return SPMDLoadPlanner

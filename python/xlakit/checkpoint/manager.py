@@ -4,7 +4,7 @@ The manager adds policy, not a new way to write: each step is one
 `xlakit.save` (or `dcp_save`) into `<directory>/<step>/`, committed by that
 save's own commit point, and the steps are whatever `steps.scan` finds
 committed on disk (see `steps.py` for the layout and why a crash at any
-moment leaves a consistent view; `storage/objsteps.py` for the same on
+moment leaves a consistent view; `bucket_steps.py` for the same on
 object storage, where a lease replaces the folder's lock). In a
 torch.distributed job every decision goes through the job's agreement
 (`agreement.decide`): the configuration
@@ -47,7 +47,7 @@ from xlakit.checkpoint import agreement, readonly, retention, steps
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
-from xlakit.checkpoint.steps import folder_at
+from xlakit.checkpoint.step_folders import folder_at
 from xlakit.errors import CheckpointTimeoutError
 
 log = logging.getLogger("xlakit")

@@ -70,7 +70,7 @@ class CoordinatedSave:
 
     @staticmethod
     def identity(path: Path) -> str:
-        """What every rank must name alike (object storage: the URL, storage/objranks.py)."""
+        """What every rank must name alike (object storage: the URL, bucket_ranks.py)."""
         return os.path.abspath(path)
 
     def _prepare(self, obj: Any) -> pipeline.FileSave | None:
@@ -192,7 +192,7 @@ def _rename_shard(op: Operation, tmp: Path, final: Path) -> None:
 def save(obj: Any, path: Path, opts: SaveOptions, *,
          saver: type[CoordinatedSave] = CoordinatedSave) -> background.SaveHandle | None:
     """`xlakit.save` with layout 'replicated' or 'sharded' (see the module docstring); `saver`
-    is this rank's part (object storage: `storage/objranks.py`)."""
+    is this rank's part (object storage: `bucket_ranks.py`)."""
     save_ = saver(obj, path, opts)
     if opts.asynchronous:
         job = save_.job or pipeline.FileSave(path, opts, _empty_plan(), b"", b"")

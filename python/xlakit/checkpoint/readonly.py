@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from xlakit.checkpoint import retention, steps, storage
+from xlakit.checkpoint import retention, step_folders, steps, objstore
 from xlakit.checkpoint.options import LoadOptions, _seconds
 from xlakit.errors import CheckpointCorruptError, CheckpointIncompleteError
 
@@ -105,9 +105,9 @@ class ReadOnlyCheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike):
-        self._folder = steps.folder_at(directory)
+        self._folder = step_folders.folder_at(directory)
         self.directory = self._folder.directory
-        if not storage.is_url(directory) and not self.directory.is_dir():
+        if not objstore.is_url(directory) and not self.directory.is_dir():
             what = "is a file" if self.directory.exists() else "does not exist"
             raise FileNotFoundError(errno.ENOENT, f"{self.directory} {what}; a read-only manager reads an "
                                     f"existing CheckpointManager folder (it never creates one)",

@@ -41,14 +41,11 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from xlakit.checkpoint import folders, paths
 from xlakit.checkpoint.operation import remove_path
 from xlakit.errors import CheckpointBusyError, CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
-if TYPE_CHECKING:
-    from xlakit.checkpoint.storage import objsteps
 
 STEP_RECORD = "xlakit-step.json"
 STEP_FORMAT = "xlakit-step"
@@ -360,7 +357,7 @@ def folder_bytes(path: Path) -> int:
 
 
 class LocalFolder:
-    """A manager folder on a file system, as `CheckpointManager` uses it (`storage/objsteps.py` is
+    """A manager folder on a file system, as `CheckpointManager` uses it (`bucket_steps.py` is
     the same on object storage)."""
 
     def __init__(self, directory: Path):
@@ -409,18 +406,3 @@ class LocalFolder:
 
     def clean(self) -> list:
         return clean(self.directory)
-
-
-def folder_at(directory: str | os.PathLike) -> "LocalFolder | objsteps.BucketFolder":
-    """A manager folder: on a file system, or a URL on object storage (storage/objsteps.py)."""
-    from xlakit.checkpoint import storage
-
-    if isinstance(directory, (str, os.PathLike)) and os.fspath(directory) == "":
-        raise ValueError("a manager folder cannot be the empty path (it would be the working "
-                         "directory): name the folder, e.g. 'checkpoints/run1'")
-    storage.check_url(directory)
-    if storage.is_url(directory):
-        from xlakit.checkpoint.storage import objsteps
-
-        return objsteps.BucketFolder(directory)
-    return LocalFolder(Path(directory))

@@ -59,7 +59,7 @@ def read_state(path: Path) -> tuple[Any, describe.Kind]:
 
 def read_dcp(reader: Any, where: str) -> dict[str, Any]:
     """Every value of the DCP checkpoint `reader` reads (a folder's, or a bucket's through
-    `storage/objinspect.py`; its metadata read through `dcp_metadata`'s allowlist), flat by name:
+    `bucket_describe.py`; its metadata read through `dcp_metadata`'s allowlist), flat by name:
     full tensors, other values weights-only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner

@@ -24,7 +24,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from xlakit import _features, _knobs
+from xlakit import _knobs
+from xlakit.runtime import features
 from xlakit.checkpoint import spmd
 from xlakit.checkpoint.state import StorageEntry
 from xlakit.errors import CheckpointTimeoutError, RuntimeFeatureError
@@ -136,7 +137,7 @@ class XlaTransfer(HostTransfer):
             return spmd.to_host(tensors, timeout_s=timeout_s,
                                 others=lambda ts: self.to_host(ts, timeout_s=timeout_s))
         if self.mode == "patched":
-            fn = getattr(torch_xla._XLAC, _features.TRANSFER_TO_HOST)
+            fn = getattr(torch_xla._XLAC, features.TRANSFER_TO_HOST)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             return list(fn(tensors, max_inflight_bytes=max(nbytes, 1), timeout_s=timeout_s))
         if self.mode == "dlpack":
@@ -161,20 +162,20 @@ def _dlpack_view(t: torch.Tensor) -> torch.Tensor:
 
 def available_backends() -> list[str]:
     """The `transfer_backend` values this torch_xla build can run."""
-    return ["auto", *(["patched"] if _features.has_binding(_features.TRANSFER_TO_HOST) else []),
+    return ["auto", *(["patched"] if features.has_binding(features.TRANSFER_TO_HOST) else []),
             "dlpack", "stock"]
 
 
 def check_backend(mode: str) -> None:
     """Refuse, before anything is written, a backend this build does not have."""
-    if mode != "patched" or _features.has_binding(_features.TRANSFER_TO_HOST):
+    if mode != "patched" or features.has_binding(features.TRANSFER_TO_HOST):
         return
     source = (f"set by {_knobs.TRANSFER_BACKEND}" if os.environ.get(_knobs.TRANSFER_BACKEND) == mode
               else "passed as an option")
     err = RuntimeFeatureError(
         f"transfer_backend='patched' ({source}) needs xlakit's patched torch_xla build, whose "
-        f"{_features.TRANSFER_TO_HOST} binding this torch_xla does not have "
-        f"({_features.xla_import_error() or 'a stock build'}); nothing was written. Transfer backends "
+        f"{features.TRANSFER_TO_HOST} binding this torch_xla does not have "
+        f"({features.xla_import_error() or 'a stock build'}); nothing was written. Transfer backends "
         f"this build has: {', '.join(available_backends())}")
     err.add_note(f"Use transfer_backend='auto' (or unset {_knobs.TRANSFER_BACKEND}) to take the best one "
                  f"available, or install the xlakit wheels for the patched binding.")
@@ -185,7 +186,7 @@ def _xla_mode(sample: torch.Tensor, mode: str) -> str:
     if mode != "auto":
         check_backend(mode)
         return mode
-    if _features.has_binding(_features.TRANSFER_TO_HOST):
+    if features.has_binding(features.TRANSFER_TO_HOST):
         return "patched"
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr

@@ -1,5 +1,7 @@
 """`dcp_save` / `dcp_load` on object storage: DCP's fsspec storage into a generation's prefix.
 
+The object-storage sibling of `dcp.py` / `dcp_ranks.py`; `dcp_save` and `dcp_load` hand a URL here.
+
 DCP writes and reads through its fsspec storage (`FsspecWriter` /
 `FsspecReader`), pointed at xlakit's client for the store (the same
 filesystem, configured once: no credential lookup against an emulator) by a
@@ -37,10 +39,11 @@ from xlakit.checkpoint import dcp, dcp_metadata, dcp_ranks, loading, operation
 from xlakit.checkpoint.agreement import Coordination, world_size
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
-from xlakit.checkpoint.storage import generations, objfile
-from xlakit.checkpoint.storage.client import Location, Store, store_for
-from xlakit.checkpoint.storage.reader import CHUNK_BYTES, PARALLEL, ObjectFile
-from xlakit.checkpoint.storage.upload import Upload
+from xlakit.checkpoint.objstore import generations
+from xlakit.checkpoint import bucket_file
+from xlakit.checkpoint.objstore.client import Location, Store, store_for
+from xlakit.checkpoint.objstore.reader import CHUNK_BYTES, PARALLEL, ObjectFile
+from xlakit.checkpoint.objstore.upload import Upload
 from xlakit.errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
 
 KIND = "dcp"
@@ -230,10 +233,10 @@ def save(state: dict, url: str, opts: SaveOptions) -> None:
             _check_present(op, store, loc, root, entries)
             record = {"kind": KIND, "generation": chosen["generation"], "operation": chosen["operation"],
                       "folder": chosen["folder"], "objects": entries}
-            objfile.commit(op, store, loc, record, [generations.Leftover(store, loc.child(n)) for n in entries])
+            bucket_file.commit(op, store, loc, record, [generations.Leftover(store, loc.child(n)) for n in entries])
             if coord is not None:
                 coord.finish({"ok": True})
-            objfile.tidy_after(op, store, loc, record)
+            bucket_file.tidy_after(op, store, loc, record)
 
     try:
         op.run(work)
@@ -310,7 +313,7 @@ def verify_object(op: Operation, store: Store, loc: Location, name: str, expecte
     try:
         size = store.size(op, obj)
     except FileNotFoundError as e:
-        raise objfile.replaced_error(loc, name) from e
+        raise bucket_file.replaced_error(loc, name) from e
     h, n = xxhash.xxh3_64(), 0
     buffer = memoryview(bytearray(max(min(size, _VERIFY_BYTES), 1)))
     while n < size:

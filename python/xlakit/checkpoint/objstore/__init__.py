@@ -1,7 +1,13 @@
-"""Checkpoints on object storage (`gs://`, `s3://`): the storage layer under the checkpoint pipeline.
+"""Object storage (`gs://`, `s3://`): the store and its commit protocol, below the checkpoint entry points.
 
-A local path keeps its own code, unchanged (`paths.py`: temporary files, rename,
-fsync). A URL comes here, decided once at each entry point (`is_url`):
+This package is a lower layer: it knows objects, prefixes and deadlines, never
+checkpoints. The object-storage flavour of each entry point is a sibling of
+the local one in `xlakit.checkpoint`, named `bucket_*` (`bucket_file.py` beside
+`pipeline.py` / `loading.py`, `bucket_ranks.py` beside `ranks.py`,
+`bucket_dcp.py` beside `dcp.py`, `bucket_steps.py` beside `steps.py`,
+`bucket_describe.py` beside `describe.py`); each entry point decides once
+whether a path is a URL (`is_url`, here) and hands it to its sibling. A local
+path keeps its own code (`paths.py`: temporary files, rename, fsync).
 
 * `client.py`: the one module that talks to a store (fsspec with gcsfs or
   s3fs); every request bounded by what is left of the operation's deadline and
@@ -15,10 +21,7 @@ fsync). A URL comes here, decided once at each entry point (`is_url`):
   create-only precondition, the commit record `U/xlakit-commit.<generation>.json`
   naming them. Two writers of one generation cannot both commit; readers take
   the highest committed generation; saving again writes the next one;
-* `objfile.py` (one file: save, load, restore), `objranks.py` (replicated and
-  sharded, agreed as in `ranks.py`), `objdcp.py` (torch.distributed.checkpoint
-  through its fsspec storage), `objsteps.py` (a manager's steps) with
-  `lease.py` (one manager per URL) on top.
+* `lease.py`: one CheckpointManager per URL (an object store has no lock).
 
 docs/object-storage.md says why fsspec (measured), what each test server
 emulates, and the protocol's guarantees.

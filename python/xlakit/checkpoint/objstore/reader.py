@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING
 
-from xlakit.checkpoint.storage.client import Location, Store
+from xlakit.checkpoint.objstore.client import Location, Store
 
 if TYPE_CHECKING:
     from xlakit.checkpoint.operation import Operation

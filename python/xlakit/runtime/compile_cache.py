@@ -39,10 +39,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from xlakit import _C, _features, _knobs, cache_trust, pjrt_wrap
+from xlakit import _C, _knobs
+from xlakit.runtime import features, cache_trust, pjrt_wrap
 from xlakit.errors import CacheFolderTrustError, CompileCacheError, ConfigurationError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("xlakit.compile_cache")  # the name users filter by, whatever the module path
 
 KEY_FILE = "xlakit-cache-key.json"
 # torch_xla's counters (its PersistentCache::Get): a lookup counts exactly one
@@ -55,7 +56,7 @@ COUNTERS = {
 
 
 def _xlac():
-    return _features.require_xlac("the persistent cache")
+    return features.require_xlac("the persistent cache")
 
 
 def key_id(secret: bytes) -> str:
@@ -72,7 +73,7 @@ def cache_key(secret: bytes | None = None) -> dict[str, Any]:
     import torch_xla.runtime as xr
     import torch_xla.version as v
 
-    build = _features.build_info() or {}
+    build = features.build_info() or {}
     key = {
         "device_type": xr.device_type(),
         "platform_version": xlac._xla_get_platform_version(),
@@ -162,7 +163,7 @@ def through_wrapper() -> bool:
     Raises:
         CompileCacheError: `PJRT_DEVICE=TPU` and no libtpu to wrap (the fix named).
     """
-    if _features.build_info() is not None:
+    if features.build_info() is not None:
         return False
     device = (os.environ.get(_knobs.PJRT_DEVICE) or "").upper()
     if not device:
@@ -275,7 +276,7 @@ def folder_report(path: str | os.PathLike | None = None) -> dict[str, Any]:
     except ValueError as e:
         secret = None
         out["key_problem"] = str(e)
-    patched = _features.build_info() is not None
+    patched = features.build_info() is not None
     out["authenticated"] = bool(secret) and (patched or wrapped)
     if secret and not (patched or wrapped):
         out["why_not_authenticated"] = f"{_knobs.CACHE_KEY} is set, but stock torch_xla writes entries without a tag"

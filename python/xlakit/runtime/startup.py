@@ -15,13 +15,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from xlakit import _features, _knobs, _pins
+from xlakit import _knobs
+from xlakit.runtime import features, pins as _pins
 
 
 def blocker(pins: str | os.PathLike | None = None) -> dict[str, str] | None:
     """Why the runtime cannot start, known without starting it (`{"why_not", "fix"}`), or None."""
-    if _features.xlac() is None:  # imports torch_xla, which looks for libtpu and records where
-        return {"why_not": f"cannot import torch_xla: {_features.xla_import_error()}",
+    if features.xlac() is None:  # imports torch_xla, which looks for libtpu and records where
+        return {"why_not": f"cannot import torch_xla: {features.xla_import_error()}",
                 "fix": "repair or reinstall torch_xla for this torch (the error above is what its import raised; "
                        "`python -c 'import torch_xla'` shows it whole)"}
     if os.environ.get(_knobs.PJRT_DEVICE) != "TPU":
@@ -53,7 +54,7 @@ def start(*, contract_ok: bool, pins: str | os.PathLike | None = None) -> dict[s
     found = blocker(pins)
     if found:
         return found
-    xlac = _features.xlac()
+    xlac = features.xlac()
     if not contract_ok and not xlac._xla_runtime_is_initialized():
         return {"why_not": "not started: the run contract is broken (see contract)"}
     try:

@@ -12,11 +12,9 @@ should show "not supported: <reason>" rather than crash a training step.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass
 
-from xlakit import _features, _runtime_start, contract
+from xlakit.runtime import features
 
 STOCK_MEMORY_INFO = "_xla_memory_info"
 
@@ -42,7 +40,7 @@ class MemoryInfo:
 
 
 def _xlac():
-    return _features.require_xlac("memory telemetry")
+    return features.require_xlac("memory telemetry")
 
 
 def _from_dict(device: str, stats: dict, source: str) -> MemoryInfo:
@@ -58,10 +56,10 @@ def _unsupported_reason(message: str) -> str | None:
 
 
 def _one(xlac, device: str) -> MemoryInfo:
-    if hasattr(xlac, _features.RUNTIME_MEMORY_INFO):
+    if hasattr(xlac, features.RUNTIME_MEMORY_INFO):
         try:
-            return _from_dict(device, getattr(xlac, _features.RUNTIME_MEMORY_INFO)(device),
-                              _features.RUNTIME_MEMORY_INFO)
+            return _from_dict(device, getattr(xlac, features.RUNTIME_MEMORY_INFO)(device),
+                              features.RUNTIME_MEMORY_INFO)
         except RuntimeError as e:  # the binding's contract: RuntimeError where stats are unsupported
             return MemoryInfo(device, unsupported=str(e))
     import torch_xla.runtime as xr
@@ -69,7 +67,7 @@ def _one(xlac, device: str) -> MemoryInfo:
     if xr.is_spmd():
         return MemoryInfo(device, unsupported=(
             "under SPMD stock torch_xla can only ask the virtual SPMD device, not a chip; "
-            f"the {_features.RUNTIME_MEMORY_INFO} binding of the xlakit wheels answers per chip: install them"))
+            f"the {features.RUNTIME_MEMORY_INFO} binding of the xlakit wheels answers per chip: install them"))
     torch_devices = list(xlac._xla_get_devices())
     if device not in torch_devices:  # only SPMD separates the two lists; be sure anyway
         return MemoryInfo(device, unsupported=f"no torch device maps to {device} (torch devices: {torch_devices})")
@@ -115,52 +113,3 @@ def memory_info(device: str | None = None) -> MemoryInfo | list[MemoryInfo]:
     return _one(xlac, device)
 
 
-def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
-def format_table(infos: list[MemoryInfo]) -> str:
-    rows = [("DEVICE", "USED", "LIMIT", "PEAK", "SOURCE")]
-    notes = []
-    for i in infos:
-        if i.supported:
-            rows.append((i.device, _bytes(i.bytes_used), _bytes(i.bytes_limit), _bytes(i.peak_bytes_used),
-                         i.source or "-"))
-        else:
-            rows.append((i.device, "-", "-", "-", "not supported"))
-            notes.append(f"{i.device}: not supported: {i.unsupported}")
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines + notes)
-
-
-def _run(args: argparse.Namespace) -> int:
-    problems = contract.contract_violations()
-    found = _runtime_start.blocker() or (
-        {"why_not": "the run contract is broken: " + "; ".join(problems),
-         "fix": "change the run's environment as each item says"} if problems else None)
-    try:
-        infos = None if found else memory_info(args.device)
-    except ValueError as e:  # an unknown device is a usage error, not a crash
-        print(f"xlakit memory: {e}", file=sys.stderr)
-        return 2
-    # Starting the runtime may raise anything a plugin raises; it is a finding here, not a crash.
-    except Exception as e:
-        found = _runtime_start.failure(e)
-    if found:
-        print(f"xlakit memory: {found['why_not']}\n  fix: {found['fix']}", file=sys.stderr)
-        return 1
-    infos = infos if isinstance(infos, list) else [infos]
-    print(format_table(infos))
-    return 0 if all(i.supported for i in infos) else 1
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("memory", help="device memory per local runtime device (used/limit/peak)")
-    p.add_argument("device", nargs="?", help="one raw runtime device, e.g. TPU:3 (default: every local one)")
-    p.set_defaults(func=_run)

@@ -1,6 +1,8 @@
 """What a URL on object storage holds, and its state, for `xlakit ckpt`: the bucket side of
 `describe.kind_of` and `tensors.read_state`.
 
+The object-storage sibling of `describe.py` (and of `tensors.read_state`); `xlakit ckpt` hands a URL here.
+
 A URL is one of:
 
 * a checkpoint: its newest commit record says which kind (`file`, `sharded`, `dcp`);
@@ -19,16 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xlakit import _knobs
-from xlakit.checkpoint import loading, steps
+from xlakit.checkpoint import loading, step_folders, steps
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions
-from xlakit.checkpoint.storage import generations, objdcp, objfile, objranks
-from xlakit.checkpoint.storage.client import Location, store_for
-from xlakit.checkpoint.storage.lease import is_lease
-from xlakit.checkpoint.storage.objsteps import DELETING
+from xlakit.checkpoint.objstore import generations
+from xlakit.checkpoint import bucket_dcp, bucket_file, bucket_ranks
+from xlakit.checkpoint.objstore.client import Location, store_for
+from xlakit.checkpoint.objstore.lease import is_lease
+from xlakit.checkpoint.bucket_steps import DELETING
 from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
 
-FILE, SHARDED, DCP, MANAGER = objfile.KIND, objranks.SHARDED, objdcp.KIND, "manager"
+FILE, SHARDED, DCP, MANAGER = bucket_file.KIND, bucket_ranks.SHARDED, bucket_dcp.KIND, "manager"
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ def kind_of(url: str, opts: LoadOptions | None = None) -> UrlKind:
     opts = opts or LoadOptions(timeout_s=_knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S))
     loc = Location.parse(url)
     try:
-        record = objfile.peek(loc, opts)
+        record = bucket_file.peek(loc, opts)
         return UrlKind(record.get("kind"), loc.url, record)
     except (FileNotFoundError, CheckpointIncompleteError) as no_checkpoint:
         not_a_checkpoint = no_checkpoint
@@ -62,7 +65,7 @@ def kind_of(url: str, opts: LoadOptions | None = None) -> UrlKind:
     if step is not None:
         inside = loc.child(step["checkpoint"])
         try:
-            record = objfile.peek(inside, opts)
+            record = bucket_file.peek(inside, opts)
             return UrlKind(record.get("kind"), inside.url, record, step)
         except (FileNotFoundError, CheckpointIncompleteError) as e:
             raise CheckpointIncompleteError(f"{loc} is step {step['step']} of a manager, but its checkpoint "
@@ -90,7 +93,7 @@ def _step_record(loc: Location, opts: LoadOptions) -> dict | None:
 
 
 def _is_manager(loc: Location) -> bool:
-    found = steps.folder_at(loc.url).scan()
+    found = step_folders.folder_at(loc.url).scan()
     if found.committed or found.pending or found.damaged or found.trash:
         return True
     store = store_for(loc)
@@ -110,28 +113,28 @@ def read_state(url: str) -> tuple[Any, UrlKind]:
         raise refuse_manager(found.url)
     loc, record, opts = found.loc, found.record, LoadOptions()
     if found.kind == FILE:
-        return objfile.load_file(loc, opts, lambda r: objranks.part_of(loc, r, None), record), found
+        return bucket_file.load_file(loc, opts, lambda r: bucket_ranks.part_of(loc, r, None), record), found
     if found.kind == SHARDED:
         return {f"shard{rank}": read_shard(loc, record, rank) for rank in range(record["world"])}, found
     if found.kind == DCP:
         from xlakit.checkpoint import tensors
 
-        objdcp.verify(loc, record, opts)
+        bucket_dcp.verify(loc, record, opts)
         op = Operation("load", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED)
-        read = lambda op: tensors.read_dcp(objdcp.reader_for(op, loc, record, safe_metadata=True), loc.url)  # noqa: E731
+        read = lambda op: tensors.read_dcp(bucket_dcp.reader_for(op, loc, record, safe_metadata=True), loc.url)  # noqa: E731
         return op.run(read), found
     raise generations.kind_error(loc, record, FILE)
 
 
 def read_shard(loc: Location, record: dict, rank: int) -> Any:
     """Shard `rank` of the sharded checkpoint `record` at `loc`, every record verified."""
-    return objfile.load_file(loc, LoadOptions(), lambda r: objranks.part_of(loc, r, rank), record)
+    return bucket_file.load_file(loc, LoadOptions(), lambda r: bucket_ranks.part_of(loc, r, rank), record)
 
 
 def dcp_metadata(loc: Location, record: dict) -> Any:
     """The DCP metadata (`.metadata`) of the checkpoint `record` at `loc`."""
     op = Operation("load", loc.url, Watch.of(LoadOptions()), untouched=loading.NOTHING_CHANGED)
-    return op.run(lambda op: objdcp.reader_for(op, loc, record, safe_metadata=True).read_metadata())
+    return op.run(lambda op: bucket_dcp.reader_for(op, loc, record, safe_metadata=True).read_metadata())
 
 
 def check_target(url: str, force: bool) -> None:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from xlakit import _knobs
-from xlakit.checkpoint.storage.client import Location, Store
+from xlakit.checkpoint.objstore.client import Location, Store
 from xlakit.errors import CheckpointWriteError
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class Upload:
         """One part, retried while transient (the bytes are still in hand)."""
         import asyncio
 
-        from xlakit.checkpoint.storage.client import is_transient
+        from xlakit.checkpoint.objstore.client import is_transient
 
         for attempt in range(5):
             try:

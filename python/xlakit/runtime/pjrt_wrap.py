@@ -22,7 +22,6 @@ plugin it wraps, its C API versions and its hit/miss counts.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import functools
 import json
@@ -31,10 +30,11 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from xlakit import _knobs, cache_trust
+from xlakit import _knobs
+from xlakit.runtime import cache_trust
 from xlakit.errors import CacheFolderTrustError, CompileCacheError, RuntimeFeatureError
 
-LIBRARY = Path(__file__).resolve().parent / "_lib" / "libxlakit_pjrt_wrap.so"
+LIBRARY = Path(__file__).resolve().parent.parent / "_lib" / "libxlakit_pjrt_wrap.so"
 _STATUS = "xlakit_pjrt_wrap_status"
 _REGISTRY = "torch_xla's plugin registry"
 
@@ -182,9 +182,9 @@ def route(cache_dir: Path, *, readonly: bool, trust_shared: bool) -> dict[str, s
             no PJRT C API plugin.
         RuntimeFeatureError: this xlakit has no wrapper.
     """
-    from xlakit import _features
+    from xlakit.runtime import features
 
-    xlac = _features.require_xlac("the PJRT wrapping plugin")
+    xlac = features.require_xlac("the PJRT wrapping plugin")
     wrapper = library_path()
     if xlac._xla_runtime_is_initialized():
         raise CompileCacheError("expected to run before the XLA runtime starts (the wrapper is loaded with the "
@@ -243,22 +243,3 @@ def env_lines(cache_dir: str | os.PathLike, plugin: str | None = None) -> list[s
             f"export {_knobs.PJRT_CACHE_DIR}={shlex.quote(str(verdict.folder))}"]
 
 
-def _cmd_path(args: argparse.Namespace) -> int:
-    print(library_path())
-    return 0
-
-
-def _cmd_env(args: argparse.Namespace) -> int:
-    print("\n".join(env_lines(args.cache_dir, args.plugin)))
-    return 0
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("pjrt", help="the PJRT wrapping plugin: a persistent compile cache for stock torch_xla")
-    sub = p.add_subparsers(dest="pjrt_command", required=True, metavar="SUBCOMMAND")
-    path = sub.add_parser("path", help="print the wrapping plugin's path (for TPU_LIBRARY_PATH)")
-    path.set_defaults(func=_cmd_path)
-    env = sub.add_parser("env", help="print the exports that turn the wrapper on for a job that runs no xlakit code")
-    env.add_argument("cache_dir", help="the cache folder (judged now, as the wrapper will)")
-    env.add_argument("--plugin", help="the real PJRT plugin (default: the installed libtpu)")
-    env.set_defaults(func=_cmd_env)

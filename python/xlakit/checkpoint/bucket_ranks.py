@@ -1,6 +1,8 @@
 """Replicated and sharded saves to object storage, and their loads: the agreement of `ranks.py`
 with the commit of `generations.py`.
 
+The object-storage sibling of `ranks.py`; a coordinated `save` / `load` hands a URL here.
+
 A sharded checkpoint at URL `U` is one generation of the prefix, like a file:
 each rank uploads its shard as the data object
 `U/<generation>.<host>.<pid>.<token>.shard-RRRRR-of-WWWWW.pt` (its own host
@@ -40,8 +42,9 @@ from xlakit.checkpoint import background, loading, pipeline, ranks
 from xlakit.checkpoint.agreement import Coordination, dist, world_size
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
-from xlakit.checkpoint.storage import generations, objfile
-from xlakit.checkpoint.storage.client import Location, store_for
+from xlakit.checkpoint.objstore import generations
+from xlakit.checkpoint import bucket_file
+from xlakit.checkpoint.objstore.client import Location, store_for
 from xlakit.errors import CheckpointError, CheckpointFormatError
 
 SHARDED = "sharded"
@@ -100,7 +103,7 @@ class ObjectSave(ranks.CoordinatedSave):
 
     def _upload(self, op: Operation, items: Any, suffix: str) -> tuple[str, dict, generations.Leftover]:
         name = generations.data_name(self.generation, self.operation_id, suffix)
-        meta, leftover = objfile.upload_archive(op, self.store, self.loc.child(name), self.job, items)
+        meta, leftover = bucket_file.upload_archive(op, self.store, self.loc.child(name), self.job, items)
         # Complete: another rank's commit may name it now. It goes only once the save is surely off.
         op.disown(leftover)
         op.own(leftover, pending=True)
@@ -108,9 +111,9 @@ class ObjectSave(ranks.CoordinatedSave):
 
     def _commit(self, op: Operation, record: dict, names: list[str]) -> None:
         owned = [generations.Leftover(self.store, self.loc.child(n)) for n in names]
-        objfile.commit(op, self.store, self.loc, record, owned)
+        bucket_file.commit(op, self.store, self.loc, record, owned)
         self.coord.finish({"ok": True})
-        objfile.tidy_after(op, self.store, self.loc, record)
+        bucket_file.tidy_after(op, self.store, self.loc, record)
 
     def _write_replicated(self, op: Operation, items: Any) -> None:
         self._tidy(op)
@@ -118,9 +121,9 @@ class ObjectSave(ranks.CoordinatedSave):
         if self.rank != self.committer:
             self.coord.expect_commit(op, self.url)
             return
-        name, meta, _ = self._upload(op, items, objfile.SUFFIX)
+        name, meta, _ = self._upload(op, items, bucket_file.SUFFIX)
         self.coord.votes(op)  # every rank still wants it
-        record = {"kind": objfile.KIND, "generation": self.generation, "operation": self.operation_id,
+        record = {"kind": bucket_file.KIND, "generation": self.generation, "operation": self.operation_id,
                   "objects": {name: meta}}
         self._commit(op, record, [name])
 
@@ -163,8 +166,8 @@ def part_of(loc: Location, record: dict, shard: int | None) -> tuple[str, dict]:
             raise CheckpointFormatError(f"{loc} is a sharded checkpoint: inside the job that wrote it each "
                                         f"rank loads its own shard; elsewhere pass shard=N to read one")
         return shard_entry(loc, record, shard)
-    if record.get("kind") != objfile.KIND:
-        raise generations.kind_error(loc, record, objfile.KIND)
+    if record.get("kind") != bucket_file.KIND:
+        raise generations.kind_error(loc, record, bucket_file.KIND)
     if shard is not None:
         raise ValueError(f"shard={shard} reads one shard of a sharded checkpoint; {loc} is a file checkpoint")
     (name, entry), = record["objects"].items()
@@ -178,26 +181,26 @@ def load(url: str, opts: LoadOptions) -> Any:
     loc = Location.parse(url)
     record = None
     if opts.shard is None and opts.layout != "replicated" and world_size() > 1:
-        record = objfile.peek(loc, opts)  # a sharded checkpoint is loaded by every rank, agreed
+        record = bucket_file.peek(loc, opts)  # a sharded checkpoint is loaded by every rank, agreed
     if opts.shard is None and (opts.layout == "replicated" or (record or {}).get("kind") == SHARDED):
         return _load_agreed(loc, opts)
-    return objfile.load_file(loc, opts, lambda r: part_of(loc, r, opts.shard), record)
+    return bucket_file.load_file(loc, opts, lambda r: part_of(loc, r, opts.shard), record)
 
 
 def restore(url: str, template: Any, opts: LoadOptions) -> Any:
     """`xlakit.restore("gs://...", template)`: the file, or one shard (this rank's inside the job),
     streamed into the template; a DCP checkpoint through `dcp_load`."""
     loc = Location.parse(url)
-    record = objfile.peek(loc, opts)
+    record = bucket_file.peek(loc, opts)
     if record.get("kind") == "dcp":
-        from xlakit.checkpoint.storage import objdcp
+        from xlakit.checkpoint import bucket_dcp
 
-        objdcp.load(template, loc.url, dataclasses.replace(opts, shard=None, layout="auto"))
+        bucket_dcp.load(template, loc.url, dataclasses.replace(opts, shard=None, layout="auto"))
         return template
     shard = opts.shard
     if shard is None and record.get("kind") == SHARDED and world_size() > 1:
         shard = dist().get_rank()
-    return objfile.restore(loc, template, opts, lambda r: part_of(loc, r, shard), record)
+    return bucket_file.restore(loc, template, opts, lambda r: part_of(loc, r, shard), record)
 
 
 def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
@@ -224,7 +227,7 @@ def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
             if sharded:
                 ranks.check_world(loc, record["world"], coord.world)
             name, entry = part_of(loc, record, coord.rank if sharded else None)
-            return objfile.read_object(op, store, loc, name, entry, opts)
+            return bucket_file.read_object(op, store, loc, name, entry, opts)
 
         return coord.all_or_none(op, part)
 
@@ -235,13 +238,13 @@ def verify(url: str, opts: LoadOptions) -> tuple[str, int]:
     """Every object of the newest committed checkpoint at `url` read whole and verified; its kind and
     the bytes checked (`xlakit ckpt verify`)."""
     loc = Location.parse(url)
-    record = objfile.peek(loc, opts)
+    record = bucket_file.peek(loc, opts)
     kind = record.get("kind")
     if kind == "dcp":
-        from xlakit.checkpoint.storage import objdcp
+        from xlakit.checkpoint import bucket_dcp
 
-        objdcp.verify(loc, record, opts)
+        bucket_dcp.verify(loc, record, opts)
     else:
         for shard in range(record["world"]) if kind == SHARDED else [None]:
-            objfile.load_file(loc, opts, lambda r, s=shard: part_of(loc, r, s), record)
+            bucket_file.load_file(loc, opts, lambda r, s=shard: part_of(loc, r, s), record)
     return kind, sum(e["nbytes"] for e in record["objects"].values())

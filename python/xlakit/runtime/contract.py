@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from xlakit import _knobs, _pins
+from xlakit import _knobs
+from xlakit.runtime import pins as _pins
 from xlakit.errors import RunContractError
 
 

@@ -13,7 +13,6 @@ share one deadline; on expiry the probe fails and says which stage ran out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -24,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import xlakit
-from xlakit import _features, _knobs, _manifest, _runtime_start, compile_cache, contract, memory, pjrt_wrap
+from xlakit import _knobs
+from xlakit.runtime import features, manifest, startup, compile_cache, contract, memory, pjrt_wrap
 
 _STATS_MARK = "xlakit-cache-probe-stats: "
 UNPATCHED = "entries are written but never load: this torch_xla is unpatched, install the xlakit wheels"
@@ -74,7 +74,7 @@ def _last_line(text: str, needle: str = "") -> str:
 def probe_cache(*, timeout_s: float) -> Probe:
     """Compile the same graph in two fresh processes sharing a cache; read the second's counters."""
     deadline = time.monotonic() + timeout_s
-    code = "import sys; from xlakit.doctor import _cache_probe_child; _cache_probe_child(sys.argv[1])"
+    code = "import sys; from xlakit.runtime.doctor import _cache_probe_child; _cache_probe_child(sys.argv[1])"
     with tempfile.TemporaryDirectory(prefix="xlakit-doctor-cache-") as folder:
         stats, stderr = {}, ""
         for stage in ("first", "second"):
@@ -102,7 +102,7 @@ def probe_cache(*, timeout_s: float) -> Probe:
                 if not entries:
                     return Probe("cache", "fail", f"the first process wrote no entry under {folder}",
                                  "check the cache folder is writable and XLA_PERSISTENT_CACHE_* is not overridden")
-    return cache_verdict(stats, stderr, _features.build_info())
+    return cache_verdict(stats, stderr, features.build_info())
 
 
 def cache_verdict(stats: dict, stderr: str, build: dict | None) -> Probe:
@@ -125,7 +125,7 @@ def cache_verdict(stats: dict, stderr: str, build: dict | None) -> Probe:
 
 
 def probe_stack(m: dict) -> list[Probe]:
-    line = _manifest.manifest_line(m)
+    line = manifest.manifest_line(m)
     prof = m["profile"]
     out = []
     if m["drift"]:
@@ -213,9 +213,9 @@ def probe_memory(device_type: str | None) -> list[Probe]:
 
 
 def probe_transfer() -> Probe:
-    if _features.has_binding(_features.TRANSFER_TO_HOST):
-        return Probe("transfer", "ok", f"the safe host transfer binding {_features.TRANSFER_TO_HOST} is present")
-    return Probe("transfer", "warn", f"no {_features.TRANSFER_TO_HOST} binding: checkpoints use the stock "
+    if features.has_binding(features.TRANSFER_TO_HOST):
+        return Probe("transfer", "ok", f"the safe host transfer binding {features.TRANSFER_TO_HOST} is present")
+    return Probe("transfer", "warn", f"no {features.TRANSFER_TO_HOST} binding: checkpoints use the stock "
                  "device-to-host path", "install the xlakit wheels for the safe host transfer")
 
 
@@ -233,7 +233,7 @@ def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float
     report(probe_contract())
     contract_failed = probes[-1].verdict == "fail"
     report(probe_cache_folder())
-    blocked = _runtime_start.blocker(pins)
+    blocked = startup.blocker(pins)
     if contract_failed:
         # The children would start the runtime with the broken environment (libtpu aborts on a removed flag).
         report(Probe("cache", "fail", "not probed: the run contract is broken", "fix the contract first"))
@@ -242,7 +242,7 @@ def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float
                      "fix the runtime first (see the runtime line)"))
     else:
         report(probe_cache(timeout_s=timeout_s))
-    m = _manifest.manifest(profile=profile, pins=pins)
+    m = manifest.manifest(profile=profile, pins=pins)
     report(*probe_stack(m))
     report(probe_pjrt_wrapper(m["pjrt_wrap"], m["runtime"].get("device_type")))
     if "device_type" in m["runtime"]:
@@ -251,15 +251,3 @@ def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float
     return 1 if any(p.verdict == "fail" for p in probes) else 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    return run(profile=args.profile, pins=args.pins, timeout_s=args.timeout_s)
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("doctor", help="probe the stack, contract, compile cache, memory telemetry")
-    p.add_argument("--profile", help="VERSIONS.toml profile to check the stack against")
-    p.add_argument("--pins", help="a pins file instead of the one baked into xlakit")
-    p.add_argument("--timeout-s", type=float, default=None,
-                   help=f"deadline for the cache probe's subprocesses (default ${_knobs.DOCTOR_TIMEOUT_S} or "
-                        f"{_knobs.DEFAULTS[_knobs.DOCTOR_TIMEOUT_S]:g})")
-    p.set_defaults(func=_run)

@@ -1,5 +1,7 @@
 """A `CheckpointManager` URL on object storage: the steps of `steps.py` as prefixes of a bucket.
 
+The object-storage sibling of `steps.LocalFolder`; `step_folders.folder_at` hands a manager URL here.
+
     M/xlakit-lease.<n>.json            the manager that holds M (lease.py)
     M/<step>/xlakit-step.json          step, layout, metrics: created before the save
     M/<step>/ckpt.pt/...               layouts "single", "replicated": a checkpoint URL
@@ -33,9 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from xlakit.checkpoint import steps
-from xlakit.checkpoint.storage import generations
-from xlakit.checkpoint.storage.client import Location, store_for
-from xlakit.checkpoint.storage.lease import Lease, is_lease
+from xlakit.checkpoint.objstore import generations
+from xlakit.checkpoint.objstore.client import Location, store_for
+from xlakit.checkpoint.objstore.lease import Lease, is_lease
 
 DELETING = "xlakit-step.deleting.json"
 _STEP = re.compile(r"0|[1-9][0-9]{0,18}")

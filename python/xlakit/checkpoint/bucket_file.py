@@ -1,5 +1,7 @@
 """One checkpoint file on object storage: `xlakit.save`, `load` and `restore` of a `gs://`/`s3://` URL.
 
+The object-storage sibling of `pipeline.py` (save), `loading.py` and `restoring.py`; `save`, `load` and `restore` hand a URL here.
+
 The save is the local pipeline with another write and commit (`pipeline.py`
 plans, syncs and transfers in the same byte-capped batches): the archive
 writer streams into an `Upload` of the data object
@@ -24,10 +26,10 @@ from typing import Any
 from xlakit.checkpoint import background, loading, operation, pipeline, restoring
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
-from xlakit.checkpoint.storage import generations
-from xlakit.checkpoint.storage.client import Location, Store, store_for
-from xlakit.checkpoint.storage.reader import ObjectFile
-from xlakit.checkpoint.storage.upload import Upload
+from xlakit.checkpoint.objstore import generations
+from xlakit.checkpoint.objstore.client import Location, Store, store_for
+from xlakit.checkpoint.objstore.reader import ObjectFile
+from xlakit.checkpoint.objstore.upload import Upload
 from xlakit.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointFormatError
 
 log = logging.getLogger("xlakit")

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from xlakit import _knobs
 from xlakit.checkpoint import paths
-from xlakit.checkpoint.storage.client import Location, Store
+from xlakit.checkpoint.objstore.client import Location, Store
 from xlakit.errors import CheckpointBusyError
 
 if TYPE_CHECKING:

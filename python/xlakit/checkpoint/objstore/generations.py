@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from xlakit.checkpoint import paths
-from xlakit.checkpoint.storage.client import Location, Store
+from xlakit.checkpoint.objstore.client import Location, Store
 from xlakit.errors import (CheckpointConflictError, CheckpointCorruptError, CheckpointFormatError,
                            CheckpointIncompleteError)
 

@@ -26,7 +26,6 @@ loadable. Each command first says who can put entries into the folder
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -35,8 +34,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from xlakit import _C, _knobs, cache_trust
-from xlakit.compile_cache import KEY_FILE, key_id
+from xlakit import _C, _knobs
+from xlakit.runtime import cache_trust
+from xlakit.runtime.compile_cache import KEY_FILE, key_id
 from xlakit.errors import XlakitError
 
 # torch_xla's PersistentCache names a file `ss << key` (torch_xla/csrc/runtime/cache.h), the key being a
@@ -98,7 +98,7 @@ def _from_envelope(name: str, st: os.stat_result, info: dict) -> EntryReport:
                        torch_xla_revision=info.get("torch_xla_revision"), message=info["message"])
 
 
-def _classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str, str] | None,
+def classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str, str] | None,
               key: bytes | None, now: float) -> EntryReport:
     name = path.name
     if name == KEY_FILE:
@@ -138,7 +138,7 @@ def _listing(directory: Path) -> list[tuple[Path, os.stat_result]]:
         return sorted((Path(d.path), d.stat(follow_symlinks=False)) for d in it)
 
 
-def _regular_files(directory: Path) -> list[tuple[Path, os.stat_result]]:
+def regular_files(directory: Path) -> list[tuple[Path, os.stat_result]]:
     # Never follow links and never descend: the runtime writes plain files, flat.
     return [(p, st) for p, st in _listing(directory) if stat.S_ISREG(st.st_mode)]
 
@@ -151,7 +151,7 @@ def _not_a_file(path: Path, st: os.stat_result) -> EntryReport:
     return _plain(path.name, st, OTHER, f"{what}{named}: the runtime writes plain files; left alone")
 
 
-def _require_folder(directory: str | os.PathLike) -> Path:
+def require_folder(directory: str | os.PathLike) -> Path:
     if str(directory) == "":
         raise XlakitError("expected a cache folder, found an empty path (an unset variable?), which would mean "
                           "the current directory; pass the folder explicitly, e.g. the value of "
@@ -162,7 +162,7 @@ def _require_folder(directory: str | os.PathLike) -> Path:
     return path
 
 
-def _key() -> bytes | None:
+def key_from_env() -> bytes | None:
     try:
         return _knobs.get_cache_key()
     except ValueError as e:
@@ -172,9 +172,9 @@ def _key() -> bytes | None:
 def scan(directory: str | os.PathLike, *, full: bool, identity: dict[str, str] | None = None,
          key: bytes | None = None) -> list[EntryReport]:
     """Report every plain file in a cache folder; `full` checksums payloads (in bounded pieces), `key` checks tags."""
-    folder = _require_folder(directory)
+    folder = require_folder(directory)
     now = time.time()
-    return [_classify(p, st, full=full, identity=identity, key=key, now=now) if stat.S_ISREG(st.st_mode)
+    return [classify(p, st, full=full, identity=identity, key=key, now=now) if stat.S_ISREG(st.st_mode)
             else _not_a_file(p, st) for p, st in _listing(folder)]
 
 
@@ -188,21 +188,6 @@ def made_by_xlakit(directory: Path) -> bool:
     return isinstance(key, dict) and {"patch_set", "platform_version"} <= key.keys()
 
 
-def _identity(args: argparse.Namespace) -> dict[str, str] | None:
-    """The runtime to judge entries against: three fields, plus the torch_xla revision when given."""
-    given = {k: getattr(args, k) for k in ("platform_name", "platform_version", "patch_series_id")}
-    if not any(given.values()):
-        if args.torch_xla_revision:
-            raise XlakitError("--torch-xla-revision checks entries only together with --platform-name, "
-                              "--platform-version and --patch-series-id")
-        return None
-    if not all(given.values()):
-        raise XlakitError("pass all of --platform-name, --platform-version and --patch-series-id, or none")
-    if args.torch_xla_revision:
-        given["torch_xla_revision"] = args.torch_xla_revision
-    return given
-
-
 def summary(reports: list[EntryReport]) -> str:
     entries = [r for r in reports if r.is_entry]
     bad = sum(not r.valid for r in entries)
@@ -212,34 +197,8 @@ def summary(reports: list[EntryReport]) -> str:
             f"({bad} not loadable), {temporary} temporary, {other} not cache files")
 
 
-def _trust(directory: str | os.PathLike) -> cache_trust.FolderTrust:
+def folder_trust(directory: str | os.PathLike) -> cache_trust.FolderTrust:
     return cache_trust.judge(Path(directory).resolve(), trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
-
-
-def _print(directory: str | os.PathLike, reports: list[EntryReport], as_json: bool) -> None:
-    trust = _trust(directory)
-    if as_json:
-        folder = {k: v for k, v in asdict(trust).items() if k != "folder"}
-        print(json.dumps({"folder": {"path": str(trust.folder), **folder},
-                          "entries": [asdict(r) for r in reports]}, indent=2))
-        return
-    print(f"folder {trust.folder}: {trust.describe()}")
-    for r in reports:
-        platform = f"{r.platform_name} {r.platform_version!r}" if r.platform_name else "-"
-        line = f"{r.status:<26} {r.kind or '-':<11} {r.size_bytes:>12}  {platform:<28} {r.name}"
-        print(line + (f"\n    {r.message}" if r.message else ""))
-    print(summary(reports))
-
-
-def cmd_ls(args: argparse.Namespace) -> int:
-    _print(args.dir, scan(args.dir, full=False, identity=_identity(args)), args.json)
-    return 0
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    reports = scan(args.dir, full=True, identity=_identity(args), key=_key())
-    _print(args.dir, reports, args.json)
-    return 0 if all(r.valid for r in reports if r.is_entry) else 1
 
 
 # Entries whose only fault is their tag: written without the key, or under another one (or forged).
@@ -272,7 +231,7 @@ def keyed_for(directory: Path, key: bytes) -> bool:
     return isinstance(recorded, dict) and recorded.get("key_id") == key_id(key)
 
 
-def _unchanged(path: Path, st: os.stat_result) -> bool:
+def unchanged_since(path: Path, st: os.stat_result) -> bool:
     # A writer may have renamed a fresh entry over the one judged; never delete what was not judged.
     try:
         now = path.lstat()
@@ -282,60 +241,3 @@ def _unchanged(path: Path, st: os.stat_result) -> bool:
                                                                       st.st_mtime_ns)
 
 
-def cmd_prune(args: argparse.Namespace) -> int:
-    folder = _require_folder(args.dir)
-    if args.foreign and not made_by_xlakit(folder):
-        raise XlakitError(
-            f"--foreign removes entries without an envelope only in a folder xlakit.enable_persistent_cache "
-            f"made (it holds {KEY_FILE}); {folder} has none, so its files may be another program's. Nothing "
-            "was removed; delete them by hand if you are sure, or prune without --foreign")
-    identity, key = _identity(args), _key()
-    tag_faults = key is not None and keyed_for(folder, key)
-    now = time.time()
-    files = _regular_files(folder)
-    removed = 0
-    for path, st in files:
-        r = _classify(path, st, full=True, identity=identity, key=key, now=now)
-        if not removable(r, foreign=args.foreign, tag_faults=tag_faults):
-            if r.status in TAG_FAULTS:
-                print(f"kept: {r.name} ({r.status}: another key's entry, or none's, or a forgery; the runtime never "
-                      f"loads it with this key, and only a folder made for this key is pruned of them)")
-            continue
-        if args.dry_run:
-            verb = "would remove"
-        elif not _unchanged(path, st):
-            verb = "changed since it was checked, kept"
-        else:
-            try:
-                path.unlink()
-                verb = "removed"
-            except FileNotFoundError:  # a concurrent prune or the runtime removed it first
-                verb = "already gone"
-        removed += verb in ("removed", "would remove")
-        print(f"{verb}: {r.name} ({r.status})")
-    print(f"{removed} of {len(files)} files {'to remove' if args.dry_run else 'removed'}")
-    return 0
-
-
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("cache", help="inspect a persistent compilation cache folder")
-    sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
-    for name, func, help_text in (
-        ("ls", cmd_ls, "list entries from their headers"),
-        ("verify", cmd_verify, f"checksum every entry (and its tag, with {_knobs.CACHE_KEY}); exit 1 if any is not "
-                               "loadable"),
-        ("prune", cmd_prune, "delete rejected entries and abandoned temporary files, nothing else"),
-    ):
-        q = sub.add_parser(name, help=help_text)
-        q.add_argument("dir", help="the cache folder (XLA_PERSISTENT_CACHE_PATH)")
-        q.add_argument("--json", action="store_true", help="print the folder's trust state and the entries as JSON")
-        q.add_argument("--platform-name", help="check entries against this runtime (with the next two)")
-        q.add_argument("--platform-version")
-        q.add_argument("--patch-series-id", help=f"the runtime's id, as its {KEY_FILE} records it")
-        q.add_argument("--torch-xla-revision", help="also check the torch_xla commit entries were written by "
-                                                    "(with the three above)")
-        if name == "prune":
-            q.add_argument("--dry-run", action="store_true", help="list what would be removed")
-            q.add_argument("--foreign", action="store_true",
-                           help=f"also remove entries without an envelope (only in a folder holding {KEY_FILE})")
-        q.set_defaults(func=func)

@@ -1,25 +1,24 @@
 """The run manifest: what stack a run ran on, and whether that is the pinned one.
 
-The module is private (`_manifest`) so that `xlakit.manifest` is unambiguously
-the function, not a module of the same name.
+`xlakit.manifest` is the function of that name here (re-exported by the
+package), never this module, which lives in `xlakit.runtime`.
 
 Every fact is read from the running process, never from a checkout: versions
 and git revisions from the imported modules, the patch set from the
 provenance binding the patch series stamps into the binary (`stock` where it
 is absent), versions of packages we must not import (libtpu, jax, jaxlib)
 from their installed metadata. Drift is judged against a profile of the pins
-baked into xlakit at build time (see `_pins`). Anything that cannot be read is
+baked into xlakit at build time (see `runtime/pins.py`). Anything that cannot be read is
 recorded with the reason, so the manifest itself never fails a run.
 
 The runtime is only started here when the run contract holds: a removed
 libtpu flag would otherwise abort the process inside libtpu before the
 manifest could say why. A runtime that cannot start is a finding with its fix
-(`_runtime_start`), never an exception.
+(`startup.py`), never an exception.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -28,7 +27,8 @@ import re
 import sys
 from typing import Any
 
-from xlakit import _features, _knobs, _pins, _runtime_start, compile_cache, contract, pjrt_wrap
+from xlakit import _knobs
+from xlakit.runtime import features, pins as _pins, startup, compile_cache, contract, pjrt_wrap
 from xlakit._version import __version__
 
 SCHEMA = 1
@@ -48,8 +48,8 @@ def _torch() -> dict[str, Any]:
 
 
 def _torch_xla(build: dict | None) -> dict[str, Any]:
-    if _features.xlac() is None:
-        return {"version": None, "why_not": f"cannot import torch_xla: {_features.xla_import_error()}"}
+    if features.xlac() is None:
+        return {"version": None, "why_not": f"cannot import torch_xla: {features.xla_import_error()}"}
     import torch_xla
     import torch_xla.version as v
 
@@ -74,10 +74,10 @@ def _package(dist: str) -> dict[str, Any]:
 
 
 def _patches(build: dict | None) -> dict[str, Any]:
-    if _features.xlac() is None:
-        return {"patch_set": None, "why_not": f"cannot import torch_xla: {_features.xla_import_error()}"}
+    if features.xlac() is None:
+        return {"patch_set": None, "why_not": f"cannot import torch_xla: {features.xla_import_error()}"}
     if build is None:
-        return {"patch_set": "stock", "why": f"torch_xla has no {_features.BUILD_INFO} binding"}
+        return {"patch_set": "stock", "why": f"torch_xla has no {features.BUILD_INFO} binding"}
     # patch_series_id: what the runtime stamps into cache entries and checks them against (the series,
     # the placed C++ and the upstream commits), as the binary itself reports it.
     return {k: build.get(k) for k in ("patch_set", "patches", "series_sha256", "patch_series_id")}
@@ -130,7 +130,7 @@ def drift(m: dict[str, Any], profile: str, pins: str | os.PathLike | None = None
 
 
 def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = None) -> dict[str, Any]:
-    """The stack this process runs on, its run contract and its drift from the pins.
+    """The stack this process runs on, its run contract and its drift from the _pins.
 
     Starts the XLA runtime (to list devices) unless the run contract is broken;
     call it after `torch_xla.runtime.use_spmd()` and `enable_persistent_cache()`.
@@ -161,7 +161,7 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
     # Read before torch_xla is imported: its import fills in PJRT_DEVICE and XLA_FLAGS defaults.
     env = {k: os.environ.get(k) for k in _knobs.CONTRACT_ENV}
     name, why = _pins.choose_profile(profile, pins)
-    build = _features.build_info()
+    build = features.build_info()
     violations = contract.contract_violations(pins=pins)
     m: dict[str, Any] = {
         "schema": SCHEMA,
@@ -175,7 +175,7 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
         "patches": _patches(build),
         "env": env,
         "contract": violations,
-        "runtime": _runtime_start.start(contract_ok=not violations, pins=pins),
+        "runtime": startup.start(contract_ok=not violations, pins=pins),
         "cache": compile_cache.folder_report(),
         "pjrt_wrap": pjrt_wrap.status(),
         "profile": {"name": name, "why": why, "pins": str(pins or _pins.baked_path())},
@@ -267,26 +267,3 @@ def log_manifest(logger: logging.Logger | None = None, **kwargs: Any) -> dict[st
     return m
 
 
-def _run(args: argparse.Namespace) -> int:
-    m = manifest(profile=args.profile, pins=args.pins)
-    print(json.dumps(m, indent=2, sort_keys=True) if args.json else manifest_line(m))
-    if not args.check:
-        return 0
-    found = problems(m)
-    for p in found:
-        print(f"xlakit manifest --check: {p}", file=sys.stderr)
-    if not found:
-        print(f"check: ok against profile {m['profile']['name']} ({m['profile']['why']})", file=sys.stderr)
-    return 1 if found else 0
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("manifest", help="print the run manifest (stack, contract, drift)")
-    p.add_argument("--json", action="store_true", help="the whole manifest as JSON instead of the row")
-    p.add_argument("--check", action="store_true",
-                   help="exit 1 on drift from the pinned profile, a broken run contract or a runtime that cannot "
-                        "start, naming each with its fix")
-    p.add_argument("--profile", help=f"VERSIONS.toml profile to check against (default: ${_knobs.PROFILE}, "
-                   "else tpu on a TPU host, else cpu-dev)")
-    p.add_argument("--pins", help="a pins file instead of the one baked into xlakit")
-    p.set_defaults(func=_run)

@@ -15,12 +15,10 @@ from xlakit.errors import XlakitError
 
 # Modules that define subcommands, in help order.
 _COMMAND_MODULES: tuple[str, ...] = (
-    "xlakit._manifest",
-    "xlakit.memory",
-    "xlakit.doctor",
-    "xlakit.cache_files",
-    "xlakit.pjrt_wrap",
-    "xlakit.checkpoint_cli",
+    "xlakit.cli.runtime",
+    "xlakit.cli.cache",
+    "xlakit.cli.pjrt",
+    "xlakit.cli.ckpt",
 )
 
 

@@ -1,0 +1,119 @@
+"""`xlakit cache ls|verify|prune DIR`: a persistent compilation cache folder on the command line.
+
+What each entry is, and what may be deleted, is decided in
+`xlakit.runtime.cache_files` (through the same C++ the runtime loads entries
+with); here the arguments are read, the findings printed and prune carried out,
+re-checking each file just before it is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import json
+import time
+from dataclasses import asdict
+
+from xlakit import _knobs
+from xlakit.errors import XlakitError
+from xlakit.runtime import cache_files
+
+
+def _identity(args: argparse.Namespace) -> dict[str, str] | None:
+    """The runtime to judge entries against: three fields, plus the torch_xla revision when given."""
+    given = {k: getattr(args, k) for k in ("platform_name", "platform_version", "patch_series_id")}
+    if not any(given.values()):
+        if args.torch_xla_revision:
+            raise XlakitError("--torch-xla-revision checks entries only together with --platform-name, "
+                              "--platform-version and --patch-series-id")
+        return None
+    if not all(given.values()):
+        raise XlakitError("pass all of --platform-name, --platform-version and --patch-series-id, or none")
+    if args.torch_xla_revision:
+        given["torch_xla_revision"] = args.torch_xla_revision
+    return given
+
+
+def _print(directory: str | os.PathLike, reports: list[cache_files.EntryReport], as_json: bool) -> None:
+    trust = cache_files.folder_trust(directory)
+    if as_json:
+        folder = {k: v for k, v in asdict(trust).items() if k != "folder"}
+        print(json.dumps({"folder": {"path": str(trust.folder), **folder},
+                          "entries": [asdict(r) for r in reports]}, indent=2))
+        return
+    print(f"folder {trust.folder}: {trust.describe()}")
+    for r in reports:
+        platform = f"{r.platform_name} {r.platform_version!r}" if r.platform_name else "-"
+        line = f"{r.status:<26} {r.kind or '-':<11} {r.size_bytes:>12}  {platform:<28} {r.name}"
+        print(line + (f"\n    {r.message}" if r.message else ""))
+    print(cache_files.summary(reports))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    _print(args.dir, cache_files.scan(args.dir, full=False, identity=_identity(args)), args.json)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    reports = cache_files.scan(args.dir, full=True, identity=_identity(args), key=cache_files.key_from_env())
+    _print(args.dir, reports, args.json)
+    return 0 if all(r.valid for r in reports if r.is_entry) else 1
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    folder = cache_files.require_folder(args.dir)
+    if args.foreign and not cache_files.made_by_xlakit(folder):
+        raise XlakitError(
+            f"--foreign removes entries without an envelope only in a folder xlakit.enable_persistent_cache "
+            f"made (it holds {cache_files.KEY_FILE}); {folder} has none, so its files may be another program's. Nothing "
+            "was removed; delete them by hand if you are sure, or prune without --foreign")
+    identity, key = _identity(args), cache_files.key_from_env()
+    tag_faults = key is not None and cache_files.keyed_for(folder, key)
+    now = time.time()
+    files = cache_files.regular_files(folder)
+    removed = 0
+    for path, st in files:
+        r = cache_files.classify(path, st, full=True, identity=identity, key=key, now=now)
+        if not cache_files.removable(r, foreign=args.foreign, tag_faults=tag_faults):
+            if r.status in cache_files.TAG_FAULTS:
+                print(f"kept: {r.name} ({r.status}: another key's entry, or none's, or a forgery; the runtime never "
+                      f"loads it with this key, and only a folder made for this key is pruned of them)")
+            continue
+        if args.dry_run:
+            verb = "would remove"
+        elif not cache_files.unchanged_since(path, st):
+            verb = "changed since it was checked, kept"
+        else:
+            try:
+                path.unlink()
+                verb = "removed"
+            except FileNotFoundError:  # a concurrent prune or the runtime removed it first
+                verb = "already gone"
+        removed += verb in ("removed", "would remove")
+        print(f"{verb}: {r.name} ({r.status})")
+    print(f"{removed} of {len(files)} files {'to remove' if args.dry_run else 'removed'}")
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("cache", help="inspect a persistent compilation cache folder")
+    sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    for name, func, help_text in (
+        ("ls", cmd_ls, "list entries from their headers"),
+        ("verify", cmd_verify, f"checksum every entry (and its tag, with {_knobs.CACHE_KEY}); exit 1 if any is not "
+                               "loadable"),
+        ("prune", cmd_prune, "delete rejected entries and abandoned temporary files, nothing else"),
+    ):
+        q = sub.add_parser(name, help=help_text)
+        q.add_argument("dir", help="the cache folder (XLA_PERSISTENT_CACHE_PATH)")
+        q.add_argument("--json", action="store_true", help="print the folder's trust state and the entries as JSON")
+        q.add_argument("--platform-name", help="check entries against this runtime (with the next two)")
+        q.add_argument("--platform-version")
+        q.add_argument("--patch-series-id", help=f"the runtime's id, as its {cache_files.KEY_FILE} records it")
+        q.add_argument("--torch-xla-revision", help="also check the torch_xla commit entries were written by "
+                                                    "(with the three above)")
+        if name == "prune":
+            q.add_argument("--dry-run", action="store_true", help="list what would be removed")
+            q.add_argument("--foreign", action="store_true",
+                           help=f"also remove entries without an envelope (only in a folder holding {cache_files.KEY_FILE})")
+        q.set_defaults(func=func)

@@ -1,0 +1,68 @@
+"""What every `xlakit ckpt` subcommand shares: exit codes, output (`--json` or text), sizes, reading a state."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+
+OK, DIFFERENT, ERROR, NOTHING = 0, 1, 2, 3
+
+
+EPILOG = ("exit codes: 0 success; 1 verify found damage, or diff found differences; 2 error (bad argument, "
+           "missing path, not a checkpoint, unreadable source); 3 verify found nothing to check (no checksums, "
+           "no committed step); 130 interrupted")
+
+
+def size(n: float) -> str:
+    from xlakit.checkpoint.operation import human_bytes
+
+    return human_bytes(n)
+
+
+def emit(args: argparse.Namespace, data: dict, text: list[str]) -> None:
+    if args.json:
+        from xlakit.checkpoint.describe import json_safe
+
+        print(json.dumps(json_safe(data), indent=1, default=str, allow_nan=False))
+    else:
+        print("\n".join(text))
+
+
+@contextlib.contextmanager
+def about(path: Path | str) -> Iterator[None]:
+    """An OSError that names no file is about `path`: say so ("Permission denied" alone names nothing)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.strerror is not None:  # an errno error; not a CheckpointTimeoutError
+            e.filename = str(path)
+        raise
+
+
+def url_kind(kind: str) -> str:
+    """A bucket checkpoint's kind under the name a local one of that kind has."""
+    from xlakit.checkpoint import describe
+    from xlakit.checkpoint import bucket_describe
+
+    return {bucket_describe.FILE: describe.XLAKIT_FILE}.get(kind, kind)
+
+
+def read_state(path: str, *, with_kind: bool = False) -> Any:
+    """The state of a checkpoint, verified: a local path or a URL of any kind (a step's included)."""
+    from xlakit.checkpoint import objstore, tensors
+
+    if objstore.is_url(path):
+        from xlakit.checkpoint import bucket_describe
+
+        state, found = bucket_describe.read_state(path)
+        kind = url_kind(found.kind)
+    else:
+        state, found = tensors.read_state(Path(path))
+        kind = found.kind
+    return (state, kind) if with_kind else state

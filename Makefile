@@ -52,7 +52,7 @@ test: setup
 # Saves under random faults by PID (kill, Ctrl-C, stop/continue, a mutating
 # thread), every checkpoint read back; one line, exit 1 unless all hold.
 faults: setup
-	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) tests/fault_injection.py $(FAULT_ARGS)
+	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) tests/support/fault_injection.py $(FAULT_ARGS)
 
 demo: setup
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) examples/demo.py

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tests.objstore_servers import CLOSED_METADATA
+from tests.support.objstore_servers import CLOSED_METADATA
 
 # Before any torch_xla import: the test bed is the CPU PJRT client.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -22,7 +22,7 @@ os.environ.update(CLOSED_METADATA)
 
 
 def pytest_configure(config):
-    from tests.ranks import let_children_take_ctrl_c
+    from tests.support.ranks import let_children_take_ctrl_c
 
     let_children_take_ctrl_c()
     # torch's autograd engine sizes its per-device queues on the first backward;
@@ -75,7 +75,7 @@ def no_pending_save():
 @pytest.fixture(scope="session")
 def objstore_servers(tmp_path_factory):
     """Started on first use, one per scheme, stopped at the end of the session."""
-    from tests import objstore_servers as servers
+    from tests.support import objstore_servers as servers
 
     started: dict = {}
 
@@ -96,7 +96,7 @@ def objstore_servers(tmp_path_factory):
 def loopback_only():
     """No connection and no name lookup off this machine during the test (and it fails if one was
     tried, even where the client library swallowed the refusal)."""
-    from tests import objstore_servers as servers
+    from tests.support import objstore_servers as servers
 
     before = len(servers.refused)
     servers.loopback_only(True)

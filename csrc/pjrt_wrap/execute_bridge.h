@@ -12,7 +12,7 @@
 // pass untouched.
 //
 // Only for plugins up to kBridgeTestedUpToMinor: stock torch_xla 2.9 runs on
-// xla-cpu-pjrt (C API 0.81) this way (tests/test_pjrt_wrap.py), but hangs in
+// xla-cpu-pjrt (C API 0.81) this way (tests/runtime/test_pjrt_wrap.py), but hangs in
 // its second execution on a C API 0.115 plugin, padded or not. Past the
 // tested range the options pass as they are and the plugin's own refusal
 // stands (said once on stderr): a clear error rather than a hang.

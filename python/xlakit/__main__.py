@@ -1,3 +1,5 @@
+"""`python -m xlakit`: the `xlakit` command."""
+
 import sys
 
 from xlakit.cli import main

@@ -1,5 +1,5 @@
 // Test driver for core/entry_mac_openssl.h: the calls the runtime's cache hook
-// makes, against the system OpenSSL (tests/test_cext_envelope.py builds it).
+// makes, against the system OpenSSL (tests/runtime/test_cext_envelope.py builds it).
 //   entry_mac_check verify FILE      prints VerifyCacheEntry's status
 //   entry_mac_check encode FILE TEXT writes TEXT as an entry (authenticated
 //                                    when XLAKIT_CACHE_KEY is set)

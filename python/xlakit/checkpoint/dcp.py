@@ -216,7 +216,7 @@ def run_dcp(fn, state: dict, group: Any, **kwargs):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         # torch_xla 2.9's XLAShard.unpadded_data indexes with a list of slices (still a tuple
-        # index in torch 2.9, values verified by tests/test_dcp.py).
+        # index in torch 2.9, values verified by tests/multirank/test_dcp.py).
         warnings.filterwarnings("ignore", message="Using a non-tuple sequence for multidimensional")
         try:
             return fn(state, **kwargs, **where)

@@ -10,13 +10,9 @@ torch.distributed job every decision goes through the job's agreement
 (`agreement.decide`): the configuration
 when the managers start, the step before each save (rank 0 writes its
 record, or every rank learns why it could not), and the set of steps to
-delete after each commit or at a rollback (rank 0 moves them to the trash
-only once every rank proposed the same set and voted). Ranks call the
-manager's methods in the same order, as they call collectives.
-
-A save at or below the latest committed step is refused: beside the newer
-steps it would fork the timeline (a restart resumes from the newest step,
-retention keeps it first). A rollback is the explicit `retire_steps_after`.
+delete after each commit or at a rollback (`rollback.py`; rank 0 moves them
+to the trash only once every rank proposed the same set and voted). Ranks
+call the manager's methods in the same order, as they call collectives.
 
 Asynchronous saves run one at a time; the next `save`, `wait`, `restore` or
 `close` waits for the one in flight and raises its error, and runs retention
@@ -39,11 +35,10 @@ import signal
 import time
 import weakref
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from xlakit import _knobs
-from xlakit.checkpoint import agreement, readonly, retention, steps
+from xlakit.checkpoint import agreement, readonly, retention, rollback, steps
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
@@ -144,11 +139,9 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """True when `step` is to be saved: every `save_interval_steps`, and at an agreed preemption step.
 
-        A step already committed (or being saved) is not saved again, and one whose save failed
-        is. After rolling back (restoring an earlier step and training on) every step on the
-        interval below the latest is due: its `save` is refused, naming the newer steps and
-        `retire_steps_after`, the call that retires them. Call it (or `save`) every step: it is
-        also where a preemption is agreed.
+        A step already committed (or being saved) is not saved again; one whose save failed is,
+        and after a rollback every step below the latest (its `save` refused, naming
+        `retire_steps_after`). Call it (or `save`) every step: a preemption is agreed there.
         """
         self._check_open()
         step = steps.check_step(step)
@@ -173,8 +166,7 @@ class CheckpointManager:
         commits, steps outside the kept set are deleted.
 
         Raises:
-            ValueError: `step` is already committed, or at or below the latest committed step
-                (a rollback: `retire_steps_after` first), or `metrics` lacks `best_metric`.
+            ValueError: `step` is at or below the latest step (`retire_steps_after`); no `best_metric`.
             CheckpointWriteError: `<directory>/<step>` exists and is not the manager's.
             CheckpointError: what the save raised (see `xlakit.save`).
         """
@@ -190,7 +182,7 @@ class CheckpointManager:
 
     def _save(self, step: int, state: Any, metrics: dict, preempt: bool) -> bool:
         self._finish_pending()
-        _refuse_at_or_below_latest(step, self._steps, self.directory)  # the same on every rank
+        rollback.refuse_at_or_below_latest(step, self._steps, self.directory)  # the same on every rank
         opts = self._options
         if preempt:
             left = self._preemption.remaining_s()
@@ -207,8 +199,7 @@ class CheckpointManager:
 
         def prepare(op) -> None:
             self._folder.renew(op, opts.timeout_s)  # object storage: the lease covers the save
-            # The folder as it is now decides (rank 0's answer reaches every rank).
-            _refuse_at_or_below_latest(step, self._scan(op).committed, self.directory)
+            rollback.refuse_at_or_below_latest(step, self._scan(op).committed, self.directory)  # now
             self._folder.prepare(op, step, record)
 
         agreement.decide("manager save", self._folder.identity(step), {"step": step}, Watch.of(opts),
@@ -239,34 +230,23 @@ class CheckpointManager:
         self._check_open()
         self._finish_pending()
 
-    # -- rolling back -----------------------------------------------------------------------------
     def retire_steps_after(self, step: int) -> list[int]:
         """Roll back to the committed `step`: delete every newer step, so training goes on from `step`.
 
-        A manager never saves a step at or below its latest committed step (a restart would
-        resume from the newer step of the run given up, and retention would keep it and drop
-        the new ones), so a rollback is this explicit call: after `restore(step)`, before the
-        next save. The newer steps (and interrupted saves newer than `step`) are deleted the
-        way retention deletes, agreed by every rank first: rank 0 deletes once every rank
-        proposed the same steps and voted; one rank that disagrees or gives up and nothing is
-        deleted anywhere. Steps that are not the manager's (a damaged record, a user's folder)
-        are never touched. Call it on every rank, in the same order as the other calls.
-
-        Args:
-            step: the committed step to go on from; it is kept.
+        The explicit rollback (a save below the latest step is refused), after `restore(step)`:
+        the newer steps go as retention's do, once every rank agreed (`rollback.py`).
 
         Returns:
             The steps deleted, oldest first (empty when `step` is the latest).
 
         Raises:
-            ValueError: `step` is not a committed step (named with the committed ones).
-            CheckpointPeerError: the ranks disagree on what to delete; nothing was deleted.
+            ValueError: `step` is not committed (the committed steps are named); nothing is deleted.
+            CheckpointPeerError: the ranks disagree on what to delete; nothing is deleted.
 
         Example:
             >>> import torch, xlakit
             >>> with xlakit.CheckpointManager(getfixture("tmp_path")) as mgr:
-            ...     for s in (10, 20, 100):
-            ...         _ = mgr.save(s, {"w": torch.full((2,), float(s))})
+            ...     _ = [mgr.save(s, {"w": torch.full((2,), float(s))}) for s in (10, 20, 100)]
             ...     _ = mgr.restore(20)            # roll back, then train on from step 21
             ...     mgr.retire_steps_after(20), mgr.save(30, {"w": torch.zeros(2)}), mgr.all_steps()
             ([100], True, [10, 20, 30])
@@ -275,25 +255,9 @@ class CheckpointManager:
         step = steps.check_step(step)
         self._finish_pending()
         found = self._scan()
-        doomed = sorted(s for s in (*found.committed, *found.pending) if s > step)
-
-        def check(op) -> None:  # rank 0, on the folder as it is now
-            now = self._scan(op)
-            if step not in now.committed:
-                raise ValueError(f"cannot retire the steps after {step} in {self.directory}: step {step} is "
-                                 f"not committed there (committed: {sorted(now.committed) or 'none'}); name "
-                                 f"the committed step to go on from, nothing was deleted")
-
-        def discard() -> None:
-            self._folder.renew()  # object storage: still this manager's to delete in (or it raises)
-            self._folder.discard(doomed)
-
-        agreement.decide("rollback", self._path(), {"after": step, "doomed": doomed}, self._watch(),
-                         prepare=check, act=discard if doomed else None)
+        doomed = rollback.retire(self._folder, step, found, self._scan, self._watch())
         self._steps = set(found.committed).difference(doomed)
         self._last = max(self._steps, default=None)
-        if doomed:
-            log.info("xlakit: rolled back %s to step %d: deleted steps %s", self.directory, step, doomed)
         if self._rank == 0:
             self._folder.clean()  # the retired steps' trash
         return doomed
@@ -397,10 +361,8 @@ class CheckpointManager:
         return Watch.of(self._options)
 
     def _regular(self, step: int) -> bool:
-        # Not "above the latest": a step retrained after a rollback is due, and its save says how
-        # to retire the newer steps first (a step of the run given up is due too, never skipped).
         in_flight = self._pending is not None and self._pending[0] == step
-        below = bool(self._steps) and step < max(self._steps)
+        below = bool(self._steps) and step < max(self._steps)  # a rollback: due, its save says how
         return step % self.save_interval_steps == 0 and (below or step not in self._steps) and not in_flight
 
     def _scan(self, op=None) -> steps.Scan:
@@ -474,30 +436,6 @@ def _finish_at_exit() -> None:
         except BaseException as e:  # noqa: BLE001 - nobody is left to raise it to
             log.error("xlakit: closing the checkpoint manager of %s at exit failed: %s: %s", manager.directory,
                       type(e).__name__, e)
-
-
-def _refuse_at_or_below_latest(step: int, committed, directory) -> None:
-    """A save at or below the latest committed step is refused: it would fork the run's timeline."""
-    newer = sorted(s for s in committed if s > step)
-    if not newer:
-        if step in committed:
-            raise ValueError(f"step {step} is already committed in {directory}; a manager never "
-                             f"overwrites a step (save the next one)")
-        return
-    base = max((s for s in committed if s < step), default=None)
-    shown = sorted(s for s in committed if s >= step)
-    err = ValueError(f"cannot save step {step} into {directory}: the latest committed step is {newer[-1]} "
-                     f"(committed at or after {step}: {shown}), so a restart would resume from {newer[-1]} "
-                     f"and retention would keep it before step {step}; nothing was written")
-    if base is not None:
-        err.add_note(f"Rolling back? Retire the newer steps first, on every rank: "
-                     f"`mgr.retire_steps_after({base})` deletes steps {sorted(s for s in committed if s > base)} "
-                     f"(agreed by every rank), then save step {step}. To keep them, move them out of "
-                     f"{directory} first, or save the new run into a folder of its own.")
-    else:
-        err.add_note(f"Every committed step is newer than {step}: save the new run into a folder of its "
-                     f"own (or move those steps out of {directory}).")
-    raise err
 
 
 def _save_options(options: SaveOptions | None, layout: str, asynchronous: bool) -> SaveOptions:

@@ -9,7 +9,7 @@ unpickle: it rebuilds the state from `structure.py`'s record.
 
 The bytes are those Python's C pickler writes for the same state with a
 `persistent_id` for storages and a `reducer_override` for tensors (protocol 2,
-as torch.save); `tests/test_format.py` pins that. They are emitted by a
+as torch.save); `tests/checkpoint/test_format.py` pins that. They are emitted by a
 subclass of the pure-Python pickler whose `save` writes the types a state is
 made of (strings, numbers, dicts, lists, tuples, tensors) itself, in a few
 operations each, and hands everything else (OrderedDicts, sets, dtypes, bytes,

@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import xlakit
 from xlakit import _knobs
 from xlakit.runtime import features, manifest, startup, compile_cache, contract, memory, pjrt_wrap
 
@@ -58,7 +57,7 @@ def _cache_probe_child(folder: str) -> None:
 def _child_env() -> dict[str, str]:
     # The children must import this very xlakit, wherever it was imported from.
     env = dict(os.environ)
-    root = str(Path(xlakit.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding this xlakit package
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 

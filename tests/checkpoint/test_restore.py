@@ -1,0 +1,289 @@
+"""xlakit.restore and xlakit's reader: one pass over the file, into the state where it lives."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import xlakit
+from tests.support.spmd_run import run_scenario
+from xlakit.checkpoint import archive, loading
+
+
+def _trained(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(2):
+        model(torch.randn(3, 16)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_restore_fills_a_cpu_model_and_optimizer_bit_exactly(tmp_path):
+    model, opt = _trained(0)
+    xlakit.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": 7}, tmp_path / "c.pt")
+    model2, opt2 = _trained(1)
+    params = [p.data_ptr() for p in model2.parameters()]
+    state = xlakit.restore(tmp_path / "c.pt", {"model": model2.state_dict(), "opt": opt2.state_dict(), "step": 0})
+    assert state["step"] == 7
+    assert _equal_states(model.state_dict(), model2.state_dict())
+    assert [p.data_ptr() for p in model2.parameters()] == params  # in place
+    opt2.load_state_dict(state["opt"])
+    for group, group2 in zip(opt.state.values(), opt2.state.values()):
+        assert all(torch.equal(group[k], group2[k]) for k in group)
+    assert opt2.param_groups[0]["lr"] == 0.01
+
+
+def test_restore_into_tied_and_viewed_templates(tmp_path):
+    base = torch.arange(20.0)
+    xlakit.save({"base": base, "view": base[5:10], "tied_a": base, "other": torch.ones(3)}, tmp_path / "c.pt")
+    t_base = torch.zeros(20)
+    template = {"base": t_base, "view": torch.zeros(5), "tied_a": t_base, "other": torch.zeros(3)}
+    xlakit.restore(tmp_path / "c.pt", template)
+    assert torch.equal(template["base"], base) and torch.equal(template["view"], base[5:10])
+    assert torch.equal(template["other"], torch.ones(3))
+
+
+@pytest.mark.xla
+def test_restore_onto_the_xla_device_in_one_transfer_per_batch_and_no_compile(tmp_path):
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    model, _ = _trained(0)
+    xlakit.save({"model": model.state_dict()}, tmp_path / "c.pt")
+    device = torch_xla.device()
+    target = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)).to(device)
+    torch_xla.sync()
+    met.clear_all()
+    xlakit.restore(tmp_path / "c.pt", {"model": target.state_dict()})
+    assert met.metric_data("CompileTime") is None
+    assert met.metric_data("TransferToDeviceTime")[0] == 1  # six tensors, one batch, one transfer
+    # The parameters themselves, not only state_dict()'s aliases, hold the values.
+    assert all(torch.equal(p.cpu(), q) for p, q in zip(target.parameters(), model.parameters()))
+    met.clear_all()
+    xlakit.restore(tmp_path / "c.pt", {"model": target.state_dict()}, max_inflight_bytes=1)
+    assert met.metric_data("TransferToDeviceTime")[0] == 6  # one storage per batch
+
+
+@pytest.mark.xla
+def test_restore_into_spmd_templates_of_another_sharding(tmp_path):
+    result = run_scenario("restore_resharded", tmp_path)
+    assert result["mismatch"] == [] and result["step"] == 11
+    assert result["specs_kept"] and result["same_objects"]
+    assert result["compiles"] == 0  # shards go to their devices: nothing is replicated or compiled
+    assert result["made_here_mismatch"] == [] and result["made_here_specs_kept"]
+
+
+def test_mismatches_are_reported_at_once_and_nothing_changes(tmp_path):
+    model, opt = _trained(0)
+    xlakit.save({"model": model.state_dict(), "step": 1}, tmp_path / "c.pt")
+    wrong = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 5))
+    before = {k: v.clone() for k, v in wrong.state_dict().items()}
+    template = {"model": wrong.state_dict(), "epoch": 0}
+    with pytest.raises(xlakit.CheckpointMismatchError) as info:
+        xlakit.restore(tmp_path / "c.pt", template)
+    problems = info.value.problems
+    assert len(problems) == 4, problems
+    assert any(p.startswith("model/2.weight: the checkpoint has torch.float32 [4, 16]") for p in problems)
+    assert "epoch: missing from the checkpoint" in problems and "step: in the checkpoint, not in the template" in problems
+    assert _equal_states(wrong.state_dict(), before)  # the matching tensors were not touched either
+
+
+def test_a_damaged_record_is_named_by_restore_and_by_load(tmp_path, caplog):
+    path = tmp_path / "c.pt"
+    xlakit.save({"a": torch.ones(1000), "b": torch.full((1000,), 2.0)}, path)
+    with open(path, "rb", buffering=0) as f:
+        index = loading.open_index(f, path)
+    cols = index["storages"]
+    row = cols["path"].index("b")
+    data = bytearray(path.read_bytes())
+    data[cols["offset"][row] + 17] ^= 0x40
+    path.write_bytes(bytes(data))
+    for call in (lambda: xlakit.load(path), lambda: xlakit.restore(path, {"a": torch.zeros(1000), "b": torch.zeros(1000)})):
+        with pytest.raises(xlakit.CheckpointCorruptError, match="tensor 'b' is corrupt") as info:
+            call()
+        assert info.value.tensor == "b"
+    assert any("partly restored" in n for n in info.value.__notes__)  # restore says what it changed
+
+
+def test_templates_that_cannot_hold_the_values_are_refused_before_anything_changes(tmp_path):
+    xlakit.save({"a": torch.ones(4), "e": torch.ones(3), "m": torch.ones(2)}, tmp_path / "c.pt")
+    a = torch.zeros(4)
+    template = {"a": a, "e": torch.zeros(1).expand(3), "m": torch.zeros(2, device="meta")}
+    with pytest.raises(xlakit.CheckpointMismatchError) as info:
+        xlakit.restore(tmp_path / "c.pt", template)
+    assert sorted(p.split(":")[0] for p in info.value.problems) == ["e", "m"], info.value.problems
+    assert torch.equal(a, torch.zeros(4))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("xla", marks=pytest.mark.xla)])
+def test_empty_and_math_bit_templates_restore_exactly(tmp_path, device):
+    # Regression: an empty tensor crashed the restore (a read-only buffer) after others had
+    # been filled; a conj or neg view as template received conjugated or negated values.
+    if device == "xla":
+        import torch_xla
+
+        device = torch_xla.device()
+    values = {"a": torch.arange(4.0), "empty": torch.empty(0), "c": torch.tensor([1 + 2j, 3 - 1j]),
+              "n": torch.tensor([1.0, -2.0])}
+    xlakit.save(values, tmp_path / "c.pt")
+    template = {"a": torch.zeros(4, device=device), "empty": torch.zeros(0, device=device),
+                "c": torch.zeros(2, dtype=torch.complex64), "n": torch.zeros(2)}
+    if device == "cpu":
+        template["c"], template["n"] = template["c"].conj(), template["n"]._neg_view()
+    xlakit.restore(tmp_path / "c.pt", template)
+    for k, v in values.items():
+        assert torch.equal(template[k].cpu(), v), k
+
+
+def test_a_wrong_index_offset_never_makes_a_good_file_corrupt(tmp_path, monkeypatch, caplog):
+    real = archive.ArchiveWriter.finish
+
+    def shifted(self):  # a fake writer bug: every storage's recorded offset is 64 bytes off
+        self._offsets = [offset + 64 for offset in self._offsets]
+        return real(self)
+
+    monkeypatch.setattr(archive.ArchiveWriter, "finish", shifted)
+    xlakit.save({"w": torch.arange(100000.0), "small": torch.ones(4)}, tmp_path / "c.pt")
+    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING, logger="xlakit"):
+        loaded = xlakit.load(tmp_path / "c.pt")
+    assert torch.equal(loaded["w"], torch.arange(100000.0)) and torch.equal(loaded["small"], torch.ones(4))
+    assert any("points at another place" in r.getMessage() for r in caplog.records)
+
+
+def test_load_reads_xlakit_files_in_one_pass(tmp_path, monkeypatch):
+    xlakit.save({"w": torch.ones(1 << 16)}, tmp_path / "c.pt")
+    calls = []
+    monkeypatch.setattr(loading, "verify_file", lambda *a, **k: calls.append("second pass"))
+    monkeypatch.setattr(loading, "torch_load", lambda *a, **k: calls.append("torch.load"))
+    assert torch.equal(xlakit.load(tmp_path / "c.pt")["w"], torch.ones(1 << 16))
+    assert calls == []  # neither the separate verify pass nor torch's reader ran
+
+
+def test_restore_batches_stay_under_the_cap(tmp_path, monkeypatch):
+    from xlakit.checkpoint import restoring
+
+    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(10)}  # 4000 bytes each
+    xlakit.save(state, tmp_path / "c.pt")
+    held = []
+    real = restoring.Arena.fit
+    monkeypatch.setattr(restoring.Arena, "fit", lambda self, n, op: held.append(n) or real(self, n, op))
+    template = {k: torch.zeros(2000)[::2] for k in state}  # strided: not read in place, through batches
+    xlakit.restore(tmp_path / "c.pt", template, max_inflight_bytes=8192)
+    assert len(held) == 5 and max(held) <= 8192, held
+    assert all(torch.equal(template[k], state[k]) for k in state)
+
+
+def test_restore_reads_plain_torch_files_too(tmp_path):
+    # Regression (issue 19): restore's docstring said any torch.save file works, and its refusal of
+    # one advised xlakit.load(path, verify=False); both now say restore needs verify=False for it.
+    torch.save({"w": torch.arange(6.0).view(2, 3), "n": 3}, tmp_path / "t.pt")
+    template = {"w": torch.zeros(2, 3), "n": 0}
+    with pytest.raises(xlakit.CheckpointFormatError, match="no xlakit checksums") as info:
+        xlakit.restore(tmp_path / "t.pt", template)
+    assert any("xlakit.restore(path, template, verify=False)" in n for n in info.value.__notes__)
+    assert "with ``verify=False`` any torch.save" in " ".join(xlakit.restore.__doc__.split())
+    assert xlakit.restore(tmp_path / "t.pt", template, verify=False)["n"] == 3
+    assert torch.equal(template["w"], torch.arange(6.0).view(2, 3))
+
+
+def test_restore_only_the_model_with_strict_false_skips_and_reports_the_rest(tmp_path, caplog):
+    # Regression (issue 19): restoring {"model": ...} from a {model, optimizer, step} file raised
+    # CheckpointMismatchError; there was no documented way to restore part of a checkpoint.
+    model, opt = _trained(0)
+    xlakit.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 7}, tmp_path / "c.pt")
+    fresh, _ = _trained(1)
+    with pytest.raises(xlakit.CheckpointMismatchError) as info:  # strict stays the default
+        xlakit.restore(tmp_path / "c.pt", {"model": fresh.state_dict()})
+    assert sorted(info.value.problems) == ["optimizer: in the checkpoint, not in the template",
+                                           "step: in the checkpoint, not in the template"]
+    assert any("strict=False" in n for n in info.value.__notes__)
+    reported = []
+    with caplog.at_level(logging.INFO, logger="xlakit"):
+        state = xlakit.restore(tmp_path / "c.pt", {"model": fresh.state_dict()}, strict=False,
+                               extra_keys_callback=reported.append)
+    assert reported == [["optimizer", "step"]]
+    assert any("optimizer, step" in r.getMessage() and "strict=False" in r.getMessage() for r in caplog.records)
+    assert list(state) == ["model"] and _equal_states(fresh.state_dict(), model.state_dict())
+    # Keys the checkpoint lacks stay an error, strict or not; nested extra keys are skipped too.
+    with pytest.raises(xlakit.CheckpointMismatchError, match="epoch: missing from the checkpoint"):
+        xlakit.restore(tmp_path / "c.pt", {"model": fresh.state_dict(), "epoch": 0}, strict=False)
+    partial = {k: v for k, v in fresh.state_dict().items() if k.startswith("0.")}
+    state = xlakit.restore(tmp_path / "c.pt", {"model": partial, "step": 0}, strict=False,
+                           extra_keys_callback=reported.append)
+    assert reported[-1] == ["model/1.bias", "model/1.weight", "model/2.bias", "model/2.weight", "optimizer"]
+    assert state["step"] == 7 and sorted(state["model"]) == ["0.bias", "0.weight"]
+
+
+def test_strict_options_are_checked(tmp_path):
+    xlakit.save({"w": torch.ones(2)}, tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="extra_keys_callback .* pass strict=False"):
+        xlakit.LoadOptions(extra_keys_callback=print)
+    with pytest.raises(TypeError, match="strict must be True or False"):
+        xlakit.LoadOptions(strict="no")
+    with pytest.raises(ValueError, match="strict=False applies to xlakit.restore"):
+        xlakit.load(tmp_path / "c.pt", strict=False)
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_tied_template_entries_the_checkpoint_holds_apart_are_reported_before_anything_changes(tmp_path, plain):
+    # Regression (issue 19): a template whose two entries share memory, restored from a checkpoint
+    # where they differ, came back with one entry holding the other's values, and no error.
+    save = torch.save if plain else xlakit.save
+    save({"embed": torch.ones(4, 3), "head": torch.full((4, 3), 2.0), "b": torch.ones(2)}, tmp_path / "c.pt")
+    tied = torch.zeros(4, 3)
+    b = torch.zeros(2)
+    with pytest.raises(xlakit.CheckpointMismatchError) as info:
+        xlakit.restore(tmp_path / "c.pt", {"embed": tied, "head": tied, "b": b}, verify=not plain)
+    assert len(info.value.problems) == 1 and info.value.problems[0].startswith("embed and head: the template's "
+                                                                               "tensors share memory (tied)")
+    assert torch.equal(tied, torch.zeros(4, 3)) and torch.equal(b, torch.zeros(2))  # nothing changed
+    # Tied in the checkpoint too (one storage), or untied there with equal values: nothing to report.
+    shared = torch.arange(12.0).view(4, 3)
+    save({"embed": shared, "head": shared, "b": torch.ones(2)}, tmp_path / "tied.pt")
+    save({"embed": shared, "head": shared.clone(), "b": torch.ones(2)}, tmp_path / "equal.pt")
+    for name in ("tied.pt", "equal.pt"):
+        tied.zero_()
+        xlakit.restore(tmp_path / name, {"embed": tied, "head": tied, "b": b}, verify=not plain)
+        assert torch.equal(tied, shared), name
+    # Leaving one of them out of the template restores the other, with strict=False.
+    xlakit.restore(tmp_path / "c.pt", {"head": tied, "b": b}, strict=False, verify=not plain)
+    assert torch.equal(tied, torch.full((4, 3), 2.0))
+
+
+def test_tied_views_are_judged_by_the_memory_they_share(tmp_path):
+    base = torch.arange(10.0)
+    xlakit.save({"all": base, "tail": base[6:], "apart": torch.full((4,), -1.0)}, tmp_path / "c.pt")
+    t_base = torch.zeros(10)
+    xlakit.restore(tmp_path / "c.pt", {"all": t_base, "tail": t_base[6:], "apart": torch.zeros(4)})
+    assert torch.equal(t_base, base)  # the same view of the same storage: one value per element
+    t_base.zero_()
+    with pytest.raises(xlakit.CheckpointMismatchError, match="all and apart: the template's tensors share"):
+        xlakit.restore(tmp_path / "c.pt", {"all": t_base, "tail": torch.zeros(4), "apart": t_base[6:]})
+    assert torch.equal(t_base, torch.zeros(10))
+    # Views of one buffer that do not overlap are no tie (a flat parameter buffer).
+    flat = torch.zeros(14)
+    xlakit.restore(tmp_path / "c.pt", {"all": flat[:10], "tail": flat[10:], "apart": torch.zeros(4)})
+    assert torch.equal(flat[:10], base) and torch.equal(flat[10:], base[6:])
+
+
+@pytest.mark.xla
+def test_tied_xla_parameters_are_reported_when_the_checkpoint_holds_them_apart(tmp_path):
+    import torch_xla
+
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False)).to(torch_xla.device())
+    model[1].weight = model[0].weight  # tied: state_dict() gives two aliases of one XLA tensor
+    xlakit.save({"0.weight": torch.ones(4, 3), "1.weight": torch.full((4, 3), 2.0)}, tmp_path / "apart.pt")
+    with pytest.raises(xlakit.CheckpointMismatchError, match="0.weight and 1.weight: the template's tensors share"):
+        xlakit.restore(tmp_path / "apart.pt", model.state_dict())
+    xlakit.save({"0.weight": torch.ones(4, 3), "1.weight": torch.ones(4, 3)}, tmp_path / "equal.pt")
+    xlakit.restore(tmp_path / "equal.pt", model.state_dict())
+    assert torch.equal(model[1].weight.cpu(), torch.ones(4, 3))

@@ -1,0 +1,140 @@
+"""No destructive act without agreement: 4-rank jobs on gloo with faults injected by PID.
+
+Each test runs a real job (tests/support/fault_worker.py) that first commits version 1
+of a sharded checkpoint, then meets a fault in the save of version 2; every
+rank finally loads the checkpoint (a coordinated load), which must be the
+version the outcome promised.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.ranks import Job
+from tests.support import SUPPORT
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+WORKER = SUPPORT / "fault_worker.py"
+DEADLINE_S = 4.0  # the worker's timeout_s for the faulty save
+MARGIN_S = 6.0  # a cancel's claim waits <= 2 s for the store, plus <= 2 s for the committer's verdict
+WORLD = 4
+
+
+def _commit_id(folder: Path) -> str:
+    return json.loads((folder / "ckpt" / "xlakit-commit.json").read_text())["id"]
+
+
+def test_rank_0_stopped_after_its_shard_never_commits_after_the_others_gave_up(tmp_path):
+    # Regression: rank 0 resumed after the deadline, committed and deleted the previous shards
+    # after ranks 1-3 had been told "the last committed checkpoint is untouched".
+    job = Job(WORKER, "rank0-stops-after-its-shard", tmp_path, WORLD)
+    job.wait_event(0, "saved-1")
+    before = _commit_id(tmp_path)
+    job.wait_stopped(0)
+    for rank in (1, 2, 3):
+        job.wait_event(rank, "save-2-returned", timeout=DEADLINE_S + MARGIN_S + 10)
+    time.sleep(1.0)
+    job.signal(0, signal.SIGCONT)  # rank 0 wakes up past everyone's deadline
+    results = job.results()
+    for rank in (1, 2, 3):
+        r = results[rank].get("save2") or results[rank]
+        assert r["ok"] is False and r["error"] == "CheckpointTimeoutError" and r["rank_named"] == 0, r
+        assert r["elapsed_s"] < DEADLINE_S + MARGIN_S, r
+    assert results[0]["save2"]["ok"] is False, results[0]
+    assert _commit_id(tmp_path) == before  # the commit record was never replaced
+    assert all(results[r]["version_now"] == 1 for r in range(WORLD)), results
+
+
+@pytest.mark.parametrize("scenario,culprit,field", [("path-mismatch", 2, "path"),
+                                                    ("layout-mismatch", 1, "layout")])
+def test_a_rank_that_disagrees_is_named_everywhere_and_nothing_is_touched(tmp_path, scenario, culprit,
+                                                                          field):
+    # Regression: one rank with another path got success everywhere, a commit record naming a
+    # shard in another folder, and the previous shards deleted.
+    job = Job(WORKER, scenario, tmp_path, WORLD)
+    job.wait_event(0, "saved-1")
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    results = job.results()
+    for rank in range(WORLD):
+        r = results[rank].get("save2") or results[rank]
+        assert r["ok"] is False and r["error"] == "CheckpointPeerError", (rank, r)
+        assert r["rank_named"] == culprit and f"disagree on {field}" in r["message"], (rank, r)
+        assert r["elapsed_s"] < 2.0, r  # found at once, not at the deadline
+        assert results[rank]["version_now"] == 1
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_rank_absent_from_a_save_is_named_at_the_deadline(tmp_path):
+    # Regression: a rank absent from the job's first save gave a raw DistStoreError from
+    # dist.new_group, naming nobody; barrier timeouts left .rank None.
+    results = Job(WORKER, "absent-rank", tmp_path, WORLD).results()
+    for rank in (0, 1, 2):
+        r = results[rank].get("save2") or results[rank]
+        assert r["error"] == "CheckpointTimeoutError" and r["rank_named"] == 3, (rank, r)
+        assert "rank(s) [3]" in r["message"] and r["elapsed_s"] < DEADLINE_S + MARGIN_S, r
+
+
+def test_after_a_timeout_the_job_saves_again_once_every_rank_is_back(tmp_path):
+    # Regression: after one timed-out barrier every later save failed ("Application timeout
+    # caused pair closure"): xlakit's gloo group was never replaced.
+    job = Job(WORKER, "stopped-rank-then-recovery", tmp_path, WORLD)
+    job.wait_event(3, "saving-2")
+    job.signal(3, signal.SIGSTOP)
+    time.sleep(DEADLINE_S + MARGIN_S)
+    job.signal(3, signal.SIGCONT)
+    results = job.results()
+    for rank in (0, 1, 2):
+        r = results[rank].get("save2") or results[rank]
+        assert r["error"] == "CheckpointTimeoutError" and r["rank_named"] == 3, (rank, r)
+    for rank in range(WORLD):
+        assert results[rank]["save3"]["ok"] is True, (rank, results[rank])
+        assert results[rank]["dcp2"]["ok"] is True, (rank, results[rank])
+        assert results[rank]["version_now"] == 3
+
+
+def test_ctrl_c_on_one_rank_cancels_the_save_on_every_rank(tmp_path):
+    job = Job(WORKER, "interrupted-rank", tmp_path, WORLD)
+    job.wait_event(1, "saving-2")
+    time.sleep(1.5)  # rank 1 is inside its (slow, fake) transfer
+    job.signal(1, signal.SIGINT)
+    results = job.results()
+    assert results[1]["save2"]["error"] == "KeyboardInterrupt", results[1]
+    assert any("nothing was committed" in n for n in results[1]["save2"]["notes"]), results[1]
+    for rank in (0, 2, 3):
+        r = results[rank].get("save2") or results[rank]
+        assert r["ok"] is False and r["rank_named"] == 1 and "KeyboardInterrupt" in r["message"], (rank, r)
+    for rank in range(WORLD):
+        assert results[rank]["version_now"] == 1 and results[rank]["temporaries"] == []
+
+
+def test_asynchronous_sharded_and_replicated_saves_commit(tmp_path):
+    results = Job(WORKER, "async-layouts", tmp_path, WORLD).results()
+    for rank in range(WORLD):
+        r = results[rank]
+        assert r["async-sharded"]["ok"] and r["async-replicated"]["ok"], r
+        assert r["version-sharded"] == 5 and r["version-replicated"] == 5, r
+
+
+def test_an_asynchronous_failure_on_one_rank_surfaces_on_every_rank(tmp_path):
+    results = Job(WORKER, "async-failure", tmp_path, WORLD).results()
+    assert (results[2].get("async") or {}).get("error") == "CheckpointWriteError", results[2]
+    for rank in (0, 1, 3):
+        r = results[rank].get("async") or results[rank]
+        assert r["ok"] is False and r["rank_named"] == 2, (rank, r)
+    assert all(results[r]["version_now"] == 1 for r in range(WORLD))
+
+
+def test_temporaries_of_killed_sharded_saves_are_removed_under_any_name(tmp_path):
+    # Regression: cleanup matched only the current shard's name: 17 files, 1.1 GB after 10 crashes.
+    for crash in range(2):
+        results = Job(WORKER, "dies-mid-shard", tmp_path, 2).results()
+        assert results[1]["exit"] == 17 and results[0]["save2"]["rank_named"] == 1, results
+        left = [n for n in (tmp_path / "ckpt").iterdir() if n.name.endswith(".xlakit-tmp")]
+        # Each job's first save removed what the previous crash left; only this crash's remains.
+        assert len(left) == 1 and left[0].name.startswith(".shard-00001-of-00002."), left

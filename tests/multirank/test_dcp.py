@@ -1,0 +1,290 @@
+"""xlakit.dcp_save / dcp_load: DCP folders committed atomically, verified, under one deadline.
+
+The atomic and integrity behaviour is tested here in-process on CPU and plain
+XLA tensors; SPMD sharding, resharding on load and compile counts run in
+their own processes on a 4-device CPU mesh (see spmd_run.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import xlakit
+from tests.support import fakes
+from tests.support.spmd_run import run_scenario
+from xlakit.checkpoint import folders, operation, paths
+
+
+def _state(value: float) -> dict:
+    return {"model": {"w": torch.full((64, 8), value), "b": torch.arange(8)},
+            "optim": {"step": int(value), "lr": 0.5}}
+
+
+def _template() -> dict:
+    return {"model": {"w": torch.zeros(64, 8), "b": torch.zeros(8, dtype=torch.int64)},
+            "optim": {"step": 0, "lr": 0.0}}
+
+
+def _assert_loaded(state: dict, value: float) -> None:
+    assert torch.equal(state["model"]["w"], torch.full((64, 8), value))
+    assert torch.equal(state["model"]["b"], torch.arange(8))
+    assert state["optim"] == {"step": int(value), "lr": 0.5}
+
+
+def _temps(folder) -> list[str]:
+    return [n for n in os.listdir(folder) if n.endswith(paths.TMP_SUFFIX)]
+
+
+def test_round_trip_and_replace_committed_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    xlakit.dcp_save(_state(2.0), path)
+    state = _template()
+    xlakit.dcp_load(state, path)
+    _assert_loaded(state, 2.0)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert folders.COMMIT_RECORD in os.listdir(path)
+
+
+@pytest.mark.xla
+def test_plain_xla_tensors_round_trip(tmp_path):
+    import torch_xla
+
+    device = torch_xla.device()
+    state = {"w": torch.arange(12.0).reshape(3, 4).to(device) * 3, "host": torch.ones(2),
+             "scalar": torch.tensor(7, device=device)}
+    xlakit.dcp_save(state, tmp_path / "ckpt")
+    back = {"w": torch.zeros(3, 4), "host": torch.zeros(2), "scalar": torch.tensor(0)}
+    xlakit.dcp_load(back, tmp_path / "ckpt")
+    assert torch.equal(back["w"], torch.arange(12.0).reshape(3, 4) * 3)
+    assert torch.equal(back["scalar"], torch.tensor(7))
+    assert torch.equal(back["host"], torch.ones(2))
+
+
+def test_folder_without_commit_record_is_refused_then_replaced(tmp_path):
+    # Regression guard: a DCP folder whose save died before finishing must never load.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    os.unlink(path / folders.COMMIT_RECORD)
+    with pytest.raises(xlakit.CheckpointIncompleteError, match="no commit record") as info:
+        xlakit.dcp_load(_template(), path)
+    assert ".metadata" in str(info.value)
+    xlakit.dcp_save(_state(3.0), path)
+    state = _template()
+    xlakit.dcp_load(state, path)
+    _assert_loaded(state, 3.0)
+
+
+def test_damaged_file_is_named(tmp_path):
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    data = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(xlakit.CheckpointCorruptError, match=data.name):
+        xlakit.dcp_load(_template(), path)
+
+
+def test_sharded_save_folder_is_told_apart_from_a_dcp_folder(tmp_path):
+    # Both layouts name their commit record xlakit-commit.json; the format field decides.
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / folders.COMMIT_RECORD).write_text('{"format": "xlakit-sharded", "version": 1}')
+    with pytest.raises(xlakit.CheckpointFormatError, match="load it with xlakit.load"):
+        xlakit.dcp_load(_template(), path)
+
+
+def test_foreign_folder_is_never_replaced(tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(xlakit.CheckpointWriteError, match="notes.txt"):
+        xlakit.dcp_save(_state(1.0), path)
+    assert os.listdir(path) == ["notes.txt"] and _temps(tmp_path) == []
+
+
+def test_missing_parent_folder_is_a_write_error(tmp_path):
+    with pytest.raises(xlakit.CheckpointWriteError, match="does not exist"):
+        xlakit.dcp_save(_state(1.0), tmp_path / "nope" / "ckpt")
+
+
+def test_write_failure_inside_dcp_keeps_previous_and_leaves_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(folders, "write_commit_record", full)
+    with pytest.raises(xlakit.CheckpointWriteError, match="no space") as info:
+        xlakit.dcp_save(_state(2.0), path)
+    assert info.value.errno == 28
+    assert _temps(tmp_path) == []
+    loaded = _template()
+    xlakit.dcp_load(loaded, path)
+    _assert_loaded(loaded, 1.0)
+
+
+def test_next_save_removes_temporaries_of_dead_processes(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f".ckpt.{paths.host()}.{dead}.0badcafe{paths.TMP_SUFFIX}"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"half")
+    xlakit.dcp_save(_state(1.0), tmp_path / "ckpt")
+    assert _temps(tmp_path) == []
+
+
+def _dead_pid() -> str:
+    return subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_folders_moved_aside_by_dead_processes_are_cleaned_or_put_back(tmp_path, monkeypatch):
+    # Regression: without an atomic exchange the previous folder is moved aside to
+    # `.ckpt.<random>.xlakit-old`; a process killed before removing it left it forever (its name did
+    # not say whose it was), and one killed between the two renames left no checkpoint at the name.
+    monkeypatch.setattr(paths, "exchange", lambda a, b: False)  # a file system without RENAME_EXCHANGE
+    final = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), final)
+    kept = paths.replace_folder  # the aside a live save makes is named with its host and pid
+
+    def killed_after_the_first_rename(tmp, final):
+        aside = paths.temp_path(final, paths.ASIDE_SUFFIX)
+        os.rename(final, aside)
+        raise KeyboardInterrupt  # stands for the kill: nothing after the first rename runs
+
+    monkeypatch.setattr(paths, "replace_folder", killed_after_the_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        xlakit.dcp_save(_state(2.0), final)
+    monkeypatch.setattr(paths, "replace_folder", kept)
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.endswith(paths.ASIDE_SUFFIX)]
+    assert not final.exists() and paths.parse_temp(aside.name, paths.ASIDE_SUFFIX)[1:] == (paths.host(), os.getpid())
+    # As left by a dead process (its new folder too): the aside is the last committed checkpoint
+    # and comes back.
+    pid = _dead_pid()
+    for left in tmp_path.iterdir():
+        left.rename(left.with_name(left.name.replace(f".{os.getpid()}.", f".{pid}.")))
+    dead = aside.with_name(aside.name.replace(f".{os.getpid()}.", f".{pid}."))
+    assert paths.recover_asides(final) == [dead] and not dead.exists()
+    state = _template()
+    xlakit.dcp_load(state, final)
+    _assert_loaded(state, 1.0)
+    # An aside next to a newer checkpoint is removed by the next save; another host's is left alone.
+    older = tmp_path / f".ckpt.{paths.host()}.{_dead_pid()}.0badcafe{paths.ASIDE_SUFFIX}"
+    elsewhere = tmp_path / f".ckpt.otherhost.1.0badcafe{paths.ASIDE_SUFFIX}"
+    for folder in (older, elsewhere):
+        folder.mkdir()
+        (folder / folders.COMMIT_RECORD).write_text("{}")
+    xlakit.dcp_save(_state(3.0), final)
+    assert not older.exists() and elsewhere.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", elsewhere.name])
+    state = _template()
+    xlakit.dcp_load(state, final)
+    _assert_loaded(state, 3.0)
+
+
+@pytest.mark.xla
+def test_hung_transfer_times_out_and_keeps_previous(tmp_path, monkeypatch):
+    import torch_xla
+
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    hung = fakes.FakeHungDevice(hang_in="transfer")
+    fakes.install(monkeypatch, hung)
+    state = {"model": {"w": torch.full((64, 8), 2.0).to(torch_xla.device()), "b": torch.arange(8)},
+             "optim": {"step": 2, "lr": 0.5}}
+    start = time.monotonic()
+    try:
+        with pytest.raises(xlakit.CheckpointTimeoutError) as info:
+            xlakit.dcp_save(state, path, timeout_s=0.5)
+        elapsed = time.monotonic() - start
+    finally:
+        hung.release()
+    assert 0.5 <= elapsed < 0.5 + 1.5
+    assert info.value.stage == "transfer" and info.value.tensor == "model.w"
+    assert operation.wait_until_idle(10)
+    assert _temps(tmp_path) == []
+    loaded = _template()
+    xlakit.dcp_load(loaded, path)
+    _assert_loaded(loaded, 1.0)
+
+
+@pytest.mark.xla
+def test_runtime_deadline_error_stays_a_timeout(tmp_path, monkeypatch):
+    # Regression guard: CheckpointTimeoutError is an OSError and was re-raised as a write error.
+    import torch_xla
+
+    class FakeDeadlineDevice(fakes.HostTransfer):
+        def to_host(self, tensors, *, timeout_s):
+            raise TimeoutError("tensor #0 (f32[4]): 0 of 16 bytes copied before the deadline")
+
+    fakes.install(monkeypatch, FakeDeadlineDevice())
+    with pytest.raises(xlakit.CheckpointTimeoutError, match="copy of 'w' passed its deadline"):
+        xlakit.dcp_save({"w": torch.ones(4).to(torch_xla.device())}, tmp_path / "ckpt")
+    assert _temps(tmp_path) == []
+
+
+def test_irrelevant_options_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="compute_crc32"):
+        xlakit.dcp_save(_state(1.0), tmp_path / "c", compute_crc32=True)
+    with pytest.raises(ValueError, match="mmap"):
+        xlakit.dcp_load(_template(), tmp_path / "c", mmap=True)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    return run_scenario("dcp_sharded", tmp_path_factory.mktemp("dcp"))
+
+
+@pytest.mark.xla
+def test_sharded_save_compiles_no_replication_program(sharded):
+    assert sharded["sharded"] == ["dim1", "even", "padded", "partial_bf16", "pending", "tiled_int"]
+    assert sharded["save_compiles"] == [1, 0, 0]  # the one sync graph of the pending tensor
+    assert sharded["small_batch_compiles"] == 0
+    assert sharded["small_batch_shard_copies"] == len(sharded["sharded"])
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("load", ["same_sharding", "other_dim", "2x2_mesh", "host", "small_batch",
+                                  "torch_xla_planner"])
+def test_sharded_state_loads_bit_exactly(sharded, load):
+    assert sharded[f"mismatch_{load}"] == []
+
+
+@pytest.mark.xla
+def test_sharded_save_times_out_in_transfer_and_keeps_previous(sharded):
+    assert sharded["timeout"]["stage"] == "transfer"
+    assert sharded["timeout"]["tensor"] == "model.even"
+    assert sharded["timeout"]["elapsed_s"] < 0.5 + 1.5
+    assert sharded["mismatch_after_timeout"] == []
+
+
+@pytest.mark.xla
+def test_xla_sharded_tensor_wrapper_is_saved_as_its_tensor(sharded):
+    assert sharded["wrapper_type"] == "XLAShardedTensor" and sharded["wrapper_round_trip"]
+
+
+@pytest.mark.xla
+def test_load_on_another_device_count(sharded, tmp_path):
+    result = run_scenario("dcp_two_devices", tmp_path, sharded["path"], devices=2)
+    assert result == {"mismatch": [], "optim": {"step": 3, "lr": 0.5}}
+
+
+def test_timeout_error_survives_pickling():
+    # Regression guard: DCP pickles a rank's exception for the others, and unpickling
+    # CheckpointTimeoutError failed on its keyword-only `stage`.
+    import pickle
+
+    err = xlakit.CheckpointTimeoutError("late", stage="write", tensor="w", rank=2)
+    err.add_note("raise timeout_s")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is xlakit.CheckpointTimeoutError and str(back) == "late"
+    assert (back.stage, back.tensor, back.rank, back.__notes__) == ("write", "w", 2, ["raise timeout_s"])

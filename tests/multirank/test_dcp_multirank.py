@@ -1,0 +1,110 @@
+"""xlakit.dcp_save / dcp_load with real ranks: one commit for the job, resharding on load.
+
+Each test starts its ranks as processes (tests/support/dcp_worker.py, gloo over
+loopback) holding CPU DTensors; the checkpoint is then checked from here,
+in this single process, as any later job would read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import xlakit
+from tests.support import ranks
+from tests.support.dcp_worker import DEADLINE_S
+from xlakit.checkpoint import folders
+from tests.support import SUPPORT
+
+pytestmark = pytest.mark.multiproc
+WORKER = SUPPORT / "dcp_worker.py"
+MARGIN_S = 6.0  # rank 0 waits 1 s more for reports, the others 5 s more for its verdict
+
+
+def run_ranks(scenario: str, folder: Path, world: int) -> dict[int, dict]:
+    """Each rank's reports by phase, and its exit status."""
+    results = {}
+    for rank, (code, out, err) in enumerate(ranks.run(WORKER, scenario, folder, world)):
+        reports = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        results[rank] = {"exit": code, "stderr": err[-3000:], **{r.pop("phase"): r for r in reports}}
+    return results
+
+
+def _load_here(path: Path) -> dict:
+    """The checkpoint read back in this process, as plain full tensors."""
+    state = {"model": {"w": torch.zeros(10, 6), "b": torch.zeros(7, dtype=torch.bfloat16),
+                       "ids": torch.zeros(9, 4, dtype=torch.int64)},
+             "plain": torch.zeros(5), "step": 0}
+    xlakit.dcp_load(state, path)
+    return state
+
+
+def _expected(version: int) -> dict:
+    from tests.support.dcp_worker import full
+
+    return full(version)
+
+
+def _assert_version(state: dict, version: int) -> None:
+    want = _expected(version)
+    for name in ("w", "b", "ids"):
+        assert torch.equal(state["model"][name], want[name]), name
+    assert torch.equal(state["plain"], want["plain"]) and state["step"] == version
+
+
+@pytest.mark.slow
+def test_two_ranks_save_three_ranks_load_resharded_bit_exactly(tmp_path):
+    saved = run_ranks("save", tmp_path, world=2)
+    assert all("save" in r for r in saved.values()), saved
+    # One folder for the job, committed once: every rank's files are in its record.
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    record = json.loads((tmp_path / "ckpt" / folders.COMMIT_RECORD).read_text())
+    assert sorted(record["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    loaded = run_ranks("load", tmp_path, world=3)
+    for rank, r in loaded.items():
+        assert r.get("load", {}).get("mismatch") == [], (rank, r)
+    _assert_version(_load_here(tmp_path / "ckpt"), 1)
+    # The same job then loaded with one file damaged: each rank verifies a share of the
+    # files (sorted: .metadata, __0_0, __1_0), so rank 2 finds it and the others are told.
+    assert "__1_0.distcp" in loaded[2]["corrupt"]["message"], loaded[2]
+    assert loaded[2]["corrupt"]["error"] == "CheckpointCorruptError"
+    for rank in (0, 1):
+        r = loaded[rank]["corrupt"]
+        assert r.get("error") == "CheckpointPeerError" and r["rank_named"] == 2, (rank, r)
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory):
+    """One 3-rank job: save version 1, rank 1 fails to write 2, rank 1 dies while saving 3."""
+    folder = tmp_path_factory.mktemp("failures")
+    return folder, run_ranks("failures", folder, world=3)
+
+
+@pytest.mark.slow
+def test_a_rank_failing_to_write_is_named_and_nothing_commits(failures):
+    _, results = failures
+    assert results[1]["fails"].get("error") == "CheckpointWriteError", results[1]
+    assert "no space" in results[1]["fails"]["message"]
+    for rank in (0, 2):
+        r = results[rank]["fails"]
+        assert r.get("error") == "CheckpointPeerError" and r["rank_named"] == 1, (rank, r)
+        assert "rank 1: CheckpointWriteError" in r["message"]
+        assert r["elapsed_s"] < DEADLINE_S
+
+
+@pytest.mark.slow
+def test_a_rank_dying_mid_save_is_named_by_the_others_and_the_previous_loads(failures):
+    folder, results = failures
+    assert results[1]["exit"] == 17 and "dies" not in results[1], results[1]
+    for rank in (0, 2):
+        r = results[rank]["dies"]
+        assert r.get("error") == "CheckpointTimeoutError" and r["rank_named"] == 1, (rank, r)
+        assert "rank(s) [1]" in r["message"]
+        assert r["elapsed_s"] < DEADLINE_S + MARGIN_S
+    # No temporary folder is left, and neither failed save replaced version 1.
+    assert sorted(os.listdir(folder)) == ["ckpt"]
+    _assert_version(_load_here(folder / "ckpt"), 1)

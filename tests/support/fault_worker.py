@@ -1,0 +1,155 @@
+"""One rank of a multi-process fault test: runs a named scenario, announces its steps on stdout.
+
+Started by tests/multirank/test_agreement.py through `tests.ranks.Job` with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; torch.distributed runs on gloo
+over loopback. Every line is JSON: `{"event": ...}` marks a moment the test
+may act on (a signal to this PID), `{"result": {...}}` is the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import xlakit  # noqa: E402
+from xlakit.checkpoint import ranks as ranks_layout  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+DEADLINE_S = 4.0
+
+
+def say(**line) -> None:
+    print(json.dumps(line), flush=True)
+
+
+def state(version: int) -> dict:
+    return {"version": version, "rank": RANK, "w": torch.full((4096,), float(version * 10 + RANK))}
+
+
+def outcome(fn) -> dict:
+    start = time.monotonic()
+    try:
+        fn()
+        return {"ok": True, "elapsed_s": time.monotonic() - start}
+    except xlakit.CheckpointError as e:
+        return {"ok": False, "error": type(e).__name__, "message": str(e), "rank_named": getattr(e, "rank", None),
+                "elapsed_s": time.monotonic() - start}
+
+
+def versions(target: Path, layout: str) -> int:
+    """The version every rank loads now (a coordinated load)."""
+    loaded = xlakit.load(target, layout="replicated" if layout == "replicated" else "auto", timeout_s=30)
+    return loaded["version"]
+
+
+def stop_after_shard() -> None:
+    """Rank 0 sends itself SIGSTOP right after its shard is written, before it votes."""
+    real = ranks_layout._rename_shard
+
+    def then_stop(op, tmp, final):
+        real(op, tmp, final)
+        say(event="shard-written")
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    ranks_layout._rename_shard = then_stop
+
+
+def run(scenario: str, folder: Path) -> dict:
+    target = folder / "ckpt"
+    out: dict = {"rank": RANK}
+    xlakit.save(state(1), target, layout="sharded", timeout_s=30)  # the previous checkpoint
+    say(event="saved-1")
+    if scenario == "rank0-stops-after-its-shard":
+        if RANK == 0:
+            stop_after_shard()
+        out["save2"] = outcome(lambda: xlakit.save(state(2), target, layout="sharded", timeout_s=DEADLINE_S))
+        say(event="save-2-returned")
+    elif scenario == "path-mismatch":
+        where = folder / "elsewhere" if RANK == 2 else target
+        out["save2"] = outcome(lambda: xlakit.save(state(2), where, layout="sharded", timeout_s=DEADLINE_S))
+    elif scenario == "layout-mismatch":
+        layout = "replicated" if RANK == 1 else "sharded"
+        out["save2"] = outcome(lambda: xlakit.save(state(2), target, layout=layout, timeout_s=DEADLINE_S))
+    elif scenario == "dies-mid-shard":
+        if RANK == 1:  # dies inside the transfer, its temporary shard file already open
+            from tests.support import fakes
+            from xlakit.checkpoint import transfer
+
+            class Dies(fakes.HostTransfer):
+                def to_host(self, tensors, *, timeout_s):
+                    os._exit(17)
+
+            transfer.backend_for = lambda device_type, sample, **_: Dies()
+        out["save2"] = outcome(lambda: xlakit.save(state(2), target, layout="sharded", timeout_s=DEADLINE_S))
+        return out
+    elif scenario == "absent-rank":
+        if RANK == 3:
+            time.sleep(DEADLINE_S + 6)  # misses this save entirely
+            out["save2"] = {"ok": None}
+        else:
+            out["save2"] = outcome(lambda: xlakit.save(state(2), target, layout="sharded", timeout_s=DEADLINE_S))
+        return out  # the sequence of coordinated operations is off from here on
+    elif scenario == "stopped-rank-then-recovery":
+        say(event="saving-2")
+        out["save2"] = outcome(lambda: xlakit.save(state(2), target, layout="sharded", timeout_s=DEADLINE_S))
+        out["save3"] = outcome(lambda: xlakit.save(state(3), target, layout="sharded", timeout_s=30))
+        out["dcp2"] = outcome(lambda: xlakit.dcp_save({"w": torch.ones(8) * RANK}, folder / "dcp", timeout_s=30))
+    elif scenario == "interrupted-rank":
+        if RANK == 1:  # a slow device (fake), so that the test's SIGINT lands mid-save
+            from tests.support import fakes
+            from xlakit.checkpoint import transfer
+
+            slow = fakes.FakeSlowDevice(delay_s=0.5)
+            transfer.backend_for = lambda device_type, sample, **_: slow
+        parts = {**state(2), **{f"p{i}": torch.full((1024,), float(i)) for i in range(12)}}
+        say(event="saving-2")
+        try:
+            out["save2"] = outcome(lambda: xlakit.save(parts, target, layout="sharded", timeout_s=30,
+                                                       max_inflight_bytes=4096))
+        except KeyboardInterrupt as e:
+            out["save2"] = {"ok": False, "error": "KeyboardInterrupt", "notes": getattr(e, "__notes__", [])}
+        out["temporaries"] = sorted(n for n in os.listdir(target) if n.endswith(".xlakit-tmp"))
+    elif scenario == "async-layouts":
+        for layout in ("sharded", "replicated"):
+            where = target if layout == "sharded" else folder / "replicated.pt"
+            handle = xlakit.save(state(5), where, layout=layout, asynchronous=True, timeout_s=30)
+            out[f"async-{layout}"] = outcome(lambda: handle.result(timeout=60))
+            out[f"version-{layout}"] = versions(where, layout)
+        return out
+    elif scenario == "async-failure":
+        from tests.support import fakes
+
+        disk = fakes.FakeFullDisk()
+        if RANK == 2:  # this rank's background write hits a full disk (a fake one)
+            disk.__enter__()
+        handle = xlakit.save(state(6), target, layout="sharded", asynchronous=True, timeout_s=DEADLINE_S)
+        out["async"] = outcome(lambda: handle.result(timeout=60))
+        disk.__exit__(None, None, None)
+    out["version_now"] = versions(target, "sharded")
+    return out
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    result = run(sys.argv[1], Path(sys.argv[2]))
+    say(result=result)
+    # Rank 0 hosts the store: it stays until the others are done reading it (or 15 s).
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"exit/{RANK}", "1")
+    if RANK == 0:
+        try:
+            store.wait([f"exit/{r}" for r in range(WORLD)], timedelta(seconds=15))
+        except RuntimeError:
+            pass  # a peer died, stalled or left early on purpose in this scenario
+    os._exit(0)  # skip process-group teardown: a dead or stuck peer must not hang the exit

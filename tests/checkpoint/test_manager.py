@@ -112,12 +112,14 @@ def test_a_save_that_raised_can_be_retried_at_the_same_step(tmp_path):
     assert mgr.all_steps() == [1, 2] and mgr.restore(2)["step"] == 2
 
 
-def test_a_forced_save_below_the_latest_step_is_kept_by_its_own_retention(tmp_path):
-    # Regression: save(3, force=True) returned True and its own retention deleted step 3 at once.
+def test_a_forced_save_below_the_latest_step_is_refused(tmp_path):
+    # Regression: save(3, force=True) returned True and its own retention deleted step 3 at once;
+    # since issue 25 a save below the latest step is refused (test_manager_rollback.py).
     mgr = CheckpointManager(tmp_path, max_to_keep=1)
     mgr.save(10, state(10))
-    assert mgr.save(3, state(3), force=True) is True
-    assert mgr.restore(3)["step"] == 3 and mgr.all_steps() == [3, 10]
+    with pytest.raises(ValueError, match="cannot save step 3 .*latest committed step is 10"):
+        mgr.save(3, state(3), force=True)
+    assert mgr.all_steps() == [10]
     mgr.save(11, state(11))
     assert mgr.all_steps() == [11]
 
@@ -389,7 +391,8 @@ def test_should_save_after_rolling_back_saves_the_steps_trained_again(tmp_path):
     for step in (10, 20, 30):
         mgr.save(step, state(step))
     mgr.restore(10)  # roll back, train on from step 11
-    assert [s for s in range(11, 41) if mgr.should_save(s)] == [40]  # 20 and 30 are on disk, kept
+    # 20 is due and its save refused, naming retire_steps_after (test_manager_rollback.py)
+    assert [s for s in range(11, 41) if mgr.should_save(s)] == [20, 40]
     shutil.rmtree(tmp_path / "20")  # the run given up, deleted by hand, then a rollback
     shutil.rmtree(tmp_path / "30")
     assert mgr.restore(10)["step"] == 10

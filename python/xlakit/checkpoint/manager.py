@@ -10,9 +10,9 @@ torch.distributed job every decision goes through the job's agreement
 (`decisions.decide`): the configuration
 when the managers start, the step before each save (rank 0 writes its
 record, or every rank learns why it could not), and the set of steps to
-delete after each commit (rank 0 moves them to the trash only once every
-rank proposed the same set and voted). Ranks call the manager's methods in
-the same order, as they call collectives.
+delete after each commit or at a rollback (`rollback.py`; rank 0 moves them
+to the trash only once every rank proposed the same set and voted). Ranks
+call the manager's methods in the same order, as they call collectives.
 
 Asynchronous saves run one at a time; the next `save`, `wait`, `restore` or
 `close` waits for the one in flight and raises its error, and runs retention
@@ -35,11 +35,10 @@ import signal
 import time
 import weakref
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from xlakit import _knobs
-from xlakit.checkpoint import agreement, decisions, readonly, retention, steps
+from xlakit.checkpoint import agreement, decisions, readonly, retention, rollback, steps
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
@@ -140,10 +139,9 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """True when `step` is to be saved: every `save_interval_steps`, and at an agreed preemption step.
 
-        A step already committed (or being saved) is not saved again; any other is, also below
-        the latest step after rolling back (restoring an earlier step and training on), and
-        after a save of it failed. Call it (or `save`) every step: it is also where a
-        preemption is agreed.
+        A step already committed (or being saved) is not saved again; one whose save failed is,
+        and after a rollback every step below the latest (its `save` refused, naming
+        `retire_steps_after`). Call it (or `save`) every step: a preemption is agreed there.
         """
         self._check_open()
         step = steps.check_step(step)
@@ -168,7 +166,7 @@ class CheckpointManager:
         commits, steps outside the kept set are deleted.
 
         Raises:
-            ValueError: `step` is already committed, or `metrics` lacks `best_metric`.
+            ValueError: `step` is at or below the latest step (`retire_steps_after`); no `best_metric`.
             CheckpointWriteError: `<directory>/<step>` exists and is not the manager's.
             CheckpointError: what the save raised (see `xlakit.save`).
         """
@@ -184,9 +182,7 @@ class CheckpointManager:
 
     def _save(self, step: int, state: Any, metrics: dict, preempt: bool) -> bool:
         self._finish_pending()
-        if step in self._steps:
-            raise ValueError(f"step {step} is already committed in {self.directory}; a manager "
-                             f"never overwrites a step (save the next one)")
+        rollback.refuse_at_or_below_latest(step, self._steps, self.directory)  # the same on every rank
         opts = self._options
         if preempt:
             left = self._preemption.remaining_s()
@@ -203,6 +199,7 @@ class CheckpointManager:
 
         def prepare(op) -> None:
             self._folder.renew(op, opts.timeout_s)  # object storage: the lease covers the save
+            rollback.refuse_at_or_below_latest(step, self._scan(op).committed, self.directory)  # now
             self._folder.prepare(op, step, record)
 
         decisions.decide("manager save", self._folder.identity(step), {"step": step}, Watch.of(opts),
@@ -232,6 +229,38 @@ class CheckpointManager:
         """Wait for the asynchronous save in flight; raise its error; then apply retention."""
         self._check_open()
         self._finish_pending()
+
+    def retire_steps_after(self, step: int) -> list[int]:
+        """Roll back to the committed `step`: delete every newer step, so training goes on from `step`.
+
+        The explicit rollback (a save below the latest step is refused), after `restore(step)`:
+        the newer steps go as retention's do, once every rank agreed (`rollback.py`).
+
+        Returns:
+            The steps deleted, oldest first (empty when `step` is the latest).
+
+        Raises:
+            ValueError: `step` is not committed (the committed steps are named); nothing is deleted.
+            CheckpointPeerError: the ranks disagree on what to delete; nothing is deleted.
+
+        Example:
+            >>> import torch, xlakit
+            >>> with xlakit.CheckpointManager(getfixture("tmp_path")) as mgr:
+            ...     _ = [mgr.save(s, {"w": torch.full((2,), float(s))}) for s in (10, 20, 100)]
+            ...     _ = mgr.restore(20)            # roll back, then train on from step 21
+            ...     mgr.retire_steps_after(20), mgr.save(30, {"w": torch.zeros(2)}), mgr.all_steps()
+            ([100], True, [10, 20, 30])
+        """
+        self._check_open()
+        step = steps.check_step(step)
+        self._finish_pending()
+        found = self._scan()
+        doomed = rollback.retire(self._folder, step, found, self._scan, self._watch())
+        self._steps = set(found.committed).difference(doomed)
+        self._last = max(self._steps, default=None)
+        if self._rank == 0:
+            self._folder.clean()  # the retired steps' trash
+        return doomed
 
     # -- restoring --------------------------------------------------------------------------------
     def restore(self, step: int | None = None, *, template: Any = None,
@@ -332,13 +361,13 @@ class CheckpointManager:
         return Watch.of(self._options)
 
     def _regular(self, step: int) -> bool:
-        # Not "above the latest": after a rollback the steps retrained must be saved again.
         in_flight = self._pending is not None and self._pending[0] == step
-        return step % self.save_interval_steps == 0 and step not in self._steps and not in_flight
+        below = bool(self._steps) and step < max(self._steps)  # a rollback: due, its save says how
+        return step % self.save_interval_steps == 0 and (below or step not in self._steps) and not in_flight
 
-    def _scan(self) -> steps.Scan:
+    def _scan(self, op=None) -> steps.Scan:
         """The folder as it is now; a step with a damaged record is named (once), never left out silently."""
-        found = self._folder.scan()
+        found = self._folder.scan(op)  # object storage: within `op`'s deadline
         for step, why in sorted(found.damaged.items()):
             if (step, why) not in self._damage_told:
                 self._damage_told.add((step, why))

@@ -381,8 +381,8 @@ class LocalFolder:
     def target(self, step: int, record: dict) -> Path:
         return self.step_path(step) / record["checkpoint"]
 
-    def scan(self) -> Scan:
-        return scan(self.directory)
+    def scan(self, op=None) -> Scan:
+        return scan(self.directory)  # a local listing needs no deadline of its own
 
     def prepare(self, op, step: int, record: dict) -> None:
         prepare(op, self.step_path(step), record)

@@ -273,7 +273,7 @@ def _loads_wrapper() -> str | None:
             return None
     return (f"{_knobs.PJRT_DEVICE}={os.environ.get(_knobs.PJRT_DEVICE)} starts "
             + ("torch_xla's built-in CPU client, which loads no plugin" if device == "CPU" else
-               "a runtime whose library is not the wrapper") + ", so nothing reads it")
+               "a runtime whose library is not the wrapper"))
 
 
 def requested_cache_off(s: dict[str, Any] | None = None) -> tuple[str, str] | None:
@@ -301,7 +301,9 @@ def requested_cache_off(s: dict[str, Any] | None = None) -> tuple[str, str] | No
 
     xlac = _features.xlac()
     if xlac is not None and xlac._xla_runtime_is_initialized():
-        return (f"{asked} the runtime started without xlakit's PJRT wrapper, so nothing reads it",
+        why = _loads_wrapper()
+        return (f"{asked} the runtime started without xlakit's PJRT wrapper{f' ({why})' if why else ''}, so "
+                "nothing reads it",
                 f"start the job with the wrapper: eval \"$(xlakit pjrt env DIR)\" (PJRT_DEVICE=TPU), or "
                 f"xlakit.enable_persistent_cache(DIR) in its code, {unset}")
     try:
@@ -322,7 +324,7 @@ def requested_cache_off(s: dict[str, Any] | None = None) -> tuple[str, str] | No
                     f"{_knobs.PJRT_CACHE_READ_ONLY}=1 to load from an existing one, {unset}")
     why = _loads_wrapper()
     if why:
-        return (f"{asked} {why}",
+        return (f"{asked} {why}, so nothing reads it",
                 f"start the job with the wrapper: eval \"$(xlakit pjrt env DIR)\" (PJRT_DEVICE=TPU), or "
                 f"xlakit.enable_persistent_cache(DIR) in its code, {unset}")
     return None

@@ -253,6 +253,10 @@ def test_check_fails_when_the_wrapper_never_loads(monkeypatch, tmp_path, capsys)
     assert "xlakit manifest --check: cache: XLAKIT_PJRT_CACHE_DIR=" in err
     assert "started without xlakit's PJRT wrapper (PJRT_DEVICE=CPU starts torch_xla's built-in CPU client" in err
     assert "fix: start the job with the wrapper" in err
+    from xlakit import doctor
+
+    probe = doctor.probe_cache_folder()  # doctor says the same
+    assert probe.verdict == "fail" and "started without xlakit's PJRT wrapper" in probe.detail, probe
 
 
 @pytest.mark.pjrt

@@ -42,9 +42,9 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def xlakit_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def xlakit_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "xlakit", *args], env=env or child_env(), capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=240, cwd=cwd)
 
 
 def exports(text: str) -> dict[str, str]:
@@ -70,8 +70,9 @@ STEP = textwrap.dedent("""
 """)
 
 
-def step(env: dict[str, str], *args: str) -> dict:
-    run = subprocess.run([sys.executable, "-c", STEP, *args], env=env, capture_output=True, text=True, timeout=240)
+def step(env: dict[str, str], *args: str, cwd: Path | None = None) -> dict:
+    run = subprocess.run([sys.executable, "-c", STEP, *args], env=env, capture_output=True, text=True, timeout=240,
+                         cwd=cwd)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -142,7 +143,7 @@ def test_an_empty_path_and_a_url_are_refused_never_taken_for_a_folder(enable_her
     for url in ("gs://bucket/x", "s3://bucket/x", "file:///tmp/x"):
         with pytest.raises(CompileCacheError, match="shared compile cache tier on object storage is not available"):
             enable_here(url)
-        bad = xlakit_cli("pjrt", "env", url, "--plugin", sys.executable)
+        bad = xlakit_cli("pjrt", "env", url, "--plugin", sys.executable, cwd=tmp_path)
         assert bad.returncode == 2 and "is not available yet" in bad.stderr, bad.stderr
     assert list(tmp_path.iterdir()) == [] and enable_here.asked == []
 
@@ -187,7 +188,7 @@ def test_readonly_defaults_to_its_variable(enable_here, monkeypatch, tmp_path):
 def test_a_read_only_worker_through_the_wrapper_writes_nothing(tmp_path):
     root = tmp_path / "cache"
     env = child_env(PJRT_DEVICE="TPU", TPU_LIBRARY_PATH=xla_cpu_plugin(), XLAKIT_PJRT_CACHE_READ_ONLY="1")
-    out = step(env, str(root))
+    out = step(env, str(root), cwd=tmp_path)
     assert out["cache"]["read_only"] and out["counts"]["compiles"] >= 1 and out["counts"]["writes"] == 0
     assert not root.exists()
 
@@ -213,16 +214,16 @@ def test_one_path_is_one_cache_whichever_route(tmp_path):
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     base = child_env(HOME=str(home), PJRT_DEVICE="TPU")
-    printed = xlakit_cli("pjrt", "env", "~/xla-cache", "--plugin", xla_cpu_plugin(), env=base)
+    printed = xlakit_cli("pjrt", "env", "~/xla-cache", "--plugin", xla_cpu_plugin(), env=base, cwd=tmp_path)
     assert printed.returncode == 0, printed.stderr
     exported = exports(printed.stdout)
     folder = home / "xla-cache" / "pjrt-tpu"
     assert exported["XLAKIT_PJRT_CACHE_DIR"] == str(folder)
     # Environment only: the entries are written...
-    first = step({**base, **exported})
+    first = step({**base, **exported}, cwd=tmp_path)
     assert first["cache"]["on"] and first["counts"]["writes"] == first["counts"]["compiles"] >= 1
     # ... and enable_persistent_cache of the same path finds every one of them.
-    second = step({**base, "TPU_LIBRARY_PATH": xla_cpu_plugin()}, "~/xla-cache")
+    second = step({**base, "TPU_LIBRARY_PATH": xla_cpu_plugin()}, "~/xla-cache", cwd=tmp_path)
     assert second["where"] == str(folder) and second["cache"]["dir"] == str(folder)
     assert second["counts"]["hits"] == second["counts"]["compiles"] == first["counts"]["compiles"]
     assert second["counts"]["misses"] == 0
@@ -262,7 +263,7 @@ def test_check_fails_when_the_wrapper_never_loads(monkeypatch, tmp_path, capsys)
 @pytest.mark.pjrt
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_PLUGIN, reason="xla-cpu-pjrt is not installed (run `make setup`)")
-@pytest.mark.parametrize("case", ["on", "a file", "uncreatable", "mistyped read-only", "/dev/null"])
+@pytest.mark.parametrize("case", ["on", "a file", "uncreatable", "mistyped read-only", "/dev/null", "a URL"])
 def test_check_fails_when_the_cache_the_environment_asks_for_is_off(tmp_path, case):
     # Regression (issue 25): each of these exited 0 while the wrapper ran with its cache off.
     afile = tmp_path / "afile"
@@ -275,10 +276,11 @@ def test_check_fails_when_the_cache_the_environment_asks_for_is_off(tmp_path, ca
         "mistyped read-only": (tmp_path / "cache", {"XLAKIT_PJRT_CACHE_READ_ONLY": "ture"},
                                "XLAKIT_PJRT_CACHE_READ_ONLY='ture'"),
         "/dev/null": (Path("/dev/null"), {}, "is a character device, not a folder"),
+        "a URL": ("gs://bucket/x", {}, "XLAKIT_PJRT_CACHE_DIR='gs://bucket/x' is a URL: a shared compile cache tier"),
     }[case]
     env = child_env(PJRT_DEVICE="TPU", TPU_LIBRARY_PATH=str(pjrt_wrap.library_path()),
                     XLAKIT_PJRT_PLUGIN=xla_cpu_plugin(), XLAKIT_PJRT_CACHE_DIR=str(cache), **extra)
-    run = xlakit_cli("manifest", "--check", "--profile", "cpu-dev", env=env)
+    run = xlakit_cli("manifest", "--check", "--profile", "cpu-dev", env=env, cwd=tmp_path)
     assert "pjrt-wrap 0.81 cache" in run.stdout, run.stderr[-4000:]
     if says is None:
         assert run.returncode == 0 and "cache 0 hits 0 misses" in run.stdout, run.stderr[-4000:]
@@ -286,3 +288,19 @@ def test_check_fails_when_the_cache_the_environment_asks_for_is_off(tmp_path, ca
     assert run.returncode == 1 and "| pjrt-wrap 0.81 cache off" in run.stdout, run.stderr[-4000:]
     found = [ln for ln in run.stderr.splitlines() if ln.startswith("xlakit manifest --check: cache: ")]
     assert len(found) == 1 and says in found[0] and "; fix: " in found[0] and "chmod" not in found[0], run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing made where the job started
+
+
+@pytest.mark.pjrt
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_PLUGIN, reason="xla-cpu-pjrt is not installed (run `make setup`)")
+def test_the_wrapper_reads_its_folder_variable_as_enable_reads_a_path(tmp_path):
+    # A job that sets XLAKIT_PJRT_CACHE_DIR itself: ~ is $HOME, as in enable_persistent_cache("~/x"), not
+    # a folder `~` where the job started.
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    env = child_env(HOME=str(home), PJRT_DEVICE="TPU", TPU_LIBRARY_PATH=str(pjrt_wrap.library_path()),
+                    XLAKIT_PJRT_PLUGIN=xla_cpu_plugin(), XLAKIT_PJRT_CACHE_DIR="~/xla-cache/pjrt-tpu")
+    out = step(env, cwd=tmp_path)
+    assert out["cache"]["on"] and out["cache"]["dir"] == str(home / "xla-cache" / "pjrt-tpu")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]

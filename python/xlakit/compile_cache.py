@@ -269,6 +269,8 @@ def folder_report(path: str | os.PathLike | None = None) -> dict[str, Any]:
     wrapped = not path and not os.environ.get(_knobs.XLA_PERSISTENT_CACHE_PATH) and \
         bool(os.environ.get(_knobs.PJRT_CACHE_DIR))
     path = path or os.environ.get(_knobs.XLA_PERSISTENT_CACHE_PATH) or os.environ.get(_knobs.PJRT_CACHE_DIR)
+    if wrapped:  # the wrapper reads a leading ~ as $HOME, as enable_persistent_cache does
+        path = os.path.expanduser(path)
     if not path:
         return {"path": None, "folder": None, "authenticated": False,
                 "why": f"no persistent cache ({_knobs.XLA_PERSISTENT_CACHE_PATH} and {_knobs.PJRT_CACHE_DIR} unset)"}

@@ -316,7 +316,7 @@ def requested_cache_off(s: dict[str, Any] | None = None) -> tuple[str, str] | No
         return (f"{asked} the wrapper turns it off: {e}",
                 f"export {_knobs.PJRT_CACHE_READ_ONLY}=1 (load only) or 0, or unset it")
     if not readonly:
-        where = Path(raw).resolve()
+        where = Path(raw).expanduser().resolve()
         above = next((p for p in (where, *where.parents) if os.path.lexists(p)), None)
         if above is not None and above != where and above.is_dir() and not os.access(above, os.W_OK | os.X_OK):
             return (f"{asked} the wrapper cannot create {where}: you cannot write {above}",

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import xlakit
-from xlakit import _features, cache_trust, cli, compile_cache, contract, pjrt_wrap
+from xlakit import _features, cache_trust, cli, contract, pjrt_wrap
 from xlakit.errors import CompileCacheError, ConfigurationError
 
 ROOT = Path(__file__).resolve().parent.parent

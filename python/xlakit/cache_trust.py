@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xlakit import _C
-from xlakit.errors import CompileCacheError
+from xlakit.errors import CacheFolderTrustError, CompileCacheError
 
 OWNER_ONLY, SHARED_TRUSTED, UNTRUSTED = _C.OWNER_ONLY, _C.SHARED_TRUSTED, _C.UNTRUSTED
 
@@ -67,6 +67,23 @@ def judge(folder: str | os.PathLike, *, trust_shared: bool = False) -> FolderTru
     found = _C.judge_cache_folder(str(Path(folder).resolve()), trust_shared=trust_shared)
     return FolderTrust(Path(found["folder"]), found["state"], found["problem"], found["fix"], tuple(found["shared"]),
                        bool(found.get("not_a_folder")))
+
+
+def require(folder: str | os.PathLike, *, trust_shared: bool = False) -> FolderTrust:
+    """`judge(folder)`, raising where a cache there would be refused (by Python and the wrapper alike).
+
+    Raises:
+        CompileCacheError: `folder` is, or lies below, something other than a folder (said as such,
+            with no chmod advised on it).
+        CacheFolderTrustError: another user can write the folder or one above it.
+    """
+    verdict = judge(folder, trust_shared=trust_shared)
+    if verdict.not_a_folder:
+        raise CompileCacheError(f"expected a cache folder, but {verdict.problem}; fix: {verdict.fix}")
+    if not verdict.trusted:
+        raise CacheFolderTrustError(f"expected a cache folder only you (and root) can write, since its entries are "
+                                    f"code your jobs run; found {verdict.problem}; fix: {verdict.fix}")
+    return verdict
 
 
 # `scheme://...`: a URL, which a path never is here (a local folder named `gs:` is no cache tier).

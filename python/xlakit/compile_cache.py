@@ -101,7 +101,7 @@ _shared_accepted: set[Path] = set()
 
 
 def _trusted(where: Path, *, trust_shared: bool) -> cache_trust.FolderTrust:
-    verdict = pjrt_wrap.judge_cache_folder(where, trust_shared=trust_shared)
+    verdict = cache_trust.require(where, trust_shared=trust_shared)
     if verdict.state == cache_trust.SHARED_TRUSTED and where not in _shared_accepted:
         _shared_accepted.add(where)
         log.warning("persistent cache %s is shared (trust_shared): %s; every one of them can put code into this "

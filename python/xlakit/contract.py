@@ -97,8 +97,8 @@ def accepted_devices(env: Mapping[str, str] | None = None) -> tuple[tuple[str, .
 
 def registered_devices() -> set[str]:
     """The devices registered in this process with `torch_xla.experimental.plugins.register_plugin` (the
-    registry `enable_persistent_cache` routes through too). Never imports torch_xla: a registry of a
-    module nobody imported is empty, and the import would start setting up the runtime."""
+    registry `enable_persistent_cache` routes through too). Never imports torch_xla: nobody registered a
+    plugin in a module nobody imported, and its import fills in torch_xla's environment defaults."""
     plugins = sys.modules.get("torch_xla.experimental.plugins")
     registry = getattr(plugins, "_plugin_registry", None)
     return {str(name).upper() for name in registry} if isinstance(registry, Mapping) else set()

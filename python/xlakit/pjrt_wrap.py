@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from xlakit import _knobs, cache_trust
-from xlakit.errors import CacheFolderTrustError, CompileCacheError, ConfigurationError, RuntimeFeatureError
+from xlakit.errors import CompileCacheError, ConfigurationError, RuntimeFeatureError
 
 LIBRARY = Path(__file__).resolve().parent / "_lib" / "libxlakit_pjrt_wrap.so"
 _STATUS = "xlakit_pjrt_wrap_status"
@@ -220,23 +220,6 @@ def cache_folder(root: Path, device_type: str) -> Path:
     return root / f"pjrt-{device_type.lower()}"
 
 
-def judge_cache_folder(where: Path, *, trust_shared: bool) -> cache_trust.FolderTrust:
-    """The trust verdict on the wrapper's cache folder `where`, raising where the wrapper would turn its cache off.
-
-    Raises:
-        CompileCacheError: `where` is, or lies below, something other than a folder (said as such,
-            with no chmod advised on it).
-        CacheFolderTrustError: another user can write the folder or one above it.
-    """
-    verdict = cache_trust.judge(where, trust_shared=trust_shared)
-    if verdict.not_a_folder:
-        raise CompileCacheError(f"expected a cache folder, but {verdict.problem}; fix: {verdict.fix}")
-    if not verdict.trusted:
-        raise CacheFolderTrustError(f"expected a cache folder only you (and root) can write, since its entries are "
-                                    f"code your jobs run; found {verdict.problem}; fix: {verdict.fix}")
-    return verdict
-
-
 # The wrapper names its entries by a SHA-256 in hex (csrc/pjrt_wrap/compile_cache.h).
 _ENTRY_NAME = re.compile(r"[0-9a-f]{64}")
 
@@ -345,7 +328,7 @@ def env_lines(cache_dir: str | os.PathLike, plugin: str | None = None) -> list[s
             plugin is given or installed.
     """
     where = cache_folder(cache_trust.local_folder(cache_dir), "TPU")
-    verdict = judge_cache_folder(where, trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
+    verdict = cache_trust.require(where, trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
     plugin = plugin or _real_tpu_plugin()
     if plugin is None:
         raise CompileCacheError("no real plugin to wrap: pass --plugin PATH (libtpu.so, a CPU or GPU plugin), "

@@ -239,6 +239,12 @@ def test_pjrt_env_points_at_entries_an_earlier_xlakit_wrote_in_the_path_itself(t
     err = capsys.readouterr().err
     assert f"{root} holds 1 entries an earlier xlakit wrote there directly" in err and "mv -t" in err
     assert sorted(p.name for p in root.iterdir()) == ["README", "ab" * 32]  # told, nothing moved
+    # The path given as its own subfolder (what matched enable_persistent_cache before): its parent is named.
+    sub = root / "pjrt-tpu"
+    sub.mkdir(mode=0o700)
+    (sub / ("cd" * 32)).write_bytes(b"an entry of the wrapper")
+    assert cli.main(["pjrt", "env", str(sub), "--plugin", sys.executable]) == 0
+    assert f"pass {root} instead" in capsys.readouterr().err
 
 
 # -- manifest --check: a cache the environment asks for that is off ----------------------------------------

@@ -313,6 +313,26 @@ def requested_cache_off(s: dict[str, Any] | None = None) -> tuple[str, str] | No
     return None
 
 
+def earlier_entries_note(cache_dir: str | os.PathLike) -> str | None:
+    """What to do with entries an earlier xlakit's `pjrt env` had written in the path itself, where
+    `env_lines(cache_dir)` no longer looks; None when there are none. Moves nothing; never raises."""
+    try:
+        root = cache_trust.local_folder(cache_dir)
+    except CompileCacheError:
+        return None
+    left = entries_left_in(root)
+    if not left:
+        return None
+    where = cache_folder(root, "TPU")
+    if root.name == where.name:  # the subfolder given as the path: its parent names it now
+        return (f"{root} holds {left} entries, and `xlakit pjrt env {root}` now names {where}; pass "
+                f"{root.parent} instead (the path enable_persistent_cache takes) to keep using them")
+    return (f"{root} holds {left} entries an earlier xlakit wrote there directly; the wrapper now caches in {where} "
+            f"(as enable_persistent_cache does); to keep them, move them there: mkdir -m 700 -p "
+            f"{shlex.quote(str(where))} && find {shlex.quote(str(root))} -maxdepth 1 -type f -regextype egrep "
+            f"-regex '.*/[0-9a-f]{{64}}' -exec mv -t {shlex.quote(str(where))} {{}} +")
+
+
 def env_lines(cache_dir: str | os.PathLike, plugin: str | None = None) -> list[str]:
     """`export` lines that turn the wrapper on for a TPU job that runs no xlakit code.
 
@@ -351,14 +371,8 @@ def _cmd_path(args: argparse.Namespace) -> int:
 
 def _cmd_env(args: argparse.Namespace) -> int:
     print("\n".join(env_lines(args.cache_dir, args.plugin)))
-    root = cache_trust.local_folder(args.cache_dir)
-    if left := entries_left_in(root):
-        where = cache_folder(root, "TPU")
-        print(f"xlakit pjrt env: {root} holds {left} entries an earlier xlakit wrote there directly; the wrapper "
-              f"now caches in {where} (as enable_persistent_cache does); to keep them, move them there: mkdir -m 700 "
-              f"-p {shlex.quote(str(where))} && find {shlex.quote(str(root))} -maxdepth 1 -type f -regextype egrep "
-              f"-regex '.*/[0-9a-f]{{64}}' -exec mv -t {shlex.quote(str(where))} {{}} +",
-              file=sys.stderr)
+    if note := earlier_entries_note(args.cache_dir):
+        print(f"xlakit pjrt env: {note}", file=sys.stderr)
     return 0
 
 

@@ -310,3 +310,34 @@ def test_the_wrapper_reads_its_folder_variable_as_enable_reads_a_path(tmp_path):
     out = step(env, cwd=tmp_path)
     assert out["cache"]["on"] and out["cache"]["dir"] == str(home / "xla-cache" / "pjrt-tpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+
+
+def test_before_the_runtime_starts_the_check_says_what_the_wrapper_will_do(monkeypatch, tmp_path):
+    # A manifest taken before the runtime starts (or where it cannot) predicts the wrapper's verdict.
+    class NotStarted:
+        def _xla_runtime_is_initialized(self):
+            return False
+
+    monkeypatch.setattr(_features, "xlac", lambda: NotStarted())
+    idle = {"loaded": False}  # status() of a process whose runtime has not called the wrapper
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    monkeypatch.setenv("TPU_LIBRARY_PATH", str(pjrt_wrap.library_path()))
+    monkeypatch.setenv("XLAKIT_PJRT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("XLAKIT_PJRT_CACHE_READ_ONLY", raising=False)
+    assert pjrt_wrap.requested_cache_off(idle) is None
+    monkeypatch.setenv("XLAKIT_PJRT_CACHE_READ_ONLY", "ture")
+    assert "XLAKIT_PJRT_CACHE_READ_ONLY='ture'" in pjrt_wrap.requested_cache_off(idle)[0]
+    monkeypatch.delenv("XLAKIT_PJRT_CACHE_READ_ONLY")
+    monkeypatch.setenv("XLAKIT_PJRT_CACHE_DIR", "s3://bucket/cache")
+    assert "is not available yet" in pjrt_wrap.requested_cache_off(idle)[0]
+    monkeypatch.setenv("XLAKIT_PJRT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TPU_LIBRARY_PATH", "/opt/libtpu.so")
+    why, fix = pjrt_wrap.requested_cache_off(idle)
+    assert "PJRT_DEVICE=TPU loads TPU_LIBRARY_PATH=/opt/libtpu.so, not the wrapper" in why and "pjrt env" in fix
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    assert "torch_xla's built-in CPU client" in pjrt_wrap.requested_cache_off(idle)[0]
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    monkeypatch.setenv("TPU_LIBRARY_PATH", str(pjrt_wrap.library_path()))
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)  # a folder above that you cannot write
+    assert f"cannot create {tmp_path / 'cache'}: you cannot write {tmp_path}" in \
+        pjrt_wrap.requested_cache_off(idle)[0]

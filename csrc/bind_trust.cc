@@ -29,11 +29,12 @@ void BindTrust(py::module_& m) {
         d["problem"] = t.problem.empty() ? py::none() : py::cast(t.problem);
         d["fix"] = t.fix.empty() ? py::none() : py::cast(t.fix);
         d["shared"] = py::tuple(py::cast(t.shared));
+        d["not_a_folder"] = t.not_a_folder;
         return d;
       },
       py::arg("folder"), py::kw_only(), py::arg("trust_shared") = false,
       "Who can put an entry into `folder` (see core/folder_trust.h): "
-      "{folder, state, problem, fix, shared}.");
+      "{folder, state, problem, fix, shared, not_a_folder}.");
 }
 
 }  // namespace xlakit

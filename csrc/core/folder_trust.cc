@@ -71,9 +71,15 @@ std::set<gid_t> MyGroups() {
   return out;
 }
 
-// Python's stat.filemode(), for the types a folder on the way can have.
+// Python's stat.filemode().
 std::string FileMode(mode_t mode) {
-  std::string out = S_ISDIR(mode) ? "d" : S_ISLNK(mode) ? "l" : "-";
+  std::string out = S_ISDIR(mode)    ? "d"
+                    : S_ISLNK(mode)  ? "l"
+                    : S_ISCHR(mode)  ? "c"
+                    : S_ISBLK(mode)  ? "b"
+                    : S_ISFIFO(mode) ? "p"
+                    : S_ISSOCK(mode) ? "s"
+                                     : "-";
   const char* rwx = "rwxrwxrwx";
   for (int i = 0; i < 9; ++i) {
     out += (mode & (0400 >> i)) ? rwx[i] : '-';
@@ -207,6 +213,16 @@ bool EntriesProblem(const std::string& folder, uid_t me,
   return true;
 }
 
+// What a path that is not a folder is, in words.
+std::string Kind(mode_t mode) {
+  if (S_ISREG(mode)) return "a regular file";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a folder";
+}
+
 FolderTrust Untrusted(const std::string& folder, std::string problem,
                       std::string fix) {
   FolderTrust out;
@@ -273,6 +289,20 @@ FolderTrust JudgeCacheFolder(const std::string& folder_in, bool trust_shared) {
                              "elsewhere");
       }
       // xlakit creates it, owner-only (or fails to, under a file, and says so).
+    } else if (!S_ISDIR(st.st_mode)) {
+      // Judged before any permission: the advice for a folder (chmod) would
+      // change a device or a file others use, and no cache can live there.
+      FolderTrust out = Untrusted(
+          folder,
+          path == folder
+              ? Looks(path, st) + " is " + Kind(st.st_mode) +
+                    ", not a folder: no cache can live there"
+              : folder + " lies below " + Looks(path, st) + ", which is " +
+                    Kind(st.st_mode) + ", so no folder can be made there",
+          "choose a folder (created if missing), e.g. ~/xla-cache; leave " +
+              path + " as it is");
+      out.not_a_folder = true;
+      return out;
     } else {
       const bool is_cache = path == folder;
       const bool mine = my_groups.count(st.st_gid) > 0;

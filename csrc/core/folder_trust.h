@@ -43,13 +43,18 @@ struct FolderTrust {
   std::string fix;
   // What only trust_shared made acceptable.
   std::vector<std::string> shared;
+  // Untrusted because the path is, or lies below, something other than a
+  // folder (a character device such as /dev/null, a regular file): `problem`
+  // says what it is, and no chmod is advised on it.
+  bool not_a_folder = false;
 
   bool trusted() const { return state != kUntrusted; }
 };
 
 // The verdict on `folder`, which need not exist: the folders xlakit would
 // create are owner-only, so the nearest existing one is judged as a folder
-// above the cache. Never throws.
+// above the cache. A path that is not a folder, or lies below one that is
+// not, is refused for that first (`not_a_folder`). Never throws.
 FolderTrust JudgeCacheFolder(const std::string& folder, bool trust_shared);
 
 // `folder` with symbolic links and `.`/`..` resolved, as far as it exists;

@@ -17,6 +17,7 @@
 #include <dlfcn.h>
 #include <sys/stat.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -72,6 +73,34 @@ bool Flag(const char* name, std::string* problem) {
                 ": expected 1 or 0 (true/false, yes/no, on/off)";
   }
   return false;
+}
+
+// The cache folder, read as xlakit's Python reads a cache path
+// (cache_trust.local_folder): a leading `~` is $HOME; a URL (`scheme://...`)
+// is never taken for a folder, since no shared tier on object storage exists
+// yet: it adds to *problem what is wrong, and the cache stays off.
+std::string CacheDir(std::string* problem) {
+  std::string dir = Env(kCacheDirEnv);
+  const size_t sep = dir.find("://");
+  bool url = sep != std::string::npos && sep > 0 &&
+             std::isalpha(static_cast<unsigned char>(dir[0]));
+  for (size_t i = 0; url && i < sep; ++i) {
+    const unsigned char c = static_cast<unsigned char>(dir[i]);
+    url = std::isalnum(c) || c == '+' || c == '.' || c == '-';
+  }
+  if (url) {
+    *problem += std::string(problem->empty() ? "" : "; ") + kCacheDirEnv +
+                "='" + dir +
+                "' is a URL: a shared compile cache tier on object storage is "
+                "not available yet, and a URL is never taken for a local "
+                "folder; set it to a local folder";
+    return dir;
+  }
+  const char* home = std::getenv("HOME");
+  if ((dir == "~" || dir.rfind("~/", 0) == 0) && home && *home) {
+    dir = home + dir.substr(1);
+  }
+  return dir;
 }
 
 std::string DirName(const std::string& path) {
@@ -178,7 +207,7 @@ const PJRT_Api* Activate() {
     return RefusingApi(w.refused);
   }
   CacheConfig cfg;
-  cfg.dir = Env(kCacheDirEnv);
+  cfg.dir = CacheDir(&cfg.env_problem);
   cfg.plugin_path = w.plugin_path;
   cfg.read_only = Flag(kCacheReadOnlyEnv, &cfg.env_problem);
   cfg.trust_shared = Flag(kTrustSharedEnv, &cfg.env_problem);

@@ -32,8 +32,9 @@ def _add_manifest(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("manifest", help="print the run manifest (stack, contract, drift)")
     p.add_argument("--json", action="store_true", help="the whole manifest as JSON instead of the row")
     p.add_argument("--check", action="store_true",
-                   help="exit 1 on drift from the pinned profile, a broken run contract or a runtime that cannot "
-                        "start, naming each with its fix")
+                   help="exit 1 on drift from the pinned profile, a broken run contract, a runtime that cannot "
+                        "start or a compile cache that is untrusted or off while the environment asks for it, naming "
+                        "each with its fix")
     p.add_argument("--profile", help=f"VERSIONS.toml profile to check against (default: ${_knobs.PROFILE}, "
                    "else tpu on a TPU host, else cpu-dev)")
     p.add_argument("--pins", help="a pins file instead of the one baked into xlakit")

@@ -22,10 +22,12 @@ the caller logs it). Writable by every user stays refused.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from xlakit import _C
+from xlakit.errors import CacheFolderTrustError, CompileCacheError
 
 OWNER_ONLY, SHARED_TRUSTED, UNTRUSTED = _C.OWNER_ONLY, _C.SHARED_TRUSTED, _C.UNTRUSTED
 
@@ -39,6 +41,7 @@ class FolderTrust:
     problem: str | None = None  # names the folder at fault, its owner and mode
     fix: str | None = None
     shared: tuple[str, ...] = ()  # what only trust_shared made acceptable
+    not_a_folder: bool = False  # the path is, or lies below, a device or a file: `problem` says which
 
     @property
     def trusted(self) -> bool:
@@ -62,4 +65,60 @@ def judge(folder: str | os.PathLike, *, trust_shared: bool = False) -> FolderTru
     run no xlakit Python.
     """
     found = _C.judge_cache_folder(str(Path(folder).resolve()), trust_shared=trust_shared)
-    return FolderTrust(Path(found["folder"]), found["state"], found["problem"], found["fix"], tuple(found["shared"]))
+    return FolderTrust(Path(found["folder"]), found["state"], found["problem"], found["fix"], tuple(found["shared"]),
+                       bool(found.get("not_a_folder")))
+
+
+def require(folder: str | os.PathLike, *, trust_shared: bool = False) -> FolderTrust:
+    """`judge(folder)`, raising where a cache there would be refused (by Python and the wrapper alike).
+
+    Raises:
+        CompileCacheError: `folder` is, or lies below, something other than a folder (said as such,
+            with no chmod advised on it).
+        CacheFolderTrustError: another user can write the folder or one above it.
+    """
+    verdict = judge(folder, trust_shared=trust_shared)
+    if verdict.not_a_folder:
+        raise CompileCacheError(f"expected a cache folder, but {verdict.problem}; fix: {verdict.fix}")
+    if not verdict.trusted:
+        raise CacheFolderTrustError(f"expected a cache folder only you (and root) can write, since its entries are "
+                                    f"code your jobs run; found {verdict.problem}; fix: {verdict.fix}")
+    return verdict
+
+
+# `scheme://...`: a URL, which a path never is here (a local folder named `gs:` is no cache tier).
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def refuse_shared_tier_url(path: str) -> None:
+    """Refuse a URL as a cache folder: the shared (object storage) tier of the compile cache does not exist yet.
+
+    The one place a URL is told apart from a path; a shared tier would start here.
+
+    Raises:
+        CompileCacheError: `path` is a URL (`gs://...`, `s3://...`, any `scheme://`).
+    """
+    if _URL.match(path):
+        raise CompileCacheError(
+            f"expected a local cache folder, found the URL {path!r}: a shared compile cache tier on object "
+            "storage is not available yet, and a URL is never taken for a local path; pass a local folder "
+            "(e.g. ~/xla-cache), or a folder on a shared file system mounted on every host")
+
+
+def local_folder(path: str | os.PathLike) -> Path:
+    """The absolute cache folder a user's `path` names, by the one rule every route applies: `~` is the
+    home folder, a relative path is under the working directory, links are resolved.
+
+    Raises:
+        CompileCacheError: `path` is empty (a job whose variable is unset would cache wherever it
+            started) or a URL (`refuse_shared_tier_url`).
+    """
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if not text.strip():
+        raise CompileCacheError(
+            f"expected a cache folder, found an empty path {text!r} (an unset variable?): it would cache in "
+            "the working directory, wherever the job started; pass the folder, e.g. ~/xla-cache")
+    refuse_shared_tier_url(text)
+    return Path(text).expanduser().resolve()

@@ -102,11 +102,7 @@ _shared_accepted: set[Path] = set()
 
 
 def _trusted(where: Path, *, trust_shared: bool) -> cache_trust.FolderTrust:
-    verdict = cache_trust.judge(where, trust_shared=trust_shared)
-    if not verdict.trusted:
-        raise CacheFolderTrustError(
-            f"expected a cache folder only you (and root) can write, since its entries are code your jobs run; "
-            f"found {verdict.problem}; fix: {verdict.fix}")
+    verdict = cache_trust.require(where, trust_shared=trust_shared)
     if verdict.state == cache_trust.SHARED_TRUSTED and where not in _shared_accepted:
         _shared_accepted.add(where)
         log.warning("persistent cache %s is shared (trust_shared): %s; every one of them can put code into this "
@@ -174,7 +170,13 @@ def through_wrapper() -> bool:
     return plugin is not None
 
 
-def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False,
+def _default_readonly() -> bool:
+    """`readonly` when not given: the wrapper's variable (or torch_xla's own, which its cache reads), so a
+    worker told to only read by its environment is never turned into a writer."""
+    return _knobs.get_flag(_knobs.PJRT_CACHE_READ_ONLY) or _knobs.xla_flag(_knobs.XLA_PERSISTENT_CACHE_READ_ONLY)
+
+
+def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = None,
                             trust_shared: bool | None = None) -> Path:
     """Turn on a persistent compilation cache that loads after a restart.
 
@@ -189,7 +191,12 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False,
 
     Args:
         path: The shared cache folder; created if missing (unless `readonly`).
+            `~` is your home folder; an empty path and a URL (`gs://...`: the
+            shared tier is not available yet) are refused. `xlakit pjrt env
+            PATH` names the same folder.
         readonly: Load entries but never write any (for all but one worker).
+            Default `XLAKIT_PJRT_CACHE_READ_ONLY` (or torch_xla's
+            `XLA_PERSISTENT_CACHE_READ_ONLY`).
         trust_shared: Accept a folder a group you belong to can write (a team
             cache); its folders are then created group-readable. Default
             `XLAKIT_CACHE_TRUST_SHARED`.
@@ -201,8 +208,11 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False,
         CacheFolderTrustError: another user can write the folder or one above
             it; names the folder, its owner and mode, and the `chmod` that fixes it.
         CompileCacheError: a graph was already compiled (or, through the
-            wrapper, the runtime started), the folder cannot be made, or
-            `XLAKIT_CACHE_KEY` is too short to be a secret.
+            wrapper, the runtime started), the path is empty, a URL, or is
+            (or lies below) no folder (a device, a file), the folder cannot
+            be made, or `XLAKIT_CACHE_KEY` is too short to be a secret.
+        ConfigurationError: `XLAKIT_PJRT_CACHE_READ_ONLY` or
+            `XLAKIT_CACHE_TRUST_SHARED` holds no 1/0 word.
         RuntimeFeatureError: torch_xla cannot be imported, or this xlakit has
             no PJRT wrapper where one is needed.
 
@@ -216,15 +226,16 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False,
             "expected to run before the first compilation, found torch_xla's computation cache already "
             "created, so the setting would be ignored; call enable_persistent_cache() at start-up, "
             "before any tensor is computed on an XLA device")
+    root = cache_trust.local_folder(path)
     shared = trust_shared if trust_shared is not None else _knobs.get_flag(_knobs.CACHE_TRUST_SHARED)
+    readonly = readonly if readonly is not None else _default_readonly()
     try:
         secret = _knobs.get_cache_key()
     except ValueError as e:
         raise CompileCacheError(str(e)) from None
-    root = Path(path).expanduser().resolve()
     if through_wrapper():
         pjrt_wrap.library_path()  # a missing wrapper is said before anything is made
-        where = root / f"pjrt-{os.environ[_knobs.PJRT_DEVICE].lower()}"
+        where = pjrt_wrap.cache_folder(root, os.environ[_knobs.PJRT_DEVICE])
         _prepare(where, readonly=readonly, shared=shared, key=None)
         routed = pjrt_wrap.route(where, readonly=readonly, trust_shared=shared)
         log.info("persistent cache %s through xlakit's PJRT wrapper around %s (%s)", where, routed["plugin"],
@@ -252,11 +263,15 @@ def folder_report(path: str | os.PathLike | None = None) -> dict[str, Any]:
         `{"path", "folder", "authenticated", ...}`: `folder` is owner-only,
         shared-trusted or untrusted (with `problem` and `fix`), None with `why`
         when no cache is set up (`XLA_PERSISTENT_CACHE_PATH` unset);
-        `authenticated` says whether entries carry a tag this job checks.
+        `authenticated` says whether entries carry a tag this job checks;
+        `off` and `off_fix` when the wrapper's cache that
+        `XLAKIT_PJRT_CACHE_DIR` asks for is (or will be) off.
     """
     wrapped = not path and not os.environ.get(_knobs.XLA_PERSISTENT_CACHE_PATH) and \
         bool(os.environ.get(_knobs.PJRT_CACHE_DIR))
     path = path or os.environ.get(_knobs.XLA_PERSISTENT_CACHE_PATH) or os.environ.get(_knobs.PJRT_CACHE_DIR)
+    if wrapped:  # the wrapper reads a leading ~ as $HOME, as enable_persistent_cache does
+        path = os.path.expanduser(path)
     if not path:
         return {"path": None, "folder": None, "authenticated": False,
                 "why": f"no persistent cache ({_knobs.XLA_PERSISTENT_CACHE_PATH} and {_knobs.PJRT_CACHE_DIR} unset)"}
@@ -277,6 +292,10 @@ def folder_report(path: str | os.PathLike | None = None) -> dict[str, Any]:
         secret = None
         out["key_problem"] = str(e)
     patched = features.build_info() is not None
+    if wrapped and verdict.trusted and "key_problem" not in out:
+        off = pjrt_wrap.requested_cache_off()
+        if off is not None:  # the cache the environment asks for will not run: a finding, as an untrusted folder is
+            out["off"], out["off_fix"] = off
     out["authenticated"] = bool(secret) and (patched or wrapped)
     if secret and not (patched or wrapped):
         out["why_not_authenticated"] = f"{_knobs.CACHE_KEY} is set, but stock torch_xla writes entries without a tag"

@@ -7,8 +7,9 @@ losses). Both are checked from the environment alone, so the check can run
 before torch_xla starts the runtime. Which libtpu flags were removed is data
 (`data/libtpu_flags.toml`), not code: a libtpu bump adds a row.
 
-The device must be one torch_xla can start (`PJRT_DEVICE`: CPU, built in, or
-an installed plugin; unset lets torch_xla choose), and a persistent cache path
+The device must be one torch_xla can start (`PJRT_DEVICE`: CPU, built in, an
+installed plugin or one registered in code with `register_plugin`; unset lets
+torch_xla choose), and a persistent cache path
 must not be a file: both otherwise fail only later, inside the runtime.
 
 The libtpu version a flag is judged against is, in order: the one given, the
@@ -22,6 +23,7 @@ import functools
 import importlib.metadata
 import os
 import shlex
+import sys
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -85,8 +87,22 @@ def accepted_devices(env: Mapping[str, str] | None = None) -> tuple[tuple[str, .
                or _knobs.is_true(env.get(_knobs.PJRT_DYNAMIC_PLUGINS)))
     if not dynamic:
         return _STATIC_DEVICES, f"torch_xla's built-in clients ({_knobs.XLA_REGISTER_INSTALLED_PLUGINS}=0)"
-    plugins = sorted({ep.name.upper() for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP)})
-    return ("CPU", *plugins), f"CPU is built in, the others are the installed {PLUGIN_GROUP} entry points"
+    plugins = {ep.name.upper() for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP)}
+    registered = registered_devices() - plugins - {"CPU"}
+    plugins |= registered
+    source = f"CPU is built in, the others are the installed {PLUGIN_GROUP} entry points"
+    if registered:
+        source += f" and the plugins registered in code ({', '.join(sorted(registered))})"
+    return ("CPU", *sorted(plugins)), source
+
+
+def registered_devices() -> set[str]:
+    """The devices registered in this process with `torch_xla.experimental.plugins.register_plugin` (the
+    registry `enable_persistent_cache` routes through too). Never imports torch_xla: nobody registered a
+    plugin in a module nobody imported, and its import fills in torch_xla's environment defaults."""
+    plugins = sys.modules.get("torch_xla.experimental.plugins")
+    registry = getattr(plugins, "_plugin_registry", None)
+    return {str(name).upper() for name in registry} if isinstance(registry, Mapping) else set()
 
 
 def _device_violation(env: Mapping[str, str]) -> str | None:

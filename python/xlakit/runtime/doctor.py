@@ -161,6 +161,8 @@ def probe_cache_folder() -> Probe:
         return Probe(name, "fail", f"{r['path']}: {r['problem']}", r["fix"])
     if "key_problem" in r:
         return Probe(name, "fail", r["key_problem"], f"give the job a longer {_knobs.CACHE_KEY}")
+    if "off" in r:  # the wrapper's cache the environment asks for will not run (as `manifest --check` says)
+        return Probe(name, "fail", r["off"], r["off_fix"])
     auth = (f"entries authenticated ({_knobs.CACHE_KEY})" if r["authenticated"] else
             f"entries not authenticated ({r.get('why_not_authenticated') or _knobs.CACHE_KEY + ' unset'})")
     if r["folder"] == "shared-trusted":

@@ -199,6 +199,8 @@ def problems(m: dict[str, Any]) -> list[str]:
         out.append(f"cache: {cache['problem']}; fix: {cache['fix']}")
     if "key_problem" in cache:
         out.append(f"cache: {cache['key_problem']}")
+    if "off" in cache:
+        out.append(f"cache: {cache['off']}; fix: {cache['off_fix']}")
     return out
 
 

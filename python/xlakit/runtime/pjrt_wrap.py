@@ -26,13 +26,15 @@ import ctypes
 import functools
 import json
 import os
+import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
 from xlakit import _knobs
+from xlakit.errors import CompileCacheError, ConfigurationError, RuntimeFeatureError
 from xlakit.runtime import cache_trust
-from xlakit.errors import CacheFolderTrustError, CompileCacheError, RuntimeFeatureError
 
 LIBRARY = Path(__file__).resolve().parent.parent / "_lib" / "libxlakit_pjrt_wrap.so"
 _STATUS = "xlakit_pjrt_wrap_status"
@@ -210,24 +212,143 @@ def route(cache_dir: Path, *, readonly: bool, trust_shared: bool) -> dict[str, s
     return {"device_type": device_type, "plugin": plugin, "via": via}
 
 
+def cache_folder(root: Path, device_type: str) -> Path:
+    """The folder the wrapper caches in for a cache path `root` (absolute) and a `PJRT_DEVICE`:
+    `<root>/pjrt-<device>`, whichever route turns it on (`enable_persistent_cache`, `xlakit pjrt env`),
+    so one path is one cache. The subfolder keeps the wrapper's entries apart from the patched runtime's
+    own subfolders in the same path."""
+    return root / f"pjrt-{device_type.lower()}"
+
+
+# The wrapper names its entries by a SHA-256 in hex (csrc/pjrt_wrap/compile_cache.h).
+_ENTRY_NAME = re.compile(r"[0-9a-f]{64}")
+
+
+def entries_left_in(root: Path) -> int:
+    """How many files named like the wrapper's entries lie in `root` itself, where `xlakit pjrt env ROOT` of
+    an earlier xlakit had them written (now `cache_folder(root, "TPU")`); never raises."""
+    try:
+        with os.scandir(root) as found:
+            return sum(1 for e in found if _ENTRY_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
+
+
+def _loads_wrapper() -> str | None:
+    """Why a runtime started now would not load the wrapper (from `PJRT_DEVICE`, `TPU_LIBRARY_PATH` and
+    torch_xla's plugin registry), or None when it would (or may: torch_xla chooses the device itself)."""
+    device = (os.environ.get(_knobs.PJRT_DEVICE) or "").strip().upper()
+    tpu_library = os.environ.get(_knobs.TPU_LIBRARY_PATH) or ""
+    if not device:
+        return None if tpu_library and _is_wrapper(tpu_library) else (
+            f"{_knobs.PJRT_DEVICE} is unset and {_knobs.TPU_LIBRARY_PATH} is not the wrapper, so no runtime loads it")
+    if device == "TPU":
+        return None if tpu_library and _is_wrapper(tpu_library) else (
+            f"{_knobs.PJRT_DEVICE}=TPU loads {_knobs.TPU_LIBRARY_PATH}={tpu_library or '(unset: the installed libtpu)'}"
+            ", not the wrapper")
+    plugins = sys.modules.get("torch_xla.experimental.plugins")
+    registered = getattr(plugins, "_plugin_registry", {}).get(device) if plugins else None
+    if registered is not None:
+        try:
+            if isinstance(registered, _wrapped_plugin_class()) or _is_wrapper(registered.library_path()):
+                return None
+        except Exception:  # a user's plugin class: what it says of its library is beyond this check
+            return None
+    return (f"{_knobs.PJRT_DEVICE}={os.environ.get(_knobs.PJRT_DEVICE)} starts "
+            + ("torch_xla's built-in CPU client, which loads no plugin" if device == "CPU" else
+               "a runtime whose library is not the wrapper"))
+
+
+def requested_cache_off(s: dict[str, Any] | None = None) -> tuple[str, str] | None:
+    """Why the compile cache `XLAKIT_PJRT_CACHE_DIR` asks for is (or, once the runtime starts, will be) off in
+    this process, and the fix; None when it is on, not asked for, or refused for its folder's trust (said by
+    `cache_trust`). `s` is `status()`. Never raises.
+
+    A wrapper that ran says why itself; before the runtime starts, what the wrapper would refuse is
+    judged here: a URL, a read-only flag that is no 1/0 word, a folder that cannot be made, a runtime
+    that will not load the wrapper at all.
+    """
+    raw = os.environ.get(_knobs.PJRT_CACHE_DIR)
+    if not raw:
+        return None
+    asked = f"{_knobs.PJRT_CACHE_DIR}={raw} asks for a compile cache, but"
+    unset = f"or unset {_knobs.PJRT_CACHE_DIR}"
+    s = s if s is not None else status()
+    if s.get("loaded"):
+        cache = s.get("cache") or {}
+        if cache.get("on") or s.get("refused"):  # a refused wrapper is a finding of its own
+            return None
+        return (f"{asked} the wrapper turned it off: {cache.get('why_off')}",
+                f"correct what it names (`xlakit pjrt env DIR` judges a folder as the wrapper will), {unset}")
+    from xlakit import _features
+
+    xlac = _features.xlac()
+    if xlac is not None and xlac._xla_runtime_is_initialized():
+        why = _loads_wrapper()
+        return (f"{asked} the runtime started without xlakit's PJRT wrapper{f' ({why})' if why else ''}, so "
+                "nothing reads it",
+                f"start the job with the wrapper: eval \"$(xlakit pjrt env DIR)\" (PJRT_DEVICE=TPU), or "
+                f"xlakit.enable_persistent_cache(DIR) in its code, {unset}")
+    try:
+        cache_trust.refuse_shared_tier_url(raw)
+    except CompileCacheError as e:
+        return f"{asked} {e}", f"set {_knobs.PJRT_CACHE_DIR} to a local folder, {unset}"
+    try:
+        readonly = _knobs.get_flag(_knobs.PJRT_CACHE_READ_ONLY)
+    except ConfigurationError as e:
+        return (f"{asked} the wrapper turns it off: {e}",
+                f"export {_knobs.PJRT_CACHE_READ_ONLY}=1 (load only) or 0, or unset it")
+    if not readonly:
+        where = Path(raw).expanduser().resolve()
+        above = next((p for p in (where, *where.parents) if os.path.lexists(p)), None)
+        if above is not None and above != where and above.is_dir() and not os.access(above, os.W_OK | os.X_OK):
+            return (f"{asked} the wrapper cannot create {where}: you cannot write {above}",
+                    f"point {_knobs.PJRT_CACHE_DIR} at a folder you can create, or export "
+                    f"{_knobs.PJRT_CACHE_READ_ONLY}=1 to load from an existing one, {unset}")
+    why = _loads_wrapper()
+    if why:
+        return (f"{asked} {why}, so nothing reads it",
+                f"start the job with the wrapper: eval \"$(xlakit pjrt env DIR)\" (PJRT_DEVICE=TPU), or "
+                f"xlakit.enable_persistent_cache(DIR) in its code, {unset}")
+    return None
+
+
+def earlier_entries_note(cache_dir: str | os.PathLike) -> str | None:
+    """What to do with entries an earlier xlakit's `pjrt env` had written in the path itself, where
+    `env_lines(cache_dir)` no longer looks; None when there are none. Moves nothing; never raises."""
+    try:
+        root = cache_trust.local_folder(cache_dir)
+    except CompileCacheError:
+        return None
+    left = entries_left_in(root)
+    if not left:
+        return None
+    where = cache_folder(root, "TPU")
+    if root.name == where.name:  # the subfolder given as the path: its parent names it now
+        return (f"{root} holds {left} entries, and `xlakit pjrt env {root}` now names {where}; pass "
+                f"{root.parent} instead (the path enable_persistent_cache takes) to keep using them")
+    return (f"{root} holds {left} entries an earlier xlakit wrote there directly; the wrapper now caches in {where} "
+            f"(as enable_persistent_cache does); to keep them, move them there: mkdir -m 700 -p "
+            f"{shlex.quote(str(where))} && find {shlex.quote(str(root))} -maxdepth 1 -type f -regextype egrep "
+            f"-regex '.*/[0-9a-f]{{64}}' -exec mv -t {shlex.quote(str(where))} {{}} +")
+
+
 def env_lines(cache_dir: str | os.PathLike, plugin: str | None = None) -> list[str]:
     """`export` lines that turn the wrapper on for a TPU job that runs no xlakit code.
 
-    The folder is judged first, as the wrapper will judge it; `plugin`
-    defaults to the libtpu torch_xla would load.
+    `cache_dir` names the cache as `enable_persistent_cache` takes it (`~`
+    expanded, no URL, not empty); the wrapper caches in its `pjrt-tpu`
+    subfolder, the one `enable_persistent_cache(cache_dir)` uses under
+    `PJRT_DEVICE=TPU`. That folder is judged first, as the wrapper will
+    judge it; `plugin` defaults to the libtpu torch_xla would load.
 
     Raises:
         CacheFolderTrustError: another user can write the folder.
-        CompileCacheError: no real plugin is given or installed.
+        CompileCacheError: the path is empty, a URL, or not a folder; no real
+            plugin is given or installed.
     """
-    if not str(cache_dir):
-        raise CompileCacheError("expected a cache folder, found an empty path")
-    verdict = cache_trust.judge(cache_dir, trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
-    if not verdict.trusted:
-        raise CacheFolderTrustError(f"expected a cache folder only you (and root) can write, since its entries are "
-                                    f"code your jobs run; found {verdict.problem}; fix: {verdict.fix}")
-    if verdict.folder.exists() and not verdict.folder.is_dir():
-        raise CompileCacheError(f"expected a cache folder, found a file at {verdict.folder}")
+    where = cache_folder(cache_trust.local_folder(cache_dir), "TPU")
+    verdict = cache_trust.require(where, trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
     plugin = plugin or _real_tpu_plugin()
     if plugin is None:
         raise CompileCacheError("no real plugin to wrap: pass --plugin PATH (libtpu.so, a CPU or GPU plugin), "

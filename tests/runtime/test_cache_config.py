@@ -2,7 +2,7 @@
 
 Issue 25, item 3. The runs go through stock torch_xla 2.9 and xlakit's PJRT
 wrapper with `PJRT_DEVICE=TPU`, OpenXLA's xla-cpu-pjrt standing in for
-libtpu (or registered in code as `XLACPU`, as tests/pjrt_job.py does); the
+libtpu (or registered in code as `XLACPU`, as tests/support/pjrt_job.py does); the
 rest is checked in this process, before any runtime would start.
 """
 
@@ -24,7 +24,7 @@ from xlakit import cli
 from xlakit.runtime import features, cache_trust, contract, pjrt_wrap
 from xlakit.errors import CompileCacheError, ConfigurationError
 
-from tests.support import REPO
+from tests.support import REPO, SUPPORT
 
 ROOT = REPO
 # The xlakit under test (a worktree's), then the repository for `tests`: a bare PYTHONPATH=ROOT would
@@ -34,7 +34,7 @@ HAS_PLUGIN = importlib.util.find_spec("xla_plugins") is not None
 
 
 def xla_cpu_plugin() -> str:
-    from tests import pjrt_job
+    from tests.support import pjrt_job
 
     return pjrt_job.xla_cpu_plugin()
 
@@ -128,7 +128,7 @@ def test_the_contract_accepts_a_plugin_registered_in_code(monkeypatch):
 @pytest.mark.slow
 def test_a_registered_plugin_through_the_wrapper_keeps_the_contract(tmp_path):
     # Regression (issue 25): the manifest of a job on a registered plugin logged CONTRACT BROKEN.
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "pjrt_job.py"), "torch_xla", "--enable",
+    run = subprocess.run([sys.executable, str(SUPPORT / "pjrt_job.py"), "torch_xla", "--enable",
                           str(tmp_path / "cache")], env=child_env(), capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])

@@ -280,9 +280,9 @@ def requested_cache_off(s: dict[str, Any] | None = None) -> tuple[str, str] | No
             return None
         return (f"{asked} the wrapper turned it off: {cache.get('why_off')}",
                 f"correct what it names (`xlakit pjrt env DIR` judges a folder as the wrapper will), {unset}")
-    from xlakit import _features
+    from xlakit.runtime import features
 
-    xlac = _features.xlac()
+    xlac = features.xlac()
     if xlac is not None and xlac._xla_runtime_is_initialized():
         why = _loads_wrapper()
         return (f"{asked} the runtime started without xlakit's PJRT wrapper{f' ({why})' if why else ''}, so "

@@ -27,6 +27,8 @@ from tests.support import REPO
 
 ROOT = REPO
 JOB = Path(pjrt_job.__file__)
+# This checkout's xlakit first (an editable install may point at another checkout), then `tests`.
+PYTHONPATH = os.pathsep.join([str(ROOT / "python"), str(ROOT)])
 XLA_CPU_PLUGIN = pjrt_job.xla_cpu_plugin() if importlib.util.find_spec("xla_plugins") else ""
 KEY1, KEY2 = "k" * 40, "q" * 40
 
@@ -36,7 +38,7 @@ pytestmark = [pytest.mark.pjrt, pytest.mark.slow]
 def job(framework: str, env: dict[str, str] | None = None, *args: str, ok: bool = True,
         preexec=None) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLAKIT_")}
-    base.update(PYTHONPATH=str(ROOT), **(env or {}))
+    base.update(PYTHONPATH=PYTHONPATH, **(env or {}))
     run = subprocess.run([sys.executable, str(JOB), framework, *args], env=base, capture_output=True, text=True,
                          timeout=240, preexec_fn=preexec)
     if not ok:
@@ -306,7 +308,7 @@ def test_a_linked_entry_is_refused_and_concurrent_jobs_agree(tmp_path):
     folder = tmp_path / "cache"
     runs = [subprocess.Popen([sys.executable, str(JOB), "jax"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env={**{k: v for k, v in os.environ.items() if not k.startswith("XLAKIT_")},
-                                             "PYTHONPATH": str(ROOT), **cache_env(folder)}) for _ in range(2)]
+                                             "PYTHONPATH": PYTHONPATH, **cache_env(folder)}) for _ in range(2)]
     outs = [r.communicate(timeout=240) for r in runs]
     assert all(r.returncode == 0 for r in runs), [o[1][-2000:] for o in outs]
     results = [json.loads(o[0].strip().splitlines()[-1])["results"] for o in outs]
@@ -331,7 +333,7 @@ def test_enable_on_a_tpu_points_torch_xla_at_the_wrapper(tmp_path):
         print(json.dumps({{"where": str(where), **{{k: os.environ.get(k) for k in (
             "TPU_LIBRARY_PATH", "XLAKIT_PJRT_PLUGIN", "XLAKIT_PJRT_CACHE_DIR", "XLAKIT_PJRT_CACHE_READ_ONLY")}}}}))
     """)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("XLAKIT_")}, "PYTHONPATH": str(ROOT),
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("XLAKIT_")}, "PYTHONPATH": PYTHONPATH,
            "PJRT_DEVICE": "TPU", "TPU_LIBRARY_PATH": pjrt_job.lammps_plugin()}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -375,7 +377,7 @@ def test_status_without_a_runtime_and_the_library_it_reports():
     # Regression (CI): status() maps the file itself; a second call must not call that a runtime's load.
     assert not pjrt_wrap.status()["loaded"]
     out = subprocess.run([sys.executable, "-m", "xlakit", "pjrt", "path"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+                         env={**os.environ, "PYTHONPATH": PYTHONPATH}, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == str(pjrt_wrap.library_path())
 
 
@@ -489,7 +491,7 @@ def test_status_survives_counters_growing_between_calls():
 
 
 def test_pjrt_env_quotes_what_it_prints_and_refuses_wrong_paths(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     spaced = tmp_path / "my cache $(touch pwned)"
     run = subprocess.run([sys.executable, "-m", "xlakit", "pjrt", "env", str(spaced), "--plugin",
                           pjrt_job.lammps_plugin()], env=env, capture_output=True, text=True, timeout=60)

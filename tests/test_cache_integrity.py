@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from xlakit import _C, cache_files
+from xlakit import _C
+from xlakit.runtime import cache_files
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "k" * 40
@@ -32,7 +33,7 @@ _JOB = textwrap.dedent("""
     import json, os, resource
     import numpy as np
     import lammps_jax_pjrt_cpu
-    from xlakit import pjrt_wrap
+    from xlakit.runtime import pjrt_wrap
     os.environ.setdefault("XLAKIT_PJRT_PLUGIN", str(lammps_jax_pjrt_cpu.PLUGIN_PATH))
     os.environ["JAX_PLATFORMS"] = "xlakitcpu"
     import jax

@@ -74,7 +74,7 @@ def plain(entry: bytes) -> bytes:
 def reencode(entry: bytes, new_payload: bytes, **override: str) -> bytes:
     info = _C.verify_entry(entry)
     fields = {k: info[k] or "" for k in ("platform_name", "platform_version", "torch_xla_revision",
-                                         "patch_series_id")}
+                                         "patch_series_id", "cache_key")}
     fields.update(override)
     return _C.encode_entry(new_payload, kind="executable", **fields)
 

@@ -150,7 +150,8 @@ def test_a_huge_claimed_entry_is_refused_unread_with_bounded_memory(tmp_path):
         f.write(_claiming(header, huge))
         f.truncate(len(header) + huge)
     assert doubled.stat().st_size > _C.PJRT_DEFAULT_MAX_ENTRY_BYTES
-    assert cache_files.scan(folder, full=False)[0].status == "ok"  # the header is consistent with the file
+    listed = {r.name: r.status for r in cache_files.scan(folder, full=False)}
+    assert listed[doubled.name] == "ok"  # its header is consistent with the file: only the cap refuses it
     out = refused_then_healed(folder, "too_large", 1, XLAKIT_CACHE_KEY=KEY)
     assert out["max_rss_kib"] < baseline + (64 << 10)  # KiB: none of the 3 GiB was read
     assert "more than the 2147483648 an entry may have here" in out["stderr"]
@@ -198,6 +199,10 @@ def test_an_old_format_entry_is_a_counted_refused_miss(tmp_path, key):
     assert _C.verify_entry(old, key=key.encode() if key else None)["status"] == "old_format"
     report = {r.name: r for r in cache_files.scan(folder, full=True)}[doubled.name]
     assert report.status == "old_format" and "an older xlakit wrote it" in report.message
+    prune = subprocess.run([sys.executable, "-m", "xlakit", "cache", "prune", "--dry-run", str(folder)],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+    assert prune.returncode == 0 and f"would remove: {doubled.name} (old_format)" in prune.stdout, prune.stderr
     out = refused_then_healed(folder, "old_format", 1, **env)
     assert "envelope format 1" in out["stderr"]
 

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import REPO
 from xlakit import _C
 from xlakit.runtime import cache_files
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 KEY = "k" * 40
 
 pytestmark = [pytest.mark.pjrt, pytest.mark.slow]

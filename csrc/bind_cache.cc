@@ -46,7 +46,8 @@ py::dict ResultToDict(const DecodeResult& r) {
                 r.status == EntryStatus::kPlatformMismatch ||
                 r.status == EntryStatus::kPlatformVersionMismatch ||
                 r.status == EntryStatus::kPatchSeriesMismatch ||
-                r.status == EntryStatus::kTorchXlaRevisionMismatch;
+                r.status == EntryStatus::kTorchXlaRevisionMismatch ||
+                r.status == EntryStatus::kKeyMismatch;
   const EntryHeader& h = r.header;
   d["format_version"] = parsed ? py::cast(h.format_version) : py::none();
   d["kind"] = parsed ? py::cast(EntryKindName(h.kind)) : py::none();
@@ -54,6 +55,7 @@ py::dict ResultToDict(const DecodeResult& r) {
   d["platform_version"] = parsed ? Text(h.platform_version) : py::none();
   d["torch_xla_revision"] = parsed ? Text(h.torch_xla_revision) : py::none();
   d["patch_series_id"] = parsed ? Text(h.patch_series_id) : py::none();
+  d["cache_key"] = parsed ? Text(h.cache_key) : py::none();
   d["payload_length"] = parsed ? py::cast(h.payload_length) : py::none();
   d["authenticated"] = r.authenticated;
   d["tag_checked"] = r.tag_checked;
@@ -156,13 +158,15 @@ void BindCache(py::module_& m) {
       [](py::bytes payload, const std::string& kind,
          const std::string& platform_name, const std::string& platform_version,
          const std::string& torch_xla_revision,
-         const std::string& patch_series_id, std::optional<py::bytes> key) {
+         const std::string& patch_series_id, std::optional<py::bytes> key,
+         const std::string& cache_key) {
         EntryHeader h;
         h.kind = KindFromName(kind);
         h.platform_name = platform_name;
         h.platform_version = platform_version;
         h.torch_xla_revision = torch_xla_revision;
         h.patch_series_id = patch_series_id;
+        h.cache_key = cache_key;
         std::optional<PyEntryMac> mac = MacFor(key);
         std::string out = mac ? EncodeAuthenticatedEntry(h, View(payload), *mac)
                               : EncodeEntry(h, View(payload));
@@ -171,7 +175,7 @@ void BindCache(py::module_& m) {
       py::arg("payload"), py::kw_only(), py::arg("kind"),
       py::arg("platform_name"), py::arg("platform_version"),
       py::arg("torch_xla_revision"), py::arg("patch_series_id"),
-      py::arg("key") = py::none());
+      py::arg("key") = py::none(), py::arg("cache_key") = "");
 
   m.def(
       "inspect_header",
@@ -186,7 +190,8 @@ void BindCache(py::module_& m) {
          std::optional<std::string> platform_version,
          std::optional<std::string> patch_series_id,
          std::optional<std::string> torch_xla_revision,
-         std::optional<py::bytes> key) {
+         std::optional<py::bytes> key,
+         std::optional<std::string> expected_key) {
         std::optional<RuntimeIdentity> self = Identity(
             platform_name, platform_version, patch_series_id,
             torch_xla_revision);
@@ -197,14 +202,16 @@ void BindCache(py::module_& m) {
           // The checksum walks the whole payload; let other threads run.
           py::gil_scoped_release nogil;
           r = VerifyCacheEntry(view, self ? &*self : nullptr,
-                               mac ? &*mac : nullptr);
+                               mac ? &*mac : nullptr,
+                               expected_key ? &*expected_key : nullptr);
         }
         return ResultToDict(r);
       },
       py::arg("data"), py::kw_only(), py::arg("platform_name") = py::none(),
       py::arg("platform_version") = py::none(),
       py::arg("patch_series_id") = py::none(),
-      py::arg("torch_xla_revision") = py::none(), py::arg("key") = py::none());
+      py::arg("torch_xla_revision") = py::none(), py::arg("key") = py::none(),
+      py::arg("expected_key") = py::none());
 
   // Enough bytes to decode any header, plain or authenticated.
   m.attr("MAX_HEADER_BYTES") = kAuthPrefixBytes + kMaxHeaderBytes;
@@ -215,7 +222,8 @@ void BindCache(py::module_& m) {
          std::optional<std::string> platform_version,
          std::optional<std::string> patch_series_id,
          std::optional<std::string> torch_xla_revision,
-         std::optional<py::bytes> key, size_t chunk_bytes) {
+         std::optional<py::bytes> key, size_t chunk_bytes,
+         std::optional<std::string> expected_key) {
         std::optional<RuntimeIdentity> self = Identity(
             platform_name, platform_version, patch_series_id,
             torch_xla_revision);
@@ -226,7 +234,8 @@ void BindCache(py::module_& m) {
         {
           py::gil_scoped_release nogil;
           r = VerifyEntryFile(path, self ? &*self : nullptr,
-                              mac ? &*mac : nullptr, chunk_bytes, &error);
+                              mac ? &*mac : nullptr, chunk_bytes, &error,
+                              expected_key ? &*expected_key : nullptr);
         }
         if (!error.empty()) {
           PyErr_SetString(PyExc_OSError, error.c_str());
@@ -238,7 +247,8 @@ void BindCache(py::module_& m) {
       py::arg("platform_version") = py::none(),
       py::arg("patch_series_id") = py::none(),
       py::arg("torch_xla_revision") = py::none(), py::arg("key") = py::none(),
-      py::arg("chunk_bytes") = size_t{1} << 20);
+      py::arg("chunk_bytes") = size_t{1} << 20,
+      py::arg("expected_key") = py::none());
 
   m.def(
       "cache_key_material",

@@ -9,12 +9,16 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <new>
 
 namespace xlakit {
 namespace {
 
 constexpr size_t kFixedPrefix = 8;  // magic + version + kind + reserved
-constexpr size_t kStringCount = 4;
+constexpr size_t kStringCount = 5;
+// The first read of an entry: every real header fits (long strings are read
+// on, up to kMaxHeaderBytes).
+constexpr size_t kFirstRead = 4096;
 constexpr size_t kMaxString = 0xffff;
 
 void PutU16(std::string* out, uint16_t v) {
@@ -121,6 +125,49 @@ DecodeResult Authenticated(DecodeResult r, bool tag_checked) {
   return r;
 }
 
+std::string Clipped(std::string_view s) {
+  constexpr size_t kShown = 80;
+  return Quote(s.size() <= kShown ? s : s.substr(0, kShown)) +
+         (s.size() <= kShown ? "" : "...");
+}
+
+// `r` (accepted so far) refused unless the entry's stored key is `expected`.
+void CheckStoredKey(DecodeResult* r, const std::string* expected) {
+  if (expected == nullptr || r->status != EntryStatus::kOk ||
+      r->header.cache_key == *expected) {
+    return;
+  }
+  r->status = EntryStatus::kKeyMismatch;
+  r->message = "entry was written under cache key " +
+               Clipped(r->header.cache_key) + " and is looked up as " +
+               Clipped(*expected) +
+               ": it was renamed, copied or swapped from another program's "
+               "name, and never runs as this one";
+}
+
+// The plain entry `inner`, judged as the caller asked.
+DecodeResult Judge(std::string_view inner, const RuntimeIdentity* self,
+                   const std::string* expected_key) {
+  DecodeResult r = self != nullptr ? VerifyEntry(inner, *self)
+                                   : DecodeEntry(inner);
+  CheckStoredKey(&r, expected_key);
+  return r;
+}
+
+// Reads up to `n` bytes into `out` (fewer only at end of file); false on a
+// read error.
+bool ReadInto(int fd, char* out, size_t n, size_t* got) {
+  *got = 0;
+  while (*got < n) {
+    ssize_t r = ::read(fd, out + *got, n - *got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return false;
+    if (r == 0) break;
+    *got += static_cast<size_t>(r);
+  }
+  return true;
+}
+
 // Closes the descriptor on every return path.
 struct Fd {
   int fd;
@@ -161,6 +208,12 @@ const char* EntryStatusName(EntryStatus status) {
       return "torch_xla_revision_mismatch";
     case EntryStatus::kKeyRefused:
       return "key_refused";
+    case EntryStatus::kOldFormat:
+      return "old_format";
+    case EntryStatus::kKeyMismatch:
+      return "key_mismatch";
+    case EntryStatus::kTooLarge:
+      return "too_large";
   }
   return "unknown";
 }
@@ -191,7 +244,8 @@ std::string EncodeEntry(const EntryHeader& header, std::string_view payload) {
   out.push_back('\0');
   for (const std::string* s :
        {&header.platform_name, &header.platform_version,
-        &header.torch_xla_revision, &header.patch_series_id}) {
+        &header.torch_xla_revision, &header.patch_series_id,
+        &header.cache_key}) {
     // Identity strings are short; clipping keeps the format total rather than
     // failing a cache write over an absurd platform_version.
     size_t n = s->size() < kMaxString ? s->size() : kMaxString;
@@ -224,6 +278,16 @@ DecodeResult DecodeHeader(std::string_view data, uint64_t total_size) {
   DecodeResult r;
   EntryHeader& h = r.header;
   h.format_version = GetU16(data.data() + 4);
+  if (h.format_version >= 1 && h.format_version < kEnvelopeFormatVersion) {
+    return Fail(EntryStatus::kOldFormat,
+                "entry has envelope format " +
+                    std::to_string(h.format_version) + ", this runtime " +
+                    "writes and loads format " +
+                    std::to_string(kEnvelopeFormatVersion) +
+                    " (an older xlakit wrote it, before entries were bound "
+                    "to their cache key); it is recompiled and replaced, "
+                    "and `xlakit cache prune` removes such entries");
+  }
   if (h.format_version != kEnvelopeFormatVersion) {
     return Fail(EntryStatus::kUnsupportedVersion,
                 "expected envelope format version " +
@@ -244,7 +308,7 @@ DecodeResult DecodeHeader(std::string_view data, uint64_t total_size) {
   size_t pos = kFixedPrefix;
   std::string* fields[kStringCount] = {&h.platform_name, &h.platform_version,
                                        &h.torch_xla_revision,
-                                       &h.patch_series_id};
+                                       &h.patch_series_id, &h.cache_key};
   for (std::string* field : fields) {
     if (data.size() < pos + 2) return truncated("identity strings");
     uint16_t n = GetU16(data.data() + pos);
@@ -329,7 +393,8 @@ std::string EncodeAuthenticatedEntry(const EntryHeader& header,
 }
 
 DecodeResult VerifyCacheEntry(std::string_view data,
-                              const RuntimeIdentity* self, EntryMac* mac) {
+                              const RuntimeIdentity* self, EntryMac* mac,
+                              const std::string* expected_key) {
   if (mac != nullptr && !mac->Refusal().empty()) {
     return Fail(EntryStatus::kKeyRefused, mac->Refusal());
   }
@@ -337,7 +402,7 @@ DecodeResult VerifyCacheEntry(std::string_view data,
     if (mac != nullptr && StartsWith(data, kEnvelopeMagic)) {
       return Unauthenticated();
     }
-    return self != nullptr ? VerifyEntry(data, *self) : DecodeEntry(data);
+    return Judge(data, self, expected_key);
   }
   std::string_view tag;
   DecodeResult prefix = ParseAuthPrefix(data, data.size(), &tag);
@@ -347,9 +412,7 @@ DecodeResult VerifyCacheEntry(std::string_view data,
     mac->Update(inner);
     if (!mac->Matches(tag)) return Authenticated(BadTag(), true);
   }
-  return Authenticated(
-      self != nullptr ? VerifyEntry(inner, *self) : DecodeEntry(inner),
-      mac != nullptr);
+  return Authenticated(Judge(inner, self, expected_key), mac != nullptr);
 }
 
 DecodeResult DecodeCacheHeader(std::string_view data, uint64_t total_size) {
@@ -364,83 +427,162 @@ DecodeResult DecodeCacheHeader(std::string_view data, uint64_t total_size) {
 
 DecodeResult VerifyEntryFile(const std::string& path,
                              const RuntimeIdentity* self, EntryMac* mac,
-                             size_t chunk_bytes, std::string* io_error) {
+                             size_t chunk_bytes, std::string* io_error,
+                             const std::string* expected_key) {
+  if (mac != nullptr && !mac->Refusal().empty()) {
+    return Fail(EntryStatus::kKeyRefused, mac->Refusal());
+  }
   auto fail_io = [&](const char* what) {
     *io_error = std::string(what) + " " + path + ": " + std::strerror(errno);
     return DecodeResult{};
   };
-  if (mac != nullptr && !mac->Refusal().empty()) {
-    return Fail(EntryStatus::kKeyRefused, mac->Refusal());
-  }
   // Never follow a link: the cache writer makes none, and a tool must judge
   // the file in the folder, not whatever it points at.
   Fd file{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
   if (file.fd < 0) return fail_io("cannot open");
   struct stat st;
   if (::fstat(file.fd, &st) != 0) return fail_io("cannot stat");
-  uint64_t size = static_cast<uint64_t>(st.st_size);
-  std::string prefix;
-  if (!ReadUpTo(file.fd,
-                std::min<uint64_t>(size, kAuthPrefixBytes + kMaxHeaderBytes),
-                &prefix)) {
-    return fail_io("cannot read");
+  EntryCheck check;
+  check.self = self;
+  check.mac = mac;
+  check.expected_key = expected_key;
+  std::string error;
+  DecodeResult r = ReadEntry(file.fd, static_cast<uint64_t>(st.st_size), check,
+                             chunk_bytes, nullptr, &error);
+  if (!error.empty()) *io_error = "cannot read " + path + ": " + error;
+  return r;
+}
+
+DecodeResult ReadEntry(int fd, uint64_t size, const EntryCheck& check,
+                       size_t chunk_bytes, EntryPayload* payload,
+                       std::string* io_error) {
+  auto fail_io = [&]() {
+    *io_error = std::strerror(errno);
+    return DecodeResult{};
+  };
+  if (payload != nullptr) *payload = EntryPayload{};
+  EntryMac* mac = check.mac;
+  if (mac != nullptr && !mac->Refusal().empty()) {
+    return Fail(EntryStatus::kKeyRefused, mac->Refusal());
   }
-  std::string_view head(prefix);
+  if (chunk_bytes == 0) chunk_bytes = 1;
+  const uint64_t max_head = kAuthPrefixBytes + kMaxHeaderBytes;
+  std::string head;
+  if (!ReadUpTo(fd, std::min<uint64_t>(size, kAuthPrefixBytes + kFirstRead),
+                &head)) {
+    return fail_io();
+  }
   bool keyed = StartsWith(head, kAuthMagic);
-  std::string_view tag;
+  std::string tag;
   if (keyed) {
-    DecodeResult p = ParseAuthPrefix(head, size, &tag);
+    std::string_view tag_view;
+    DecodeResult p = ParseAuthPrefix(head, size, &tag_view);
     if (p.status != EntryStatus::kOk) return Authenticated(p, false);
+    tag.assign(tag_view);
   } else if (mac != nullptr && StartsWith(head, kEnvelopeMagic)) {
     return Unauthenticated();
   }
   EntryMac* tag_mac = keyed ? mac : nullptr;
-  uint64_t skip = keyed ? kAuthPrefixBytes : 0;
-  auto done = [&](DecodeResult r) {
-    return keyed ? Authenticated(std::move(r), tag_mac != nullptr) : r;
+  const uint64_t skip = keyed ? kAuthPrefixBytes : 0;
+  auto done = [&](DecodeResult r, bool tag_checked) {
+    return keyed ? Authenticated(std::move(r), tag_checked) : r;
   };
-  std::string_view inner = head.substr(skip);
-  DecodeResult r = DecodeHeader(inner, size - skip);
+  DecodeResult r = DecodeHeader(std::string_view(head).substr(skip), size - skip);
+  if (r.status == EntryStatus::kTruncated && head.size() < size &&
+      head.size() < max_head) {
+    // A header longer than the first read (long identity strings).
+    std::string more;
+    if (!ReadUpTo(fd, std::min<uint64_t>(size, max_head) - head.size(),
+                  &more)) {
+      return fail_io();
+    }
+    head += more;
+    r = DecodeHeader(std::string_view(head).substr(skip), size - skip);
+  }
   // A header that does not decode ends the check, unless a tag must still be
   // judged first (over every byte, as VerifyCacheEntry does).
-  bool hashing = r.status == EntryStatus::kOk;
-  if (!hashing && tag_mac == nullptr) return done(r);
+  const bool hashing = r.status == EntryStatus::kOk;
+  if (!hashing && tag_mac == nullptr) return done(r, false);
+  if (size > check.max_entry_bytes) {
+    return done(Fail(EntryStatus::kTooLarge,
+                     "entry has " + std::to_string(size) +
+                         " bytes, more than the " +
+                         std::to_string(check.max_entry_bytes) +
+                         " an entry may have here; refused unread"),
+                false);
+  }
+  std::string_view inner = std::string_view(head).substr(skip);
   if (tag_mac != nullptr) tag_mac->Update(inner);
   uint64_t hash = 0;
+  std::unique_ptr<char[]> buffer;
+  uint64_t filled = 0;
   if (hashing) {
-    uint64_t offset = r.header.payload_offset;
-    hash = Fnv1a64(inner.substr(offset), Fnv1a64(inner.substr(0, offset - 8)));
+    const uint64_t offset = r.header.payload_offset;
+    std::string_view first = inner.substr(offset);
+    hash = Fnv1a64(first, Fnv1a64(inner.substr(0, offset - 8)));
+    if (payload != nullptr) {
+      // Not zero-filled: a page is touched only when the file's bytes land
+      // in it.
+      buffer.reset(new (std::nothrow) char[r.header.payload_length + 1]);
+      if (!buffer) {
+        *io_error = "cannot allocate " +
+                    std::to_string(r.header.payload_length) +
+                    " bytes for its payload";
+        return DecodeResult{};
+      }
+      std::memcpy(buffer.get(), first.data(), first.size());
+      filled = first.size();
+    }
   }
-  uint64_t left = size - prefix.size();
+  uint64_t left = size - head.size();
   std::string chunk;
   while (left > 0) {
-    if (!ReadUpTo(file.fd, std::min<uint64_t>(left, chunk_bytes), &chunk)) {
-      return fail_io("cannot read");
+    const size_t want = static_cast<size_t>(
+        std::min<uint64_t>(left, chunk_bytes));
+    std::string_view piece;
+    if (buffer) {
+      // Everything after the header is payload: read it where it will stay.
+      size_t got = 0;
+      if (!ReadInto(fd, buffer.get() + filled, want, &got)) return fail_io();
+      piece = std::string_view(buffer.get() + filled, got);
+      filled += got;
+    } else {
+      if (!ReadUpTo(fd, want, &chunk)) return fail_io();
+      piece = chunk;
     }
-    if (chunk.empty()) break;  // the file shrank while it was read
-    if (tag_mac != nullptr) tag_mac->Update(chunk);
-    if (hashing) hash = Fnv1a64(chunk, hash);
-    left -= chunk.size();
+    if (piece.empty()) break;  // the file shrank while it was read
+    if (tag_mac != nullptr) tag_mac->Update(piece);
+    if (hashing) hash = Fnv1a64(piece, hash);
+    left -= piece.size();
   }
-  if (tag_mac != nullptr && !tag_mac->Matches(tag)) return done(BadTag());
-  if (!hashing) return done(r);
+  const bool tag_checked = tag_mac != nullptr;
+  if (tag_mac != nullptr && !tag_mac->Matches(tag)) {
+    return done(BadTag(), tag_checked);
+  }
+  if (!hashing) return done(r, tag_checked);
   if (left > 0) {
     return done(Fail(EntryStatus::kTruncated,
                      "entry shrank while it was read (" +
                          std::to_string(left) +
-                         " bytes fewer than its size said)"));
+                         " bytes fewer than its size said)"),
+                tag_checked);
   }
   if (hash != r.header.checksum) {
-    return done(ChecksumMismatch(r.header.checksum, hash));
+    return done(ChecksumMismatch(r.header.checksum, hash), tag_checked);
   }
-  if (self != nullptr) {
+  if (check.self != nullptr) {
     // VerifyEntry's identity rules, applied to the header alone (re-encoded
     // with an empty payload) so they live in one place.
-    DecodeResult judged = VerifyEntry(EncodeEntry(r.header, ""), *self);
+    DecodeResult judged = VerifyEntry(EncodeEntry(r.header, ""), *check.self);
     r.status = judged.status;
     r.message = judged.message;
   }
-  return done(r);
+  CheckStoredKey(&r, check.expected_key);
+  if (r.status == EntryStatus::kOk && payload != nullptr) {
+    payload->data = std::move(buffer);
+    payload->size = r.header.payload_length;
+  }
+  return done(r, tag_checked);
 }
 
 std::string CacheKeyMaterial(const RuntimeIdentity& self) {

@@ -3,18 +3,24 @@
 //
 // Layout (all integers little-endian):
 //   magic "XLKC" | u16 format_version | u8 kind | u8 reserved (0)
-//   4 x (u16 length + bytes): platform_name, platform_version,
-//       torch_xla_revision, patch_series_id
+//   5 x (u16 length + bytes): platform_name, platform_version,
+//       torch_xla_revision, patch_series_id, cache_key
 //   u64 payload_length | u64 checksum | payload
 // The checksum (FNV-1a 64) covers every byte before it and the payload, so a
 // flipped bit anywhere is detected. It guards against torn and corrupt files,
-// not against an adversary. No XLA, torch or absl headers: this file is also
-// compiled into xlakit._C and tested there.
+// not against an adversary. `cache_key` is the name the entry was written
+// under (the PJRT wrapper's SHA-256 of everything the executable depends on);
+// a reader that knows the key it looked up compares them, so an entry renamed,
+// copied or swapped to another name is refused, and under XLAKIT_CACHE_KEY
+// the tag covers it (format 1 had no cache_key: such entries are refused as
+// old_format). No XLA, torch or absl headers: this file is also compiled into
+// xlakit._C and tested there.
 #ifndef XLAKIT_CORE_ENVELOPE_H_
 #define XLAKIT_CORE_ENVELOPE_H_
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -22,7 +28,7 @@
 namespace xlakit {
 
 inline constexpr char kEnvelopeMagic[4] = {'X', 'L', 'K', 'C'};
-inline constexpr uint16_t kEnvelopeFormatVersion = 1;
+inline constexpr uint16_t kEnvelopeFormatVersion = 2;
 
 enum class EntryKind : uint8_t {
   // A PjRtExecutable::SerializeExecutable() blob.
@@ -53,6 +59,14 @@ enum class EntryStatus : uint8_t {
   // The runtime's key is refused (too short, CacheKeyProblem): nothing is
   // loaded under it, and the entry stays for the jobs that can use it.
   kKeyRefused,
+  // An entry of an older envelope format (format 1 stored no cache key).
+  kOldFormat,
+  // The cache key stored in the entry is not the key it was looked up under:
+  // it was renamed, copied or swapped (never loaded as another program).
+  kKeyMismatch,
+  // The entry is larger than the reader's cap (XLAKIT_PJRT_CACHE_MAX_ENTRY_
+  // BYTES for the wrapper): refused before its payload is read.
+  kTooLarge,
 };
 
 struct EntryHeader {
@@ -62,6 +76,9 @@ struct EntryHeader {
   std::string platform_version;
   std::string torch_xla_revision;
   std::string patch_series_id;
+  // The key the entry was written under; "" from a writer that does not know
+  // it (the patched torch_xla's cache hooks are not given the key).
+  std::string cache_key;
   uint64_t payload_length = 0;
   uint64_t checksum = 0;
   // Offset of the payload in the encoded entry.
@@ -113,10 +130,10 @@ DecodeResult DecodeEntry(std::string_view data);
 // difference.
 DecodeResult VerifyEntry(std::string_view data, const RuntimeIdentity& self);
 
-// The longest header an entry can have: the fixed prefix, four strings at
+// The longest header an entry can have: the fixed prefix, five strings at
 // their maximum length, payload length and checksum. Reading this many bytes
 // is always enough to decode a header.
-inline constexpr size_t kMaxHeaderBytes = 8 + 4 * (2 + 0xffff) + 16;
+inline constexpr size_t kMaxHeaderBytes = 8 + 5 * (2 + 0xffff) + 16;
 
 // Authenticated entries. A checksum proves an entry intact, not who wrote
 // it. A job given a secret key (XLAKIT_CACHE_KEY) writes
@@ -181,9 +198,11 @@ std::string EncodeAuthenticatedEntry(const EntryHeader& header,
 // key (RefusedEntryMac) gives kKeyRefused whatever the entry. Without
 // `mac`, an authenticated entry is judged by its plain entry alone. Then
 // VerifyEntry's checks against `self` (DecodeEntry's when `self` is null).
+// Last, with `expected_key`, the stored cache key must equal it (kKeyMismatch).
 // `header.payload_offset` is relative to `data`.
 DecodeResult VerifyCacheEntry(std::string_view data,
-                              const RuntimeIdentity* self, EntryMac* mac);
+                              const RuntimeIdentity* self, EntryMac* mac,
+                              const std::string* expected_key = nullptr);
 
 // DecodeHeader for a plain or an authenticated entry (the tag unchecked):
 // what `xlakit cache ls` shows without reading payloads.
@@ -195,7 +214,38 @@ DecodeResult DecodeCacheHeader(std::string_view data, uint64_t total_size);
 // text) and the result is meaningless.
 DecodeResult VerifyEntryFile(const std::string& path,
                              const RuntimeIdentity* self, EntryMac* mac,
-                             size_t chunk_bytes, std::string* io_error);
+                             size_t chunk_bytes, std::string* io_error,
+                             const std::string* expected_key = nullptr);
+
+// What ReadEntry checks an entry against.
+struct EntryCheck {
+  const RuntimeIdentity* self = nullptr;  // null: integrity only
+  EntryMac* mac = nullptr;                // the job's key; null: none
+  const std::string* expected_key = nullptr;  // null: not compared
+  // Entries larger than this are refused (kTooLarge) once their header is
+  // read, before any payload byte is.
+  uint64_t max_entry_bytes = UINT64_MAX;
+};
+
+// The payload of an entry ReadEntry accepted, read once, straight from the
+// file into this buffer (never zero-filled first, never copied again).
+struct EntryPayload {
+  std::unique_ptr<char[]> data;
+  uint64_t size = 0;
+  std::string_view view() const { return {data.get(), size}; }
+};
+
+// VerifyCacheEntry over the open file `fd` (at offset 0, `size` bytes as its
+// fstat says), streamed: the header first (one small read; a bad one, or a
+// claimed size other than the file's, ends it), then `check.max_entry_bytes`,
+// then the rest in pieces of at most `chunk_bytes` through the checksum and
+// the tag. With `payload`, the payload's bytes are read into it as they are
+// hashed (memory: the payload, at most the cap), and it is emptied unless the
+// entry is accepted; without, memory stays at one piece. `*io_error` as for
+// VerifyEntryFile.
+DecodeResult ReadEntry(int fd, uint64_t size, const EntryCheck& check,
+                       size_t chunk_bytes, EntryPayload* payload,
+                       std::string* io_error);
 
 // The bytes the cache key is salted with, so an entry for another platform
 // version or patch series is never even looked up. `key_id` (CacheKeyId of the

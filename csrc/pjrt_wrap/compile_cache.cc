@@ -74,21 +74,9 @@ std::string MakeFolders(const std::string& dir, mode_t mode) {
   return "";
 }
 
-// Reads `size` bytes from `fd` at its current offset, appending to `out`.
-bool ReadExactly(int fd, size_t size, std::string* out, std::string* error) {
-  char buf[1 << 16];
-  while (size > 0) {
-    ssize_t n = read(fd, buf, size < sizeof(buf) ? size : sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      *error = n == 0 ? "the file shrank while read" : std::strerror(errno);
-      return false;
-    }
-    out->append(buf, static_cast<size_t>(n));
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
+// How much of an entry one read() asks for: the payload is read straight into
+// its buffer, so this only sets the number of calls.
+constexpr size_t kReadChunkBytes = size_t{4} << 20;
 
 // SHA-256 of a file, streamed; "" with `*error` set if it cannot be read.
 std::string FileDigest(const Libcrypto& crypto, const std::string& path,
@@ -268,7 +256,8 @@ std::string CompileCache::KeyFor(const ClientInfo& info,
   return sha.Hex();
 }
 
-bool CompileCache::TryLoad(const ClientInfo& info, const std::string& path,
+bool CompileCache::TryLoad(const ClientInfo& info, const std::string& key,
+                           const std::string& path,
                            PJRT_Client_Compile_Args* args) {
   Counters& counters = GlobalCounters();
   // O_NONBLOCK: a FIFO under an entry's name must not block the compile;
@@ -282,29 +271,24 @@ bool CompileCache::TryLoad(const ClientInfo& info, const std::string& path,
     return false;
   }
   std::string error;
-  std::string data;
+  EntryPayload payload;
+  DecodeResult verdict;
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     error = "not a regular file";
   } else {
-    // The header first: garbage of any size is refused after one small read.
-    size_t size = static_cast<size_t>(st.st_size);
-    size_t head = size < kMaxHeaderBytes + kAuthPrefixBytes
-                      ? size
-                      : kMaxHeaderBytes + kAuthPrefixBytes;
-    if (ReadExactly(fd, head, &data, &error)) {
-      DecodeResult header = DecodeCacheHeader(data, size);
-      if (header.status != EntryStatus::kOk) {
-        close(fd);
-        const char* reason = EntryStatusName(header.status);
-        counters.Refused(reason);
-        LogOnce(reason, std::string("cache entry refused (") + reason + "): " +
-                            header.message + "; compiling instead (" + path +
-                            ")");
-        return false;
-      }
-      ReadExactly(fd, size - head, &data, &error);
-    }
+    // Streamed (core/envelope.h ReadEntry): the header first, so garbage of
+    // any size is refused after one small read and an entry over the cap
+    // unread; then the payload, once, into the buffer the plugin is given,
+    // through the checksum and the tag; the stored key last.
+    std::unique_ptr<EntryMac> mac = NewMac();
+    EntryCheck check;
+    check.self = &info.self;
+    check.mac = mac.get();
+    check.expected_key = &key;
+    check.max_entry_bytes = cfg_.max_entry_bytes;
+    verdict = ReadEntry(fd, static_cast<uint64_t>(st.st_size), check,
+                        kReadChunkBytes, &payload, &error);
   }
   close(fd);
   if (!error.empty()) {
@@ -313,8 +297,6 @@ bool CompileCache::TryLoad(const ClientInfo& info, const std::string& path,
                               "; compiling instead");
     return false;
   }
-  std::unique_ptr<EntryMac> mac = NewMac();
-  DecodeResult verdict = VerifyCacheEntry(data, &info.self, mac.get());
   if (verdict.status != EntryStatus::kOk) {
     const char* reason = EntryStatusName(verdict.status);
     counters.Refused(reason);
@@ -323,11 +305,10 @@ bool CompileCache::TryLoad(const ClientInfo& info, const std::string& path,
                         path + ")");
     return false;
   }
-  std::string payload = data.substr(verdict.header.payload_offset,
-                                    verdict.header.payload_length);
   Clock::time_point start = Clock::now();
   PJRT_LoadedExecutable* loaded = nullptr;
-  if (!DeserializeAndLoad(real_, args->client, payload, &loaded, &error)) {
+  if (!DeserializeAndLoad(real_, args->client, payload.view(), &loaded,
+                          &error)) {
     counters.Refused("load_failed");
     LogOnce("load_failed", "the plugin could not load cache entry " + path +
                                ": " + error + "; compiling instead");
@@ -338,7 +319,8 @@ bool CompileCache::TryLoad(const ClientInfo& info, const std::string& path,
   return true;
 }
 
-void CompileCache::Store(const ClientInfo& info, const std::string& path,
+void CompileCache::Store(const ClientInfo& info, const std::string& key,
+                         const std::string& path,
                          PJRT_LoadedExecutable* executable) {
   Counters& counters = GlobalCounters();
   std::string serialized;
@@ -357,6 +339,17 @@ void CompileCache::Store(const ClientInfo& info, const std::string& path,
   header.platform_name = info.self.platform_name;
   header.platform_version = info.self.platform_version;
   header.patch_series_id = info.self.patch_series_id;
+  header.cache_key = key;
+  if (serialized.size() + kAuthPrefixBytes + kMaxHeaderBytes >
+      cfg_.max_entry_bytes) {
+    ++counters.write_failures;
+    LogOnce("too_large",
+            "not caching an executable of " +
+                std::to_string(serialized.size()) + " bytes: an entry may "
+                "have " + std::to_string(cfg_.max_entry_bytes) + " (" +
+                kCacheMaxEntryBytesEnv + "); it compiles on every restart");
+    return;
+  }
   std::unique_ptr<EntryMac> mac = NewMac();
   std::string entry = mac ? EncodeAuthenticatedEntry(header, serialized, *mac)
                           : EncodeEntry(header, serialized);
@@ -372,12 +365,13 @@ void CompileCache::Store(const ClientInfo& info, const std::string& path,
 
 PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
   Counters& counters = GlobalCounters();
+  std::string key;
   std::string path;
   ClientInfo info;
   try {
     info = Info(args->client);
     if (info.ok) {
-      std::string key = KeyFor(info, *args);
+      key = KeyFor(info, *args);
       if (!key.empty()) path = cfg_.dir + "/" + key;
     }
   } catch (...) {
@@ -393,7 +387,7 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
   }
   bool hit = false;
   try {
-    hit = TryLoad(info, path, args);
+    hit = TryLoad(info, key, path, args);
   } catch (...) {
     counters.Refused("exception");
   }
@@ -407,7 +401,7 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
   counters.compile_us += MicrosSince(start);
   if (error == nullptr && args->executable != nullptr && !cfg_.read_only) {
     try {
-      Store(info, path, args->executable);
+      Store(info, key, path, args->executable);
     } catch (...) {
       ++counters.write_failures;
     }

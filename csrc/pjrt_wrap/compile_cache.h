@@ -10,7 +10,9 @@
 // description), the wrapper's own version, and the id of the job's key
 // (XLAKIT_CACHE_KEY) if it has one, so jobs with different keys, or none,
 // never use or replace each other's entries. The entry is xlakit's envelope (core/envelope.h: checksum;
-// HMAC-SHA256 tag under the key) around PJRT_Executable_Serialize's bytes,
+// HMAC-SHA256 tag under the key; the entry's name stored in it and compared
+// on load, so a renamed or swapped entry is refused, and under the key the
+// tag covers the name) around PJRT_Executable_Serialize's bytes,
 // written by core/atomic_file.h (temporary, fsync, rename; owner-only modes)
 // into a folder core/folder_trust.h accepts.
 //
@@ -23,6 +25,7 @@
 #ifndef XLAKIT_PJRT_WRAP_COMPILE_CACHE_H_
 #define XLAKIT_PJRT_WRAP_COMPILE_CACHE_H_
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -30,6 +33,7 @@
 
 #include "core/envelope.h"
 #include "core/folder_trust.h"
+#include "pjrt_wrap/env.h"
 #include "pjrt_wrap/libcrypto.h"
 #include "xla/pjrt/c/pjrt_c_api.h"
 
@@ -46,6 +50,8 @@ struct CacheConfig {
   bool read_only = false;
   bool trust_shared = false;
   std::string key;  // XLAKIT_CACHE_KEY; "" for plain entries
+  // Larger entries are refused unread and not written (env.h).
+  uint64_t max_entry_bytes = kDefaultMaxEntryBytes;
   // A variable the cache reads holds a value it cannot use (a mistyped flag):
   // what is wrong, naming the variable and its value; the cache then stays off.
   std::string env_problem;
@@ -91,10 +97,10 @@ class CompileCache {
                      const PJRT_Client_Compile_Args& args);
   std::unique_ptr<EntryMac> NewMac() const;
   // True when `args->executable` now holds the cached executable.
-  bool TryLoad(const ClientInfo& info, const std::string& path,
-               PJRT_Client_Compile_Args* args);
-  void Store(const ClientInfo& info, const std::string& path,
-             PJRT_LoadedExecutable* executable);
+  bool TryLoad(const ClientInfo& info, const std::string& key,
+               const std::string& path, PJRT_Client_Compile_Args* args);
+  void Store(const ClientInfo& info, const std::string& key,
+             const std::string& path, PJRT_LoadedExecutable* executable);
 
   const PJRT_Api* real_;
   const CacheConfig cfg_;

@@ -5,6 +5,7 @@
 #define XLAKIT_PJRT_WRAP_ENV_H_
 
 #include <cstddef>
+#include <cstdint>
 
 namespace xlakit {
 namespace pjrt_wrap {
@@ -19,6 +20,14 @@ inline constexpr char kCacheReadOnlyEnv[] = "XLAKIT_PJRT_CACHE_READ_ONLY";
 // Accept a cache folder a group the user belongs to can write
 // (core/folder_trust.h); the name Python's enable_persistent_cache reads too.
 inline constexpr char kTrustSharedEnv[] = "XLAKIT_CACHE_TRUST_SHARED";
+// The largest cache entry, in bytes, the wrapper reads or writes: a bigger
+// file under an entry's name is refused once its header is read, before any
+// of its payload is (a hit holds the payload in memory once). Default
+// kDefaultMaxEntryBytes; a positive integer, else the cache stays off.
+inline constexpr char kCacheMaxEntryBytesEnv[] =
+    "XLAKIT_PJRT_CACHE_MAX_ENTRY_BYTES";
+// 2 GiB: serialized executables are protocol buffers, which cannot be larger.
+inline constexpr uint64_t kDefaultMaxEntryBytes = uint64_t{2} << 30;
 // Compiler flags a plugin reads from the environment rather than from the
 // compile options (torch_xla passes none there): part of every cache key.
 inline constexpr const char* kKeyedFlagEnvs[] = {"XLA_FLAGS", "TF_XLA_FLAGS",

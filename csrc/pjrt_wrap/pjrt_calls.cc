@@ -187,7 +187,7 @@ bool SerializeExecutable(const PJRT_Api* api, PJRT_LoadedExecutable* loaded,
 }
 
 bool DeserializeAndLoad(const PJRT_Api* api, PJRT_Client* client,
-                        const std::string& serialized,
+                        std::string_view serialized,
                         PJRT_LoadedExecutable** out, std::string* error) {
   auto args = Make<PJRT_Executable_DeserializeAndLoad_Args>();
   args.client = client;

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <string>
+#include <string_view>
 
 #include "xla/pjrt/c/pjrt_c_api.h"
 
@@ -48,7 +49,7 @@ bool SerializeExecutable(const PJRT_Api* api, PJRT_LoadedExecutable* loaded,
                          std::string* out, std::string* error);
 
 bool DeserializeAndLoad(const PJRT_Api* api, PJRT_Client* client,
-                        const std::string& serialized,
+                        std::string_view serialized,
                         PJRT_LoadedExecutable** out, std::string* error);
 
 }  // namespace pjrt_wrap

@@ -103,6 +103,25 @@ std::string CacheDir(std::string* problem) {
   return dir;
 }
 
+// A byte count: a positive decimal integer, else `fallback`, adding to
+// *problem what is wrong, naming the variable. Unset or empty is `fallback`.
+uint64_t Bytes(const char* name, uint64_t fallback, std::string* problem) {
+  const std::string raw = Env(name);
+  if (raw.empty()) return fallback;
+  uint64_t value = 0;
+  bool ok = raw.size() <= 19;
+  for (char c : raw) {
+    if (c < '0' || c > '9') ok = false;
+    if (ok) value = value * 10 + static_cast<uint64_t>(c - '0');
+  }
+  if (ok && value > 0) return value;
+  *problem += std::string(problem->empty() ? "" : "; ") +
+              "environment variable " + name + "='" + raw +
+              "': expected a positive number of bytes, e.g. " +
+              std::to_string(fallback);
+  return fallback;
+}
+
 std::string DirName(const std::string& path) {
   size_t slash = path.rfind('/');
   return slash == std::string::npos ? "." : path.substr(0, slash);
@@ -212,6 +231,8 @@ const PJRT_Api* Activate() {
   cfg.read_only = Flag(kCacheReadOnlyEnv, &cfg.env_problem);
   cfg.trust_shared = Flag(kTrustSharedEnv, &cfg.env_problem);
   cfg.key = Env(kCacheKeyEnv);
+  cfg.max_entry_bytes =
+      Bytes(kCacheMaxEntryBytesEnv, kDefaultMaxEntryBytes, &cfg.env_problem);
   w.cache = CompileCache::Open(w.real, cfg, &w.cache_state);
   const size_t size = w.real->struct_size;
   w.table.reset(new char[size]);

@@ -19,6 +19,7 @@ def encode_entry(
     torch_xla_revision: str,
     patch_series_id: str,
     key: bytes | None = None,
+    cache_key: str = "",
 ) -> bytes: ...
 def inspect_header(prefix: bytes, total_size: int) -> dict[str, object]: ...
 def verify_entry(
@@ -29,6 +30,7 @@ def verify_entry(
     patch_series_id: str | None = None,
     torch_xla_revision: str | None = None,
     key: bytes | None = None,
+    expected_key: str | None = None,
 ) -> dict[str, object]: ...
 MAX_HEADER_BYTES: int
 
@@ -41,6 +43,7 @@ def verify_entry_file(
     torch_xla_revision: str | None = None,
     key: bytes | None = None,
     chunk_bytes: int = 1 << 20,
+    expected_key: str | None = None,
 ) -> dict[str, object]: ...
 def cache_key_material(
     *, platform_name: str, platform_version: str, patch_series_id: str, key_id: str = ""
@@ -58,6 +61,8 @@ UNTRUSTED: str
 def judge_cache_folder(folder: str, *, trust_shared: bool = False) -> dict[str, object]: ...
 
 PJRT_PLUGIN_ENV: str
+PJRT_CACHE_MAX_ENTRY_BYTES_ENV: str
+PJRT_DEFAULT_MAX_ENTRY_BYTES: int
 PJRT_CACHE_DIR_ENV: str
 PJRT_CACHE_READ_ONLY_ENV: str
 CACHE_TRUST_SHARED_ENV: str

@@ -39,11 +39,12 @@ MANAGER_LEASE_S = "XLAKIT_MANAGER_LEASE_S"
 # Accept a persistent cache folder a group you belong to can write (see cache_trust); the PJRT
 # wrapping plugin reads it too, so its name comes from the C++ (csrc/pjrt_wrap/env.h).
 CACHE_TRUST_SHARED = _C.CACHE_TRUST_SHARED_ENV
-# The PJRT wrapping plugin (csrc/pjrt_wrap/env.h): the real plugin it loads, its cache folder, and
-# whether it only reads entries.
+# The PJRT wrapping plugin (csrc/pjrt_wrap/env.h): the real plugin it loads, its cache folder,
+# whether it only reads entries, and the largest entry it reads or writes.
 PJRT_PLUGIN = _C.PJRT_PLUGIN_ENV
 PJRT_CACHE_DIR = _C.PJRT_CACHE_DIR_ENV
 PJRT_CACHE_READ_ONLY = _C.PJRT_CACHE_READ_ONLY_ENV
+PJRT_CACHE_MAX_ENTRY_BYTES = _C.PJRT_CACHE_MAX_ENTRY_BYTES_ENV
 # The job's secret for authenticated cache entries. The C++ runtime and the PJRT wrapper read it
 # too: its name and the shortest key accepted are facts of csrc/core/envelope.h (kCacheKeyEnv,
 # kMinCacheKeyBytes), taken from there. Never logged.

@@ -3,6 +3,7 @@
 // the fate of refused cache entries, envelope identity checks, the atomic
 // writer's temporary names and file modes, reading and removing entry files,
 // and the runtime's entry MAC, key refusal and key id.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -258,6 +259,41 @@ void EnvelopeChecksTheTorchXlaRevision() {
                ::xlakit::EntryStatus::kOk);
 }
 
+// Regression (issue 24): an entry was loaded under any name it was given, and
+// read whole (then copied) before its checksum or tag was checked.
+void ReadEntryBindsTheKeyAndCapsTheSize(const std::string& dir) {
+  ::xlakit::EntryHeader h;
+  h.platform_name = "cpu";
+  h.cache_key = "key-a";
+  const std::string path = dir + "/read_entry";
+  XLAKIT_CHECK(::xlakit::WriteFileAtomic(
+                   path, ::xlakit::EncodeEntry(h, "payload")).empty());
+  auto read = [&](const std::string& expected, uint64_t cap,
+                  ::xlakit::EntryPayload* payload) {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    ::fstat(fd, &st);
+    ::xlakit::EntryCheck check;
+    check.expected_key = &expected;
+    check.max_entry_bytes = cap;
+    std::string error;
+    ::xlakit::DecodeResult r = ::xlakit::ReadEntry(
+        fd, static_cast<uint64_t>(st.st_size), check, 3, payload, &error);
+    ::close(fd);
+    XLAKIT_CHECK_MSG(error.empty(), error);
+    return r.status;
+  };
+  ::xlakit::EntryPayload payload;
+  XLAKIT_CHECK(read("key-a", UINT64_MAX, &payload) ==
+               ::xlakit::EntryStatus::kOk);
+  XLAKIT_CHECK(payload.view() == "payload");
+  XLAKIT_CHECK(read("key-b", UINT64_MAX, &payload) ==
+               ::xlakit::EntryStatus::kKeyMismatch);
+  XLAKIT_CHECK(payload.size == 0 && payload.data == nullptr);
+  XLAKIT_CHECK(read("key-a", 10, &payload) == ::xlakit::EntryStatus::kTooLarge);
+  XLAKIT_CHECK(payload.size == 0);
+}
+
 void TempNamesCarryHostAndRandomBits() {
   std::string a = ::xlakit::TempPathFor("/cache/dir/key1");
   std::string b = ::xlakit::TempPathFor("/cache/dir/key1");
@@ -486,6 +522,7 @@ int RunUnits(const std::string& dir) {
   UnknownPeakIsNotSummed();
   TransientLoadFailuresKeepTheEntry();
   EnvelopeChecksTheTorchXlaRevision();
+  ReadEntryBindsTheKeyAndCapsTheSize(dir);
   TempNamesCarryHostAndRandomBits();
   TempNamesAreReadBackByTheirTarget();
   AtomicWriteModesIgnoreTheUmask(dir);

@@ -48,14 +48,13 @@ def test_golden_bytes_pin_the_format():
     # Changing these bytes makes every existing cache entry a miss: bump
     # ENVELOPE_FORMAT_VERSION and update this test together.
     got = _C.encode_entry(b"P", kind="executable", platform_name="a", platform_version="b",
-                          torch_xla_revision="c", patch_series_id="d")
-    assert got.hex() == (
-        "584c4b43" "0100" "01" "00"  # magic, format version, kind, reserved
-        "010061" "010062" "010063" "010064"  # four length-prefixed strings
+                          torch_xla_revision="c", patch_series_id="d", cache_key="e")
+    assert got[:-9].hex() == (
+        "584c4b43" "0200" "01" "00"  # magic, format version, kind, reserved
+        "010061" "010062" "010063" "010064" "010065"  # five length-prefixed strings, the cache key last
         "0100000000000000"  # payload length
-        "627f09aa13a52d7b"  # FNV-1a 64 of header-before-checksum + payload
-        "50"  # payload
     )
+    assert got[-1:] == b"P"  # payload, after the FNV-1a 64 of header-before-checksum + payload
     assert _fnv1a64(got[:-9] + got[-1:]).to_bytes(8, "little") == got[-9:-1]
 
 

@@ -27,6 +27,8 @@ from tests.support import REPO
 
 ROOT = REPO
 JOB = Path(pjrt_job.__file__)
+# This checkout's xlakit first (an editable install may point at another checkout), then `tests`.
+PYTHONPATH = os.pathsep.join([str(ROOT / "python"), str(ROOT)])
 XLA_CPU_PLUGIN = pjrt_job.xla_cpu_plugin() if importlib.util.find_spec("xla_plugins") else ""
 KEY1, KEY2 = "k" * 40, "q" * 40
 # The xlakit under test first (a worktree's), then the repository for `tests`: PYTHONPATH=ROOT alone
@@ -75,7 +77,7 @@ def plain(entry: bytes) -> bytes:
 def reencode(entry: bytes, new_payload: bytes, **override: str) -> bytes:
     info = _C.verify_entry(entry)
     fields = {k: info[k] or "" for k in ("platform_name", "platform_version", "torch_xla_revision",
-                                         "patch_series_id")}
+                                         "patch_series_id", "cache_key")}
     fields.update(override)
     return _C.encode_entry(new_payload, kind="executable", **fields)
 

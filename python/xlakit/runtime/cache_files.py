@@ -20,8 +20,11 @@ subfolder, a link) is listed as `other` and never touched.
 With `XLAKIT_CACHE_KEY` set, `verify` and `prune` check every entry's tag
 as the runtime does: an entry without one, or whose tag does not verify
 (written with another key, or altered with its checksum recomputed), is not
-loadable. Each command first says who can put entries into the folder
-(`cache_trust`).
+loadable. Every command compares the cache key an entry stores with its file
+name, as the PJRT wrapper does on load: an entry renamed, copied or swapped is
+`key_mismatch` (torch_xla's hooks store no key, so an entry under a decimal
+name may have none). Each command first says who can put entries into the
+folder (`cache_trust`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ _MAGICS = (_C.ENVELOPE_MAGIC, _C.AUTH_MAGIC)
 LOADABLE = "ok"
 TEMPORARY, IN_PROGRESS = "temporary", "in_progress"
 FOREIGN, UNREADABLE, KEY, OTHER = "foreign", "unreadable", "key", "other"
+KEY_MISMATCH = "key_mismatch"  # the runtime's name for it (csrc/core/envelope.cc EntryStatusName)
 
 
 @dataclass(frozen=True)
@@ -125,11 +129,25 @@ def classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str, 
             info = _C.inspect_header(prefix, st.st_size)
     except OSError as e:
         return _plain(name, st, UNREADABLE, f"cannot read it: {e}")
+    mismatch = _key_mismatch(name, info)
+    if mismatch:
+        info = {**info, "ok": False, "status": KEY_MISMATCH, "message": mismatch}
     report = _from_envelope(name, st, info)
     if info["ok"] and info["authenticated"] and not info["tag_checked"]:
         report = EntryReport(**{**asdict(report), "message": "authenticated (tag not checked: `xlakit cache "
                                 f"verify` with {_knobs.CACHE_KEY} set checks it)"})
     return report
+
+
+def _key_mismatch(name: str, info: dict) -> str | None:
+    """Why the cache key an accepted envelope stores does not bind it to its file name, or None."""
+    stored = info.get("cache_key")
+    if not info["ok"] or stored is None or stored == name:
+        return None
+    if stored == "" and not _WRAPPER_ENTRY_NAME.fullmatch(name):
+        return None  # the patched torch_xla's cache hooks are not given the key they write under
+    return (f"the entry stores cache key {stored[:80]!r}, not its file name: it was renamed, copied or swapped "
+            "from another program's name, and the runtime refuses it (it never runs as another program)")
 
 
 def _listing(directory: Path) -> list[tuple[Path, os.stat_result]]:

@@ -25,6 +25,7 @@ from xlakit.runtime import features, cache_trust, contract, pjrt_wrap
 from xlakit.errors import CompileCacheError, ConfigurationError
 
 from tests.support import REPO, SUPPORT
+from tests.support.fakes import FakeXLAC
 
 ROOT = REPO
 # The xlakit under test (a worktree's), then the repository for `tests`: a bare PYTHONPATH=ROOT would
@@ -85,18 +86,8 @@ def enable_here(monkeypatch):
     """The real enable_persistent_cache before any compilation; torch_xla's own switch is recorded, not flipped."""
     import torch_xla.runtime as xr
 
-    class Fresh:  # torch_xla._XLAC whose computation cache is not created yet
-        def __init__(self, real):
-            self._real = real
-
-        def _xla_computation_cache_is_initialized(self):
-            return False
-
-        def __getattr__(self, name):
-            return getattr(self._real, name)
-
     asked: list[tuple[str, bool]] = []
-    monkeypatch.setattr(features, "xlac", lambda: Fresh(features._import_xlac()[0]))
+    monkeypatch.setattr(features, "xlac", lambda: FakeXLAC(features._import_xlac()[0]))
     monkeypatch.setattr(xr, "initialize_cache", lambda path, readonly: asked.append((path, readonly)))
     for name in ("XLAKIT_CACHE_TRUST_SHARED", "XLAKIT_CACHE_KEY", "XLAKIT_PJRT_CACHE_READ_ONLY",
                  "XLA_PERSISTENT_CACHE_READ_ONLY"):

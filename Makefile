@@ -2,7 +2,8 @@
 #
 #   PYTHON         interpreter that creates the venv (3.11 or newer)   [python3]
 #   VENV           the development virtual environment                [.venv]
-#   PROFILE        VERSIONS.toml profile installed by `setup`          [cpu-dev]
+#   PROFILE        VERSIONS.toml profile installed by `setup`; a torchtpu*
+#                  profile gets no PJRT test tools (torch_xla, jax) [cpu-dev]
 #   PYTEST_ARGS    extra arguments for `make test`                     []
 #   TEST_WORKERS   pytest-xdist options of `make test`: test files spread over
 #                  up to 4 processes (most tests wait on processes they start);
@@ -30,6 +31,8 @@ INSTALL_PYTHON ?= python3
 
 VPY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.xlakit-setup
+XBR := $(PYTHON) build/xlakit_build.py requirements --profile $(PROFILE)
+TEST_TOOLS := $(if $(filter torchtpu%,$(PROFILE)),,--test-tools)
 
 .PHONY: setup test faults demo bench clean build patches-check cxx-check wheel install preflight
 
@@ -40,7 +43,8 @@ $(SETUP_STAMP): VERSIONS.toml pyproject.toml setup.py
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "xlakit needs Python 3.11+, found " + sys.version.split()[0])'
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip setuptools wheel
-	$(VPY) -m pip install $$($(PYTHON) build/xlakit_build.py requirements --profile $(PROFILE) --test-tools)
+	$(VPY) -m pip install $$($(XBR) $(TEST_TOOLS))
+	nodeps="$$($(XBR) --no-deps)"; test -z "$$nodeps" || $(VPY) -m pip install --no-deps $$nodeps
 	$(VPY) -m pip install -e '.[test]'
 	touch $@
 

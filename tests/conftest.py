@@ -2,7 +2,8 @@
 
 Markers (declared in pyproject.toml): `xla` needs torch_xla, `cuda` a CUDA
 device, `build` an upstream torch_xla source in XLAKIT_TORCH_XLA_GIT, `pjrt`
-jax and the PJRT CPU plugins from PyPI.
+jax and the PJRT CPU plugins from PyPI, `torchtpu` TorchTPU (torch-tpu with
+xla-cpu-pjrt, the `torchtpu-cpu` profile's environment).
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ import pytest
 
 from tests.support.objstore_servers import CLOSED_METADATA
 
+# Before any torch import: where torch-tpu is installed, torch imports it, which aborts without a
+# PJRT plugin; its test bed is xla-cpu-pjrt (tests/torchtpu; children inherit the variables).
+if importlib.util.find_spec("torch_tpu") is not None and not os.environ.get("TPU_LIBRARY_PATH"):
+    from xlakit.runtime import torchtpu as _torchtpu
+
+    if _torchtpu.cpu_plugin_path() is not None:
+        os.environ["TPU_LIBRARY_PATH"] = str(_torchtpu.cpu_plugin_path())
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 # Before any torch_xla import: the test bed is the CPU PJRT client.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 # Before any client library is imported (google-auth reads these at import): every cloud metadata
@@ -50,6 +59,9 @@ def pytest_collection_modifyitems(config, items):
     missing = [m for m in ("jax", "lammps_jax_pjrt_cpu", "xla_plugins") if importlib.util.find_spec(m) is None]
     if missing:
         reasons["pjrt"] = f"{', '.join(missing)} not installed (run `make setup`)"
+    if importlib.util.find_spec("torch_tpu") is None or importlib.util.find_spec("xla_plugins") is None:
+        reasons["torchtpu"] = ("torch-tpu or xla-cpu-pjrt is not installed (its own environment: "
+                               "`make setup PROFILE=torchtpu-cpu VENV=.venv-torchtpu`)")
     if not os.environ.get("XLAKIT_TORCH_XLA_GIT"):
         reasons["build"] = "set XLAKIT_TORCH_XLA_GIT to a torch_xla git URL or local mirror"
     for item in items:

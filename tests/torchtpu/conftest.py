@@ -8,12 +8,24 @@ torch_xla environment): run them with
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 
 
 @pytest.fixture(scope="session")
 def tpu():
-    """The `tpu` device, TorchTPU started once per test process over xla-cpu-pjrt."""
+    """The `tpu` device, TorchTPU started once per test process over xla-cpu-pjrt.
+
+    TorchTPU keeps a node-local tier-2 compile cache in /dev/shm; the tests (and
+    the processes they start) use one of their own, removed at the end.
+    """
+    from xlakit import _knobs
     from xlakit.runtime import torchtpu
 
-    return torchtpu.start_on_cpu_plugin()
+    name = f"xlakit-tests-{os.getpid()}"
+    os.environ.setdefault(_knobs.TORCH_TPU_TIER2_CACHE, name)
+    yield torchtpu.start_on_cpu_plugin()
+    shutil.rmtree(Path(torchtpu.TIER2_ROOT) / name, ignore_errors=True)

@@ -27,7 +27,10 @@ from xlakit.runtime import cache_trust, pins
 
 DEVICE_TYPE = "tpu"
 DIST = "torch-tpu"
-TIER2_DEFAULT = "/dev/shm/torch_tpu_cache"  # in libpywrap_*_common.so, beside the tier-2 variable
+# Tier 2: `<TIER2_ROOT>/<name>`, the name from TORCH_TPU_TIER2_COMPILATION_CACHE, else "default" (as
+# torch-tpu 0.2.0 logs it). Node-local and shared by every process of the host that uses that name.
+TIER2_ROOT = "/dev/shm/torch_tpu_cache"
+TIER2_DEFAULT_NAME = "default"
 
 
 def installed() -> bool:
@@ -38,6 +41,11 @@ def installed() -> bool:
 def loaded() -> bool:
     """torch_tpu was imported in this process (by the user or by torch's backend autoload)."""
     return "torch_tpu" in sys.modules
+
+
+def started() -> bool:
+    """TorchTPU's `tpu` device is registered in this process (importing torch_tpu does that only on a TPU host)."""
+    return loaded() and bool(getattr(sys.modules["torch_tpu"]._loader, "_DEVICE_INITIALIZED", False))
 
 
 def in_use() -> bool:
@@ -129,9 +137,10 @@ def cache_report() -> dict[str, Any]:
     tier2 = os.environ.get(_knobs.TORCH_TPU_TIER2_CACHE)
     return {"tier3": _judged(root, f"{_knobs.TORCH_TPU_TIER3_CACHE_ROOT} is unset: TorchTPU keeps nothing "
                                    f"across restarts; xlakit.enable_persistent_cache(DIR) sets it"),
-            "tier2": _judged(TIER2_DEFAULT, None) | {"name": tier2,
-                                                      "note": f"node-local, in memory; {_knobs.TORCH_TPU_TIER2_CACHE}="
-                                                              f"{tier2!r}"}}
+            "tier2": _judged(f"{TIER2_ROOT}/{tier2 or TIER2_DEFAULT_NAME}", None) | {
+                "name": tier2 or TIER2_DEFAULT_NAME,
+                "note": f"node-local, in memory, shared by the host's processes ({_knobs.TORCH_TPU_TIER2_CACHE} "
+                        f"names it)"}}
 
 
 def _judged(path: str | None, why_off: str | None) -> dict[str, Any]:
@@ -197,8 +206,8 @@ def memory_stats() -> dict[str, Any]:
     Never calls `reset_peak_memory_stats`, which crashes TorchTPU 0.2.0 on a
     plugin without allocator statistics.
     """
-    if not loaded():
-        return {"why_not": "TorchTPU is not started in this process (import torch_tpu, or run on a TPU host)"}
+    if not started():
+        return {"why_not": "TorchTPU's `tpu` device is not started in this process"}
     import torch
 
     stats = torch.accelerator.memory_stats()
@@ -218,11 +227,11 @@ def runtime_report() -> dict[str, Any]:
         return {"why_not": "TorchTPU is not started in this process (the manifest never starts it: without a "
                            "TPU its start can abort the process)"}
     import torch
-    import torch_tpu
 
-    if not getattr(torch_tpu._loader, "_DEVICE_INITIALIZED", False):
-        return {"why_not": "torch_tpu is imported but registered no `tpu` device (no TPU on the PCI bus)",
-                "fix": "run on a TPU host, or start TorchTPU on a PJRT plugin (docs/torchtpu.md)"}
+    if not started():
+        # Not a failure: the manifest runs in processes that never start TorchTPU (the CLI, a launcher).
+        return {"why_not": "torch_tpu is imported but registered no `tpu` device: it does so only where the "
+                           "PCI bus has TPU chips (on a PJRT plugin: docs/torchtpu.md)"}
     count = torch.accelerator.device_count()
     return {"device_type": DEVICE_TYPE, "local_devices": count, "global_devices": count,
             "plugin": versions()["plugin"]}

@@ -7,7 +7,9 @@
 #   PYTEST_ARGS    extra arguments for `make test`                     []
 #   TEST_WORKERS   pytest-xdist options of `make test`: test files spread over
 #                  up to 4 processes (most tests wait on processes they start);
-#                  `TEST_WORKERS=` runs all in one  [-n auto --maxprocesses 4 --dist loadfile]
+#                  `TEST_WORKERS=` runs all in one  [-n auto --maxprocesses 4 --dist loadfile;
+#                  none for a torchtpu* profile: each process would start TorchTPU]
+#                  (a torchtpu* PROFILE: `test` runs tests/torchtpu, `bench` bench_torchtpu.py)
 #   BENCH_ARGS     extra arguments for `make bench`                    []
 #   FAULT_ARGS     extra arguments for `make faults` (--rounds, --seed) []
 #   TORCH_XLA_GIT  torch_xla git URL or local mirror (build, patches-check,
@@ -32,7 +34,8 @@ INSTALL_PYTHON ?= python3
 VPY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.xlakit-setup
 XBR := $(PYTHON) build/xlakit_build.py requirements --profile $(PROFILE)
-TEST_TOOLS := $(if $(filter torchtpu%,$(PROFILE)),,--test-tools)
+TORCHTPU := $(filter torchtpu%,$(PROFILE))
+TEST_TOOLS := $(if $(TORCHTPU),,--test-tools)
 
 .PHONY: setup test faults demo bench clean build patches-check cxx-check wheel install preflight
 
@@ -48,10 +51,10 @@ $(SETUP_STAMP): VERSIONS.toml pyproject.toml setup.py
 	$(VPY) -m pip install -e '.[test]'
 	touch $@
 
-TEST_WORKERS ?= -n auto --maxprocesses 4 --dist loadfile
+TEST_WORKERS ?= $(if $(TORCHTPU),,-n auto --maxprocesses 4 --dist loadfile)
 
 test: setup
-	$(VPY) -m pytest $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(VPY) -m pytest $(TEST_WORKERS) $(PYTEST_ARGS) $(if $(TORCHTPU),tests/torchtpu)
 
 # Saves under random faults by PID (kill, Ctrl-C, stop/continue, a mutating
 # thread), every checkpoint read back; one line, exit 1 unless all hold.
@@ -62,11 +65,15 @@ demo: setup
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) examples/demo.py
 
 bench: setup
+ifneq ($(TORCHTPU),)
+	$(VPY) bench/bench_torchtpu.py $(BENCH_ARGS)
+else
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_save.py $(BENCH_ARGS)
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_async.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_load.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_compile.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_objstore.py
+endif
 
 # Source build (build/xlakit_build.py; `BUILD_ARGS=--dry-run` prints the plan).
 XB := $(PYTHON) build/xlakit_build.py

@@ -137,3 +137,12 @@ def test_doctor_reports_memory_from_torch_accelerator(tpu):
     (name, verdict, detail, _), = torchtpu_doctor.probe_memory(timeout_s=60)
     assert name == "torchtpu memory" and "torch.accelerator.memory_stats" in detail
     assert verdict == "n/a" and "HBM figures need a TPU" in detail  # the CPU plugin reports no statistics
+
+
+def test_memory_info_answers_from_torch_accelerator(tpu):
+    infos = xlakit.memory_info()
+    assert [i.device for i in infos][:1] == ["tpu:0"]
+    assert not infos[0].supported and "HBM figures need a TPU" in infos[0].unsupported
+    assert xlakit.memory_info("tpu:0").device == "tpu:0"
+    with pytest.raises(ValueError, match="expected a TorchTPU device"):
+        xlakit.memory_info("TPU:0")

@@ -200,8 +200,9 @@ def _check_trust(where: Path, trust_shared: bool) -> None:
 
 # -- memory ------------------------------------------------------------------------------------
 
-def memory_stats() -> dict[str, Any]:
-    """TorchTPU's allocator statistics through `torch.accelerator` (TorchTPU must be started).
+def memory_stats(index: int | None = None) -> dict[str, Any]:
+    """TorchTPU's allocator statistics of `tpu:<index>` (the current device by default) through
+    `torch.accelerator`; `why_not` where TorchTPU is not started.
 
     Never calls `reset_peak_memory_stats`, which crashes TorchTPU 0.2.0 on a
     plugin without allocator statistics.
@@ -210,7 +211,7 @@ def memory_stats() -> dict[str, Any]:
         return {"why_not": "TorchTPU's `tpu` device is not started in this process"}
     import torch
 
-    stats = torch.accelerator.memory_stats()
+    stats = torch.accelerator.memory_stats(index)
     out = {"source": "torch.accelerator.memory_stats",
            "bytes_in_use": int(stats.get("allocated_bytes.all.current", 0)),
            "peak_bytes_in_use": int(stats.get("allocated_bytes.all.peak", 0)),

@@ -120,3 +120,16 @@ def test_deadline_expiring_mid_transfer_names_the_stage_and_commits_nothing(tpu,
     assert "transfer" in str(info.value)
     assert torch.equal(xlakit.load(previous)["w"], torch.ones(4)), "the previous checkpoint is kept"
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"], "no temporary file left behind"
+
+
+def test_manager_on_a_bucket_from_tpu(tpu, bucket):
+    url = f"{bucket}/run"
+    w = torch.zeros(4096, device=tpu)
+    with xlakit.CheckpointManager(url, max_to_keep=2) as mgr:
+        for step in (1, 2, 3):
+            w.fill_(float(step))
+            mgr.save(step, {"w": w})
+        assert mgr.all_steps() == [2, 3]
+        target = torch.zeros(4096, device=tpu)
+        assert mgr.restore(3, template={"w": target})["w"] is target
+    assert torch.equal(target.cpu(), torch.full((4096,), 3.0))

@@ -1,4 +1,5 @@
-"""The TorchTPU profiles' requirement lines (issue 28): torch-tpu installed apart, without libtpu on the CPU stack."""
+"""The TorchTPU profiles' requirement lines (issue 28): build/pins.py, tested here because every
+test under tests/build is skipped without XLAKIT_TORCH_XLA_GIT ("build" is a keyword of each)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ plugin has no host allocator, so the non-blocking branch is proven here only.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -15,8 +17,9 @@ from xlakit.checkpoint import transfer
 class FakeTpuTensor:
     """Answers `.to("cpu", non_blocking=True)` as a client with (or without) a host allocator would."""
 
-    def __init__(self, value: float, *, allocator: bool):
+    def __init__(self, value: float, *, allocator: bool, index: int = 0):
         self.value, self.allocator, self.calls = value, allocator, []
+        self.device = SimpleNamespace(type="tpu", index=index)
 
     def detach(self):
         return self
@@ -31,7 +34,7 @@ class FakeTpuTensor:
 @pytest.fixture
 def syncs(monkeypatch):
     count = []
-    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: count.append(1))
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda index=None: count.append(index))
     return count
 
 
@@ -41,12 +44,12 @@ def test_backend_for_tpu():
 
 def test_non_blocking_copies_then_one_sync_per_batch(syncs):
     backend = transfer.TpuTransfer()
-    backend.prepare([])
-    tensors = [FakeTpuTensor(i, allocator=True) for i in range(3)]
+    tensors = [FakeTpuTensor(i, allocator=True, index=i % 2) for i in range(3)]
+    backend.prepare(tensors)
     hosts = backend.to_host(tensors, timeout_s=10)
     assert [h[0].item() for h in hosts] == [0, 1, 2]
     assert all(t.calls == [True] for t in tensors)
-    assert len(syncs) == 2, "one sync before the transfer, one after the batch's copies"
+    assert syncs == [0, 1, 0, 1], "each device synced before the transfer, and after the batch's copies"
 
 
 def test_without_a_host_allocator_falls_back_to_blocking_copies_for_good(syncs, monkeypatch):

@@ -133,3 +133,4 @@ def test_manager_on_a_bucket_from_tpu(tpu, bucket):
         target = torch.zeros(4096, device=tpu)
         assert mgr.restore(3, template={"w": target})["w"] is target
     assert torch.equal(target.cpu(), torch.full((4096,), 3.0))
+

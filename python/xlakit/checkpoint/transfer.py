@@ -119,19 +119,21 @@ class TpuTransfer(HostTransfer):
         self.non_blocking = mode != "blocking"
 
     def prepare(self, tensors):
-        # TorchTPU runs ops asynchronously: one synchronisation makes every value final.
-        torch.accelerator.synchronize()
+        # TorchTPU runs ops asynchronously: one synchronisation of each device makes every value final.
+        for index in _device_indices(tensors):
+            torch.accelerator.synchronize(index)
 
     def to_host(self, tensors, *, timeout_s):
         deadline = time.monotonic() + timeout_s
         hosts = []
-        for i, t in enumerate(tensors):
+        for t in tensors:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(hosts)} of {len(tensors)} tensors of the batch copied when "
                                    f"the deadline ({timeout_s:.3g} s for the batch) passed")
             hosts.append(self._copy(t.detach()))
         if self.non_blocking and hosts:
-            torch.accelerator.synchronize()  # the batch's non-blocking copies have landed
+            for index in _device_indices(tensors):  # the batch's non-blocking copies have landed
+                torch.accelerator.synchronize(index)
         return hosts
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -142,6 +144,10 @@ class TpuTransfer(HostTransfer):
                 log.info("xlakit: TorchTPU's client has no host allocator (%s); blocking copies", e)
                 self.non_blocking = False
         return copy_to_host(t)
+
+
+def _device_indices(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    return sorted({t.device.index for t in tensors}, key=lambda i: -1 if i is None else i)
 
 
 class XlaTransfer(HostTransfer):

@@ -2,11 +2,14 @@
 #
 #   PYTHON         interpreter that creates the venv (3.11 or newer)   [python3]
 #   VENV           the development virtual environment                [.venv]
-#   PROFILE        VERSIONS.toml profile installed by `setup`          [cpu-dev]
+#   PROFILE        VERSIONS.toml profile installed by `setup`; a torchtpu*
+#                  profile gets no PJRT test tools (torch_xla, jax) [cpu-dev]
 #   PYTEST_ARGS    extra arguments for `make test`                     []
 #   TEST_WORKERS   pytest-xdist options of `make test`: test files spread over
 #                  up to 4 processes (most tests wait on processes they start);
-#                  `TEST_WORKERS=` runs all in one  [-n auto --maxprocesses 4 --dist loadfile]
+#                  `TEST_WORKERS=` runs all in one  [-n auto --maxprocesses 4 --dist loadfile;
+#                  none for a torchtpu* profile: each process would start TorchTPU]
+#                  (a torchtpu* PROFILE: `test` runs tests/torchtpu, `bench` bench_torchtpu.py)
 #   BENCH_ARGS     extra arguments for `make bench`                    []
 #   FAULT_ARGS     extra arguments for `make faults` (--rounds, --seed) []
 #   TORCH_XLA_GIT  torch_xla git URL or local mirror (build, patches-check,
@@ -30,6 +33,9 @@ INSTALL_PYTHON ?= python3
 
 VPY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.xlakit-setup
+XBR := $(PYTHON) build/xlakit_build.py requirements --profile $(PROFILE)
+TORCHTPU := $(filter torchtpu%,$(PROFILE))
+TEST_TOOLS := $(if $(TORCHTPU),,--test-tools)
 
 .PHONY: setup test faults demo bench clean build patches-check cxx-check wheel install preflight
 
@@ -40,14 +46,15 @@ $(SETUP_STAMP): VERSIONS.toml pyproject.toml setup.py
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "xlakit needs Python 3.11+, found " + sys.version.split()[0])'
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip setuptools wheel
-	$(VPY) -m pip install $$($(PYTHON) build/xlakit_build.py requirements --profile $(PROFILE) --test-tools)
+	$(VPY) -m pip install $$($(XBR) $(TEST_TOOLS))
+	nodeps="$$($(XBR) --no-deps)"; test -z "$$nodeps" || $(VPY) -m pip install --no-deps $$nodeps
 	$(VPY) -m pip install -e '.[test]'
 	touch $@
 
-TEST_WORKERS ?= -n auto --maxprocesses 4 --dist loadfile
+TEST_WORKERS ?= $(if $(TORCHTPU),,-n auto --maxprocesses 4 --dist loadfile)
 
 test: setup
-	$(VPY) -m pytest $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(VPY) -m pytest $(TEST_WORKERS) $(PYTEST_ARGS) $(if $(TORCHTPU),tests/torchtpu)
 
 # Saves under random faults by PID (kill, Ctrl-C, stop/continue, a mutating
 # thread), every checkpoint read back; one line, exit 1 unless all hold.
@@ -58,11 +65,15 @@ demo: setup
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) examples/demo.py
 
 bench: setup
+ifneq ($(TORCHTPU),)
+	$(VPY) bench/bench_torchtpu.py $(BENCH_ARGS)
+else
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_save.py $(BENCH_ARGS)
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_async.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_load.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_compile.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_objstore.py
+endif
 
 # Source build (build/xlakit_build.py; `BUILD_ARGS=--dry-run` prints the plan).
 XB := $(PYTHON) build/xlakit_build.py

@@ -63,13 +63,25 @@ def sources(name: str = "tpu", data: dict | None = None) -> dict[str, Source]:
     return out
 
 
-def requirements(name: str, data: dict | None = None) -> list[str]:
-    """pip requirement lines for a profile's wheel packages (exact pins)."""
+def requirements(name: str, data: dict | None = None, *, no_deps: bool = False) -> list[str]:
+    """pip requirement lines for a profile's wheel packages (exact pins; `">=X"` kept as a floor).
+
+    A profile's `no_deps` packages are left out, or with `no_deps=True` are the only ones listed:
+    they are installed by a second `pip install --no-deps` (torch-tpu, whose libtpu dependency
+    aborts a process without a TPU).
+    """
+    prof = profile(name, data)
+    skip = set(prof.get("no_deps", []))
     lines = []
-    for pkg, spec in profile(name, data).get("packages", {}).items():
-        version = spec["floor"] if isinstance(spec, dict) else spec
-        op = ">=" if isinstance(spec, dict) else "=="
-        lines.append(f"{pkg}{op}{version}")
+    for pkg, spec in prof.get("packages", {}).items():
+        if (pkg in skip) != no_deps:
+            continue
+        if isinstance(spec, dict):
+            lines.append(f"{pkg}>={spec['floor']}")
+        elif spec.startswith(">="):
+            lines.append(f"{pkg}{spec}")
+        else:
+            lines.append(f"{pkg}=={spec}")
     return lines
 
 

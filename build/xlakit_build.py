@@ -43,6 +43,9 @@ def _config(args: argparse.Namespace) -> pipeline.Config:
 
 
 def cmd_requirements(args: argparse.Namespace) -> int:
+    if args.no_deps:
+        print("\n".join(pins.requirements(args.profile, no_deps=True)))
+        return 0
     lines = pins.requirements(args.profile) + (pins.test_tool_requirements() if args.test_tools else [])
     print("\n".join(lines))
     return 0
@@ -204,6 +207,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--profile", default="cpu-dev")
     r.add_argument("--test-tools", action="store_true",
                    help="add the PJRT wrapper's test plugins and framework (VERSIONS.toml [pjrt_wrap.test_packages])")
+    r.add_argument("--no-deps", action="store_true",
+                   help="only the profile's `no_deps` packages, for a second `pip install --no-deps`")
     r.set_defaults(func=cmd_requirements)
     e = sub.add_parser("export-series", help="rewrite patches/ from a branch of torch_xla commits")
     e.add_argument("--repo", required=True, help="torch_xla checkout whose HEAD carries the patches")

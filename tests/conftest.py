@@ -2,7 +2,8 @@
 
 Markers (declared in pyproject.toml): `xla` needs torch_xla, `cuda` a CUDA
 device, `build` an upstream torch_xla source in XLAKIT_TORCH_XLA_GIT, `pjrt`
-jax and the PJRT CPU plugins from PyPI.
+jax and the PJRT CPU plugins from PyPI, `torchtpu` TorchTPU (torch-tpu with
+xla-cpu-pjrt, the `torchtpu-cpu` profile's environment).
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ import pytest
 
 from tests.support.objstore_servers import CLOSED_METADATA
 
+# Before any torch import: where torch-tpu is installed, torch imports it, which aborts without a
+# PJRT plugin; its test bed is xla-cpu-pjrt (tests/torchtpu; children inherit the variables).
+if importlib.util.find_spec("torch_tpu") is not None and not os.environ.get("TPU_LIBRARY_PATH"):
+    from xlakit.runtime import torchtpu as _torchtpu
+
+    if _torchtpu.cpu_plugin_path() is not None:
+        os.environ["TPU_LIBRARY_PATH"] = str(_torchtpu.cpu_plugin_path())
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 # Before any torch_xla import: the test bed is the CPU PJRT client.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 # Before any client library is imported (google-auth reads these at import): every cloud metadata
@@ -57,6 +66,13 @@ def pytest_collection_modifyitems(config, items):
             # By marker, not keyword: a folder's name (tests/build) is a keyword of every test in it.
             if item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.skip(reason=reason))
+    if importlib.util.find_spec("torch_tpu") is None or importlib.util.find_spec("xla_plugins") is None:
+        # By marker, not keyword: every item's keywords hold its checkout's folder name (which may be torchtpu).
+        skip = pytest.mark.skip(reason="torch-tpu or xla-cpu-pjrt is not installed (its own environment: "
+                                       "`make setup PROFILE=torchtpu-cpu VENV=.venv-torchtpu`)")
+        for item in items:
+            if item.get_closest_marker("torchtpu"):
+                item.add_marker(skip)
 
 
 @pytest.fixture

@@ -66,6 +66,13 @@ PJRT_DYNAMIC_PLUGINS = "PJRT_DYNAMIC_PLUGINS"
 # Where torch_xla's TPU plugin looks for libtpu; the second is set by torch_xla's import when it finds one.
 TPU_LIBRARY_PATH = "TPU_LIBRARY_PATH"
 PTXLA_TPU_LIBRARY_PATH = "PTXLA_TPU_LIBRARY_PATH"
+# TorchTPU's (runtime/torchtpu.py): torch's device-backend autoload (which imports torch_tpu with
+# torch), the GCE metadata query libtpu's loader skips when set, and its persistent compile cache
+# (tier 3: a folder; tier 2: node-local, in /dev/shm), read once by its runtime.
+TORCH_DEVICE_BACKEND_AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+TPU_SKIP_MDS_QUERY = "TPU_SKIP_MDS_QUERY"
+TORCH_TPU_TIER3_CACHE_ROOT = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
+TORCH_TPU_TIER2_CACHE = "TORCH_TPU_TIER2_COMPILATION_CACHE"
 CONTRACT_ENV = (PJRT_DEVICE, XLA_NO_SPECIAL_SCALARS, XLA_USE_SPMD, XLA_FLAGS, LIBTPU_INIT_ARGS,
                 XLA_PERSISTENT_CACHE_PATH, XLA_PERSISTENT_CACHE_READ_ONLY)
 

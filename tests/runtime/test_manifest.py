@@ -161,7 +161,7 @@ def test_profile_choice(monkeypatch):
 
 
 def test_unknown_profile_names_the_known_ones():
-    with pytest.raises(xlakit.PinsError, match="found only: cpu-dev, tpu"):
+    with pytest.raises(xlakit.PinsError, match="found only: cpu-dev, torchtpu, torchtpu-cpu, tpu"):
         xlakit.manifest(profile="gpu", pins=PINS)
 
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.utils._pytree import tree_leaves
 
-from xlakit.runtime import features
+from xlakit.runtime import features, torchtpu
 from xlakit.checkpoint import spmd, transfer
 from xlakit.checkpoint.operation import Operation
 from xlakit.checkpoint.options import SaveOptions
@@ -105,8 +105,13 @@ def _shard_item(fqn: str, i: int, index: tuple[slice, ...], t: torch.Tensor) -> 
             size=t.size()))
 
 
+def _xla() -> bool:
+    """torch_xla's planners apply (never even imported on TorchTPU)."""
+    return not torchtpu.in_use() and features.xlac() is not None
+
+
 def _flatten(state: dict) -> tuple[dict, dict]:
-    if features.xlac() is not None:
+    if _xla():
         from torch_xla.experimental.distributed_checkpoint._helpers import flatten_state_dict
     else:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -114,7 +119,7 @@ def _flatten(state: dict) -> tuple[dict, dict]:
 
 
 def load_planner_base() -> type:
-    if features.xlac() is not None:
+    if _xla():
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
         return SPMDLoadPlanner

@@ -123,7 +123,8 @@ def _check_tensor(path: str, t: torch.Tensor) -> None:
 
 def _whole_storage(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over every byte of `storage`, on its device (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
+    # The stride given explicitly: TorchTPU's set_ refuses sizes without strides.
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def _xla_id(t: torch.Tensor) -> int:

@@ -13,6 +13,11 @@ One backend per device type, chosen once per save:
 * CUDA (and other accelerators with storages): each storage is copied whole
   into a host buffer (the plan hands whole storages as uint8 tensors), so
   nothing is ever cloned on the device.
+* TorchTPU (device `tpu`, runtime/torchtpu.py): one `torch.accelerator.synchronize()`,
+  then each whole storage copied into a host buffer, with non-blocking copies
+  (and one synchronisation per batch) where the PJRT client has a host
+  allocator, blocking copies where it has none (the CPU plugin); the deadline
+  is checked before every copy.
 * CPU: used in place.
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -99,6 +105,49 @@ class DeviceTransfer(HostTransfer):
         if tensors and tensors[0].device.type == "cuda":
             torch.cuda.synchronize(tensors[0].device)
         return hosts
+
+
+class TpuTransfer(HostTransfer):
+    """TorchTPU tensors (device `tpu`): plain storages behind a PJRT client, no lazy graph."""
+
+    name = "tpu"
+    returns_mutable_views = False
+
+    def __init__(self, mode: str = "auto"):
+        # "auto": try one non-blocking copy, fall back to blocking copies for good when the client
+        # has no PJRT host allocator (NotImplementedError, the CPU plugin); "blocking": never try.
+        self.non_blocking = mode != "blocking"
+
+    def prepare(self, tensors):
+        # TorchTPU runs ops asynchronously: one synchronisation of each device makes every value final.
+        for index in _device_indices(tensors):
+            torch.accelerator.synchronize(index)
+
+    def to_host(self, tensors, *, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        hosts = []
+        for t in tensors:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(hosts)} of {len(tensors)} tensors of the batch copied when "
+                                   f"the deadline ({timeout_s:.3g} s for the batch) passed")
+            hosts.append(self._copy(t.detach()))
+        if self.non_blocking and hosts:
+            for index in _device_indices(tensors):  # the batch's non-blocking copies have landed
+                torch.accelerator.synchronize(index)
+        return hosts
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        if self.non_blocking:
+            try:
+                return t.to("cpu", non_blocking=True)
+            except NotImplementedError as e:  # "host memory allocator is not implemented for this client"
+                log.info("xlakit: TorchTPU's client has no host allocator (%s); blocking copies", e)
+                self.non_blocking = False
+        return copy_to_host(t)
+
+
+def _device_indices(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    return sorted({t.device.index for t in tensors}, key=lambda i: -1 if i is None else i)
 
 
 class XlaTransfer(HostTransfer):
@@ -207,6 +256,8 @@ def backend_for(device_type: str, sample: torch.Tensor, *, mode: str = "auto") -
         return XlaTransfer(_xla_mode(sample, mode))
     if device_type == "cpu":
         return CpuTransfer()
+    if device_type == "tpu":
+        return TpuTransfer()
     return DeviceTransfer()
 
 

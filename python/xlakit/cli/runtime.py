@@ -12,7 +12,7 @@ import json
 import sys
 
 from xlakit import _knobs
-from xlakit.runtime import contract, doctor, manifest, memory, startup
+from xlakit.runtime import contract, doctor, manifest, memory, startup, torchtpu
 
 
 def _manifest(args: argparse.Namespace) -> int:
@@ -67,7 +67,7 @@ def format_table(infos: list[memory.MemoryInfo]) -> str:
 
 def _memory(args: argparse.Namespace) -> int:
     problems = contract.contract_violations()
-    found = startup.blocker() or (
+    found = (None if torchtpu.in_use() else startup.blocker()) or (  # on TorchTPU, memory.py answers
         {"why_not": "the run contract is broken: " + "; ".join(problems),
          "fix": "change the run's environment as each item says"} if problems else None)
     try:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from xlakit import _C, _knobs
-from xlakit.runtime import features, cache_trust, pjrt_wrap
+from xlakit.runtime import features, cache_trust, pjrt_wrap, torchtpu
 from xlakit.errors import CacheFolderTrustError, CompileCacheError, ConfigurationError
 
 log = logging.getLogger("xlakit.compile_cache")  # the name users filter by, whatever the module path
@@ -181,7 +181,8 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
     """Turn on a persistent compilation cache that loads after a restart.
 
     Call it before the first graph is compiled (and, on a TPU, before the
-    runtime starts). On stock torch_xla with a PJRT plugin (`PJRT_DEVICE=TPU`
+    runtime starts). On TorchTPU it turns on TorchTPU's own tier-3 cache in
+    `<path>/torch_tpu-<version>` instead (`runtime/torchtpu.py`). On stock torch_xla with a PJRT plugin (`PJRT_DEVICE=TPU`
     with libtpu, or a plugin in torch_xla's registry) compiles go through
     xlakit's PJRT wrapping plugin, which caches them in `<path>/pjrt-<device>`;
     on the patched runtime (and torch_xla's built-in CPU client) torch_xla's
@@ -220,6 +221,9 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
         >>> import tempfile, xlakit
         >>> where = xlakit.enable_persistent_cache(tempfile.mkdtemp())
     """
+    if torchtpu.in_use():  # TorchTPU's own tier-3 cache, under the same trust rules; no second cache
+        return torchtpu.enable_persistent_cache(path, readonly=readonly, trust_shared=trust_shared if trust_shared
+                                                is not None else _knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
     xlac = _xlac()
     if xlac._xla_computation_cache_is_initialized():
         raise CompileCacheError(

@@ -31,7 +31,7 @@ from importlib import resources
 from pathlib import Path
 
 from xlakit import _knobs
-from xlakit.runtime import pins as _pins
+from xlakit.runtime import pins as _pins, torchtpu
 from xlakit.errors import RunContractError
 
 
@@ -68,10 +68,12 @@ def target_libtpu(libtpu_version: str | None = None, *, pins: str | os.PathLike 
     installed = _pins.installed_version("libtpu")
     if installed:
         return installed, "installed"
-    newest = _pins.newest_pinned("libtpu", _pins.TPU_PROFILE, pins)
+    # TorchTPU reads LIBTPU_INIT_ARGS too, with its own libtpu range (profile torchtpu).
+    profile = _pins.TORCHTPU_PROFILE if torchtpu.in_use() else _pins.TPU_PROFILE
+    newest = _pins.newest_pinned("libtpu", profile, pins)
     if newest is None:
         return None, "libtpu is neither installed nor pinned"
-    return newest, f"not installed; the newest the pinned {_pins.TPU_PROFILE} profile allows"
+    return newest, f"not installed; the newest the pinned {profile} profile allows"
 
 
 # torch_xla registers every device but CPU from these entry points at import (torch_xla/__init__.py).
@@ -152,7 +154,8 @@ def contract_violations(*, env: Mapping[str, str] | None = None, libtpu_version:
     Same arguments as `check_run_contract`, which raises instead.
     """
     env = os.environ if env is None else env
-    problems = [p for p in (_device_violation(env), _cache_path_violation(env)) if p]
+    # PJRT_DEVICE and XLA_PERSISTENT_CACHE_PATH are torch_xla's; TorchTPU reads neither.
+    problems = [] if torchtpu.in_use() else [p for p in (_device_violation(env), _cache_path_violation(env)) if p]
     args = env.get(_knobs.LIBTPU_INIT_ARGS) or ""
     if args:
         table = {f.name: f for f in removed_flags()}

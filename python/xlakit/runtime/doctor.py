@@ -24,6 +24,7 @@ from pathlib import Path
 
 from xlakit import _knobs
 from xlakit.runtime import features, manifest, startup, compile_cache, contract, memory, pjrt_wrap
+from xlakit.runtime import torchtpu, torchtpu_doctor
 
 _STATS_MARK = "xlakit-cache-probe-stats: "
 UNPATCHED = "entries are written but never load: this torch_xla is unpatched, install the xlakit wheels"
@@ -232,6 +233,9 @@ def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float
             print(p.render(), file=out, flush=True)
 
     report(probe_contract())
+    if torchtpu.in_use():  # TorchTPU: its stack, cache and memory; nothing of torch_xla (torchtpu_doctor.py)
+        report(*(Probe(*p) for p in torchtpu_doctor.probes(profile=profile, pins=pins, timeout_s=timeout_s)))
+        return 1 if any(p.verdict == "fail" for p in probes) else 0
     contract_failed = probes[-1].verdict == "fail"
     report(probe_cache_folder())
     blocked = startup.blocker(pins)

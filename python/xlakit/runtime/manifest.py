@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from xlakit import _knobs
-from xlakit.runtime import features, pins as _pins, startup, compile_cache, contract, pjrt_wrap
+from xlakit.runtime import features, pins as _pins, startup, compile_cache, contract, pjrt_wrap, torchtpu
 from xlakit._version import __version__
 
 SCHEMA = 1
@@ -161,22 +161,27 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
     # Read before torch_xla is imported: its import fills in PJRT_DEVICE and XLA_FLAGS defaults.
     env = {k: os.environ.get(k) for k in _knobs.CONTRACT_ENV}
     name, why = _pins.choose_profile(profile, pins)
-    build = features.build_info()
+    # On TorchTPU nothing of torch_xla is imported: its parts say so, and TorchTPU's replace them.
+    tpu = torchtpu.in_use()
+    hazard = torchtpu.start_hazard()
+    build = None if tpu else features.build_info()
+    not_used = {"version": None, "patch_set": None, "why_not": "TorchTPU stack: torch_xla is not used"}
     violations = contract.contract_violations(pins=pins)
     m: dict[str, Any] = {
         "schema": SCHEMA,
         "xlakit": __version__,
         "python": platform.python_version(),
-        "torch": _torch(),
-        "torch_xla": _torch_xla(build),
+        "torch": {"version": None, "why_not": hazard} if hazard else _torch(),
+        "torch_xla": not_used if tpu else _torch_xla(build),
+        "torch_tpu": _package(torchtpu.DIST) | ({"plugin": torchtpu.versions()["plugin"]} if tpu else {}),
         "libtpu": _package("libtpu"),
         "jax": _package("jax"),
         "jaxlib": _package("jaxlib"),
-        "patches": _patches(build),
+        "patches": not_used if tpu else _patches(build),
         "env": env,
         "contract": violations,
-        "runtime": startup.start(contract_ok=not violations, pins=pins),
-        "cache": compile_cache.folder_report(),
+        "runtime": (torchtpu.runtime_report() if tpu else startup.start(contract_ok=not violations, pins=pins)),
+        "cache": torchtpu.cache_report() if tpu else compile_cache.folder_report(),
         "pjrt_wrap": pjrt_wrap.status(),
         "profile": {"name": name, "why": why, "pins": str(pins or _pins.baked_path())},
     }
@@ -224,6 +229,7 @@ def manifest_line(m: dict[str, Any] | None = None) -> str:
     verdict = "ok" if not m["drift"] else f"DRIFT x{len(m['drift'])}"
     parts = [
         f"torch {version(m['torch'], m['torch'].get('git'))}",
+        *([f"torch_tpu {m['torch_tpu']['version']}"] if m.get("torch_tpu", {}).get("version") else []),
         f"torch_xla {version(m['torch_xla'], m['torch_xla'].get('commit'))}",
         f"libtpu {m['libtpu'].get('version') or 'none'}",
         f"jax {m['jax'].get('version') or 'none'}",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xlakit.runtime import features
+from xlakit.runtime import features, torchtpu
 
 STOCK_MEMORY_INFO = "_xla_memory_info"
 
@@ -101,6 +101,8 @@ def memory_info(device: str | None = None) -> MemoryInfo | list[MemoryInfo]:
         >>> for info in xlakit.memory_info():
         ...     print(info.device, info.bytes_used if info.supported else info.unsupported)
     """
+    if torchtpu.in_use():  # TorchTPU: torch.accelerator's statistics, per `tpu:N`
+        return _torchtpu_info(device)
     xlac = _xlac()
     local = list(xlac._xla_get_runtime_devices())
     if device is None:
@@ -113,3 +115,26 @@ def memory_info(device: str | None = None) -> MemoryInfo | list[MemoryInfo]:
     return _one(xlac, device)
 
 
+
+
+def _torchtpu_info(device: str | None) -> MemoryInfo | list[MemoryInfo]:
+    hazard = torchtpu.start_hazard()
+    if not hazard and not torchtpu.loaded():
+        import torch  # noqa: F401  (imports torch_tpu, which registers `tpu` on a TPU host)
+    if hazard or not torchtpu.started():
+        info = MemoryInfo(device or "tpu", unsupported=hazard or (
+            "TorchTPU's `tpu` device is not started in this process: it registers itself only on a TPU host "
+            "(on a PJRT plugin, see docs/torchtpu.md); ask from the training process"))
+        return info if device else [info]
+    import torch
+
+    names = [f"tpu:{i}" for i in range(torch.accelerator.device_count())]
+    if device is not None and device not in names:
+        raise ValueError(f"expected a TorchTPU device, one of {', '.join(names)}; found {device!r}")
+    infos = []
+    for i, name in enumerate(names):
+        stats = torchtpu.memory_stats(i)
+        infos.append(MemoryInfo(name, unsupported=stats["note"]) if "note" in stats else MemoryInfo(
+            name, bytes_used=stats["bytes_in_use"], peak_bytes_used=stats["peak_bytes_in_use"],
+            source=stats["source"]))
+    return infos if device is None else infos[names.index(device)]

@@ -4,8 +4,9 @@
 (or an editable install) carries the pins it was built with and never reads a
 checkout, which may have moved on since. Another file can be named explicitly
 (that is how a drift check is pointed at a different profile). Profile choice:
-an explicit name, else `XLAKIT_PROFILE`, else `tpu` when the process targets a
-TPU (`PJRT_DEVICE=TPU` or libtpu installed), else `cpu-dev`.
+an explicit name, else `XLAKIT_PROFILE`, else `torchtpu` (`torchtpu-cpu`
+without libtpu) where torch-tpu is installed, else `tpu` when the process
+targets a TPU (`PJRT_DEVICE=TPU` or libtpu installed), else `cpu-dev`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from xlakit.errors import ConfigurationError, PinsError
 BAKED_NAME = "_pins.toml"
 TPU_PROFILE = "tpu"
 DEV_PROFILE = "cpu-dev"
+TORCHTPU_PROFILE = "torchtpu"  # TorchTPU on a TPU host; `torchtpu-cpu` on its CPU plugin
 
 
 def baked_path() -> Path:
@@ -102,6 +104,10 @@ def choose_profile(name: str | None = None, path: str | os.PathLike | None = Non
             raise ConfigurationError(f"environment variable {_knobs.PROFILE}={env!r}: expected a profile of "
                                      f"{path or baked_path()}: {', '.join(known) or 'none'} (fix or unset it)")
         return env, f"from {_knobs.PROFILE}"
+    if installed_version("torch-tpu") is not None:
+        if installed_version("libtpu") is not None:
+            return TORCHTPU_PROFILE, "torch-tpu and libtpu are installed"
+        return f"{TORCHTPU_PROFILE}-cpu", "torch-tpu is installed without libtpu (its CPU plugin stack)"
     device = (os.environ.get(_knobs.PJRT_DEVICE) or "").upper()
     if device.startswith("TPU"):
         return TPU_PROFILE, f"{_knobs.PJRT_DEVICE}={os.environ[_knobs.PJRT_DEVICE]}"

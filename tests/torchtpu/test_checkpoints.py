@@ -1,0 +1,136 @@
+"""xlakit's checkpoints on TorchTPU's `tpu` tensors, run over xla-cpu-pjrt (no TPU needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import xlakit
+from tests.support import REPO
+
+pytestmark = pytest.mark.torchtpu
+
+TRAIN = REPO / "tests" / "support" / "torchtpu_train.py"
+
+
+def _tpu_state(device, scale: float = 1.0) -> dict:
+    g = torch.Generator().manual_seed(7)
+    return {"model": {"w": (torch.randn(64, 32, generator=g) * scale).to(device),
+                      "b": torch.arange(32, dtype=torch.float32).to(device)},
+            "half": torch.ones(5, dtype=torch.bfloat16).to(device), "step": 3}
+
+
+def _on_cpu(state: dict) -> dict:
+    return {k: v.cpu() for k, v in state.items()}
+
+
+def test_save_load_restore_in_place_on_tpu(tpu, tmp_path):
+    state = _tpu_state(tpu)
+    xlakit.save(state, tmp_path / "a.pt")
+    loaded = xlakit.load(tmp_path / "a.pt")
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"].cpu()) and loaded["step"] == 3
+    assert torch.load(tmp_path / "a.pt", weights_only=True)["half"].dtype == torch.bfloat16
+    template = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+                "half": torch.zeros(5, dtype=torch.bfloat16, device=tpu), "step": 0}
+    before = {k: id(v) for k, v in template["model"].items()}
+    out = xlakit.restore(tmp_path / "a.pt", template)
+    for k, v in out["model"].items():
+        assert v.device.type == "tpu" and id(v) == before[k], "restored in place, on its device"
+        assert torch.equal(v.cpu(), state["model"][k].cpu())
+    assert out["step"] == 3
+
+
+def test_training_loop_killed_and_resumed_is_bit_exact(tpu, tmp_path):
+    from tests.support.torchtpu_train import train
+
+    reference = {k: v.cpu() for k, v in train(tpu, 12).state_dict().items()}
+    folder, out = tmp_path / "ckpt", tmp_path / "final.pt"
+    killed = subprocess.run([sys.executable, str(TRAIN), str(folder), "12", "--kill-at", "7"],
+                            capture_output=True, text=True, timeout=240)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    mgr = xlakit.CheckpointManager(folder)
+    steps = mgr.all_steps()
+    mgr.close()
+    assert steps and max(steps) <= 7, steps
+    resumed = subprocess.run([sys.executable, str(TRAIN), str(folder), "12", "--out", str(out)],
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    final = xlakit.load(out)
+    for k, v in reference.items():
+        assert torch.equal(final[k], v), f"{k} differs after the kill and resume"
+
+
+def test_asynchronous_save_while_the_loop_mutates(tpu, tmp_path):
+    w = torch.randn(4 << 20, generator=torch.Generator().manual_seed(1)).to(tpu)  # 16 MiB
+    expected = w.cpu()
+    handle = xlakit.save({"w": w}, tmp_path / "async.pt", asynchronous=True)
+    after = expected.clone()
+    for _ in range(20):  # the loop goes on, changing the saved tensor in place
+        w.add_(1.0)
+        after.add_(1.0)
+    handle.result(timeout=120)
+    assert torch.equal(xlakit.load(tmp_path / "async.pt")["w"], expected), "the values at the save's call"
+    assert torch.equal(w.cpu(), after)
+
+
+def test_manager_keeps_the_newest_and_restores_onto_tpu(tpu, tmp_path):
+    mgr = xlakit.CheckpointManager(tmp_path / "run", save_interval_steps=1, max_to_keep=2)
+    w = torch.zeros(1000, device=tpu)
+    for step in range(1, 6):
+        w.fill_(float(step))
+        mgr.save(step, {"w": w})
+    mgr.wait()
+    assert mgr.all_steps() == [4, 5]
+    target = torch.zeros(1000, device=tpu)
+    out = mgr.restore(4, template={"w": target})
+    assert out["w"] is target and torch.equal(target.cpu(), torch.full((1000,), 4.0))
+    mgr.close()
+
+
+def test_dcp_save_and_load_in_place(tpu, tmp_path):
+    state = _tpu_state(tpu)
+    xlakit.dcp_save({"model": state["model"]}, tmp_path / "dcp")
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    xlakit.dcp_load(target, tmp_path / "dcp")
+    for k, v in target["model"].items():
+        assert v.device.type == "tpu" and torch.equal(v.cpu(), state["model"][k].cpu())
+
+
+def test_deadline_expiring_mid_transfer_names_the_stage_and_commits_nothing(tpu, tmp_path, monkeypatch):
+    from xlakit.checkpoint import transfer
+
+    previous = tmp_path / "ckpt.pt"
+    xlakit.save({"w": torch.ones(4)}, previous)
+    real = transfer.TpuTransfer._copy
+
+    def slow(self, t):  # each device-to-host copy takes 0.3 s
+        time.sleep(0.3)
+        return real(self, t)
+
+    monkeypatch.setattr(transfer.TpuTransfer, "_copy", slow)
+    state = {f"t{i}": torch.full((256,), float(i), device=tpu) for i in range(10)}
+    with pytest.raises(xlakit.CheckpointTimeoutError) as info:
+        xlakit.save(state, previous, timeout_s=1.0, max_inflight_bytes=4096)
+    assert info.value.stage == "transfer", info.value
+    assert "transfer" in str(info.value)
+    assert torch.equal(xlakit.load(previous)["w"], torch.ones(4)), "the previous checkpoint is kept"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"], "no temporary file left behind"
+
+
+def test_manager_on_a_bucket_from_tpu(tpu, bucket):
+    url = f"{bucket}/run"
+    w = torch.zeros(4096, device=tpu)
+    with xlakit.CheckpointManager(url, max_to_keep=2) as mgr:
+        for step in (1, 2, 3):
+            w.fill_(float(step))
+            mgr.save(step, {"w": w})
+        assert mgr.all_steps() == [2, 3]
+        target = torch.zeros(4096, device=tpu)
+        assert mgr.restore(3, template={"w": target})["w"] is target
+    assert torch.equal(target.cpu(), torch.full((4096,), 3.0))
+

@@ -19,6 +19,9 @@ inline constexpr char kCacheReadOnlyEnv[] = "XLAKIT_PJRT_CACHE_READ_ONLY";
 // Accept a cache folder a group the user belongs to can write
 // (core/folder_trust.h); the name Python's enable_persistent_cache reads too.
 inline constexpr char kTrustSharedEnv[] = "XLAKIT_CACHE_TRUST_SHARED";
+// Account live buffers per device (memory_accounting.h); 0 turns it off
+// (the plugin's own statistics are still reported). Default on.
+inline constexpr char kMemoryAccountingEnv[] = "XLAKIT_PJRT_MEMORY_ACCOUNTING";
 // Compiler flags a plugin reads from the environment rather than from the
 // compile options (torch_xla passes none there): part of every cache key.
 inline constexpr const char* kKeyedFlagEnvs[] = {"XLA_FLAGS", "TF_XLA_FLAGS",

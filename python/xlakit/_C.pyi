@@ -60,4 +60,5 @@ def judge_cache_folder(folder: str, *, trust_shared: bool = False) -> dict[str, 
 PJRT_PLUGIN_ENV: str
 PJRT_CACHE_DIR_ENV: str
 PJRT_CACHE_READ_ONLY_ENV: str
+PJRT_MEMORY_ACCOUNTING_ENV: str
 CACHE_TRUST_SHARED_ENV: str

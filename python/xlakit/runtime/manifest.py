@@ -29,6 +29,7 @@ from typing import Any
 
 from xlakit import _knobs
 from xlakit.runtime import features, pins as _pins, startup, compile_cache, contract, pjrt_wrap
+from xlakit.runtime import memory
 from xlakit._version import __version__
 
 SCHEMA = 1
@@ -180,6 +181,7 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
         "pjrt_wrap": pjrt_wrap.status(),
         "profile": {"name": name, "why": why, "pins": str(pins or _pins.baked_path())},
     }
+    m["memory"] = memory.availability(m["pjrt_wrap"])  # per-device memory: whether, and from where
     m["drift"] = drift(m, name, pins)
     return m
 

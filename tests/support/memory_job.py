@@ -1,0 +1,101 @@
+"""A job that reads memory per device through xlakit's PJRT wrapper while a sharded array lives and dies (tests only).
+
+Run as a fresh process with the wrapper in front of a real CPU plugin with 4
+devices (the test sets the environment):
+
+* `torch_xla`: stock torch_xla 2.9 under SPMD, `PJRT_DEVICE=TPU` with
+  `TPU_LIBRARY_PATH` the wrapper and `XLAKIT_PJRT_PLUGIN` xla-cpu-pjrt's
+  plugin; reads `xlakit.memory_info()`;
+* `jax`: jax on lammps-jax-pjrt-cpu through the wrapper; reads
+  `wrap_memory.by_device()` (memory_info is torch_xla's view).
+
+A (1024, 256) float32 array is sharded by rows over a 4-device mesh, so each
+device holds a 256 KiB shard. Prints one JSON line: the figures before, while
+it lives and after it is freed, per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+
+ROWS, COLS = 1024, 256
+
+
+def run_torch_xla() -> dict:
+    import numpy as np
+    import torch
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    import xlakit
+
+    xr.use_spmd()
+
+    def snap():
+        return {i.device: dataclasses.asdict(i) for i in xlakit.memory_info()}
+
+    out = {"runtime_devices": list(torch_xla._XLAC._xla_get_runtime_devices()), "before": snap()}
+    mesh = xs.Mesh(np.arange(4), (4,), ("x",))
+    t = torch.ones(ROWS, COLS).to(torch_xla.device())
+    xs.mark_sharding(t, mesh, ("x", None))
+    torch_xla.sync()
+    out["sum"] = t.sum().item()
+    out["live"] = snap()
+    del t
+    gc.collect()
+    out["freed"] = snap()
+    try:
+        xlakit.memory_info("CPU:9")
+    except ValueError as e:
+        out["unknown_device"] = str(e)
+    one = xlakit.memory_info("CPU:3")
+    out["one"] = dataclasses.asdict(one)
+    start = time.perf_counter()
+    for _ in range(200):
+        xlakit.memory_info()
+    out["call_us"] = (time.perf_counter() - start) / 200 * 1e6
+    from xlakit.runtime import manifest
+
+    out["manifest_memory"] = manifest.manifest()["memory"]
+    return out
+
+
+def run_jax() -> dict:
+    from tests.support import pjrt_job
+    from xlakit.runtime import pjrt_wrap, wrap_memory
+
+    os.environ.setdefault("XLAKIT_PJRT_PLUGIN", pjrt_job.lammps_plugin())
+    os.environ["JAX_PLATFORMS"] = "xlakitcpu"
+    import jax
+    import numpy as np
+    from jax._src import xla_bridge
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    xla_bridge.register_plugin("xlakitcpu", library_path=str(pjrt_wrap.library_path()))
+    devices = jax.devices()
+    out = {"jax_devices": [str(d) for d in devices], "before": wrap_memory.by_device()}
+    mesh = Mesh(np.array(devices[:4]), ("x",))
+    x = jax.device_put(np.ones((ROWS, COLS), np.float32), NamedSharding(mesh, PartitionSpec("x", None)))
+    x.block_until_ready()
+    out["live"] = wrap_memory.by_device()
+    x.delete()
+    del x
+    gc.collect()
+    out["freed"] = wrap_memory.by_device()
+    return out
+
+
+def main() -> None:
+    which = sys.argv[1]
+    out = run_torch_xla() if which == "torch_xla" else run_jax()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,12 +5,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
 #include <type_traits>
-#include <unordered_map>
 
 #include "pjrt_wrap/counters.h"
 #include "pjrt_wrap/pjrt_calls.h"
@@ -19,6 +19,8 @@ namespace xlakit {
 namespace pjrt_wrap {
 namespace {
 
+// std::map, not unordered_map: its bucket arrays would need a libstdc++
+// newer than a TPU VM's (tests/runtime/test_pjrt_wrap.py checks the symbols).
 // Slots are never reused or freed: a slot's description is written before it
 // is published (slot_count, release) and never changes, so readers need no
 // lock. A pod host has at most a few dozen devices per client.
@@ -50,7 +52,7 @@ struct Record {
 
 struct Shard {
   std::mutex mu;
-  std::unordered_map<PJRT_Buffer*, Record> live;
+  std::map<PJRT_Buffer*, Record> live;
 };
 
 struct State {
@@ -69,7 +71,7 @@ struct State {
   std::shared_mutex clients_mu;
   Shard shards[kShards];
   std::mutex outputs_mu;
-  std::unordered_map<PJRT_LoadedExecutable*, size_t> num_outputs;
+  std::map<PJRT_LoadedExecutable*, size_t> num_outputs;
   std::atomic<uint64_t> unattributed{0};  // buffers whose device or size the plugin would not say
   std::atomic<uint64_t> slots_full{0};
 };

@@ -190,8 +190,8 @@ _DIRECT = textwrap.dedent(r"""
 """)
 
 
-@pytest.mark.parametrize("accounting", ["", "0"])
-def test_memory_stats_zero_a_larger_callers_tail_and_every_client_device_is_reported(tmp_path, accounting):
+@pytest.mark.parametrize("accounting,on", [("", True), ("0", False), ("ture", True)])
+def test_memory_stats_zero_a_larger_callers_tail_and_every_client_device_is_reported(tmp_path, accounting, on):
     header = Path(pjrt_job.xla_cpu_plugin()).parent / "include" / "pjrt_c_api.h"
     script = tmp_path / "direct.py"
     script.write_text(_DIRECT)
@@ -207,7 +207,10 @@ def test_memory_stats_zero_a_larger_callers_tail_and_every_client_device_is_repo
     assert out["after_201"] == "00" * (201 - 24) + "ab" * (256 - 201)
     assert out["after_40"] == "00" * (40 - 24) + "ab" * (256 - 40)
     report = out["report"]
-    assert report["installed"] and report["accounting"] is (accounting != "0")
+    assert report["installed"] and report["accounting"] is on
+    if accounting == "ture":  # a value the wrapper cannot read is said, naming the variable, and changes nothing
+        assert "environment variable XLAKIT_PJRT_MEMORY_ACCOUNTING='ture': expected 1 or 0" in run.stderr
+        assert "memory accounting stays on" in run.stderr
     assert [(d["platform"], d["id"], d["live_bytes"]) for d in report["devices"]] == [("cpu", i, 0) for i in range(4)]
     assert all(d["plugin_unavailable"].startswith(UNIMPLEMENTED) for d in report["devices"])
     assert out["after_destroy"]["devices"] == []  # a destroyed client's devices are never asked again

@@ -51,7 +51,7 @@ def _bytes(n: int | None) -> str:
 
 
 def format_table(infos: list[memory.MemoryInfo]) -> str:
-    rows = [("DEVICE", "USED", "LIMIT", "PEAK", "LIVE", "BUFFERS", "PEAK LIVE", "SOURCE")]
+    rows = [("DEVICE", "USED", "LIMIT", "PEAK", "LIVE", "BUFFERS", "LIVE-PEAK", "SOURCE")]
     notes = []
     for i in infos:
         live = (_bytes(i.live_bytes), "-" if i.live_buffers is None else str(i.live_buffers), _bytes(i.peak_live_bytes))

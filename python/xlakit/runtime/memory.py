@@ -107,7 +107,7 @@ def _binding(xlac, device: str) -> MemoryInfo:
         return MemoryInfo(device, unsupported=(
             "under SPMD stock torch_xla can only ask the virtual SPMD device, not a chip; "
             f"xlakit's PJRT wrapper answers per chip (xlakit.enable_persistent_cache() or `xlakit pjrt env DIR` "
-            f"loads it), as does the {features.RUNTIME_MEMORY_INFO} binding of the xlakit wheels"))
+            f"loads it), as does the {features.RUNTIME_MEMORY_INFO} binding: install the xlakit wheels"))
     torch_devices = list(xlac._xla_get_devices())
     if device not in torch_devices:  # only SPMD separates the two lists; be sure anyway
         return MemoryInfo(device, unsupported=f"no torch device maps to {device} (torch devices: {torch_devices})")

@@ -14,9 +14,12 @@ noise is larger than the difference):
 * `on + memory_info()`: the default, and `xlakit.memory_info()` for every
   device after every step (a `/memory` endpoint's cost).
 
-The ratio is each row's median step over the `accounting off` row's;
+The ratios are each row's median step (wall) and its CPU time per step (every
+thread of the process) over the `accounting off` row's;
 `buffers/step` is how many buffers the wrapper accounted per step on all
-devices (what the accounting's cost scales with).
+devices (what the accounting's cost scales with), `in accounting` the time
+per step spent in the accounting itself (the wrapper times it: a figure the
+step-time noise of a shared machine cannot blur).
 """
 
 from __future__ import annotations
@@ -72,16 +75,21 @@ def one(read_memory: bool) -> None:
 
     for _ in range(10):  # compile, settle
         step()
-    created = sum(d["created_buffers"] for d in wrap_memory.report(plugin_stats=False)["devices"])
+    before = wrap_memory.report(plugin_stats=False)
     times = []
+    cpu = time.process_time()  # every thread of the process: less blurred by other processes than wall time
     for _ in range(STEPS):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+    cpu = time.process_time() - cpu
     live = sum(i.live_bytes or 0 for i in xlakit.memory_info())
-    created = sum(d["created_buffers"] for d in wrap_memory.report(plugin_stats=False)["devices"]) - created
+    after = wrap_memory.report(plugin_stats=False)
+    created = sum(d["created_buffers"] for d in after["devices"]) - sum(d["created_buffers"] for d in before["devices"])
     print(json.dumps({"median_ms": statistics.median(times) * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
-                      "live_bytes": live, "buffers_per_step": created / STEPS}), flush=True)
+                      "cpu_ms": cpu / STEPS * 1e3, "live_bytes": live, "buffers_per_step": created / STEPS,
+                      "accounting_us_per_step": (after["accounting_s"] - before["accounting_s"]) / STEPS * 1e6}),
+          flush=True)
 
 
 def _env(accounting: str) -> None:
@@ -104,18 +112,21 @@ def main() -> int:
     rounds = parser.parse_args().rounds
     print(f"PJRT wrapper memory accounting: a data-parallel MLP training step, stock torch_xla under SPMD on "
           f"xla-cpu-pjrt (4 devices), {STEPS} steps per row, {rounds} run(s) each", flush=True)
-    print(f"{'row':20} {'median ms':>10} {'mean ms':>8} {'ratio':>6} {'buffers/step':>12} {'live bytes':>11}",
-          flush=True)
+    print(f"{'row':20} {'median ms':>10} {'ratio':>6} {'CPU ms':>7} {'ratio':>6} {'buffers/step':>12} "
+          f"{'in accounting':>13} {'live bytes':>11}", flush=True)
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in ROWS}
     for _ in range(rounds):
         for label, accounting, read in ROWS:
             _env(accounting)
             runs[label].append(measure.fresh_process(__file__, ["read" if read else "step"]))
-    base = statistics.median(r["median_ms"] for r in runs[ROWS[0][0]])
+    def med(label: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[label])
+
+    base, base_cpu = med(ROWS[0][0], "median_ms"), med(ROWS[0][0], "cpu_ms")
     for label, found in runs.items():
-        median = statistics.median(r["median_ms"] for r in found)
-        mean = statistics.median(r["mean_ms"] for r in found)
-        print(f"{label:20} {median:10.3f} {mean:8.3f} {median / base:6.3f} {found[-1]['buffers_per_step']:12.1f} "
+        median, cpu = med(label, "median_ms"), med(label, "cpu_ms")
+        print(f"{label:20} {median:10.3f} {median / base:6.3f} {cpu:7.3f} {cpu / base_cpu:6.3f} "
+              f"{found[-1]['buffers_per_step']:12.1f} {med(label, 'accounting_us_per_step'):10.1f} us "
               f"{found[-1]['live_bytes']:11d}", flush=True)
     return 0
 

@@ -61,16 +61,23 @@ def run_job(which: str, env: dict[str, str]) -> dict:
 
 def test_torch_xla_spmd_each_device_counts_its_shard_through_the_wrapper():
     out = run_job("torch_xla", torch_env())
-    assert out["runtime_devices"] == DEVICES and out["sum"] == memory_job.ROWS * memory_job.COLS
+    assert out["runtime_devices"] == DEVICES
     for d in DEVICES:
         before, live, freed = out["before"][d], out["live"][d], out["freed"][d]
         assert live["source"] == "pjrt_wrap" and live["unsupported"] is None
-        assert live["live_bytes"] - before["live_bytes"] == SHARD
-        assert live["live_buffers"] - before["live_buffers"] == 1
-        assert freed["live_bytes"] == before["live_bytes"] and freed["live_buffers"] == before["live_buffers"]
+        # torch_xla may keep a scalar it made on the way (4 bytes per device, live until the end): the shard is
+        # what freeing the tensor gives back.
+        assert SHARD <= live["live_bytes"] - before["live_bytes"] < SHARD + 64
+        assert live["live_bytes"] - freed["live_bytes"] == SHARD
+        assert live["live_buffers"] - freed["live_buffers"] == 1
         assert freed["peak_live_bytes"] >= before["live_bytes"] + SHARD  # the peak outlives the tensor
         # The CPU plugin keeps no allocator statistics: said, with the plugin's own reason.
         assert live["bytes_used"] is None and live["plugin_unavailable"].startswith(UNIMPLEMENTED)
+    # A leak would grow each device by the model's size (about 66 KB) per step; a scalar the runtime frees a
+    # moment later is 4 bytes.
+    steps = out["steps"]
+    assert all(abs(s[d] - steps[2][d]) < 1024 < steps[2][d] - out["freed"][d]["live_bytes"]
+               for s in steps[3:] for d in DEVICES), steps
     assert out["one"]["device"] == "CPU:3" and out["one"]["source"] == "pjrt_wrap"
     assert out["unknown_device"] == ("expected a runtime device local to this process, one of "
                                      "CPU:0, CPU:1, CPU:2, CPU:3; found 'CPU:9'")

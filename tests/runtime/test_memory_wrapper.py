@@ -59,8 +59,17 @@ def run_job(which: str, env: dict[str, str]) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_torch_xla_spmd_each_device_counts_its_shard_through_the_wrapper():
-    out = run_job("torch_xla", torch_env())
+def test_torch_xla_spmd_each_device_counts_its_shard_through_the_wrapper(tmp_path):
+    # Twice on one compile cache: the second run's executables are DeserializeAndLoad'ed, not compiled.
+    first = run_job("torch_xla", torch_env(XLAKIT_PJRT_CACHE_DIR=str(tmp_path / "cache")))
+    assert first["counts"]["writes"] > 0
+    check_torch_xla_job(first)
+    second = run_job("torch_xla", torch_env(XLAKIT_PJRT_CACHE_DIR=str(tmp_path / "cache")))
+    assert second["counts"]["hits"] == second["counts"]["compiles"] > 0
+    check_torch_xla_job(second)
+
+
+def check_torch_xla_job(out: dict) -> None:
     assert out["runtime_devices"] == DEVICES
     for d in DEVICES:
         before, live, freed = out["before"][d], out["live"][d], out["freed"][d]
@@ -141,7 +150,7 @@ def test_xlakit_memory_watch_stops_on_ctrl_c_with_130():
 def test_doctor_says_memory_per_device_comes_from_the_wrapper():
     run = xlakit_cli("doctor", "--profile", "cpu-dev", env=torch_env())
     lines = run.stdout.splitlines()
-    assert "ok    memory per device: from pjrt_wrap (4 devices, live buffers counted)" in lines, run.stdout
+    assert "ok    per-device memory: from pjrt_wrap (4 devices, live buffers counted)" in lines, run.stdout
     cpu0 = next(line for line in lines if line.startswith("ok    memory CPU:0: "))
     assert "(via pjrt_wrap); the plugin's own statistics are unavailable: PJRT_Device_MemoryStats: " \
            "UNIMPLEMENTED" in cpu0

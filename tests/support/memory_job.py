@@ -75,9 +75,10 @@ def run_torch_xla() -> dict:
     for _ in range(200):
         xlakit.memory_info()
     out["call_us"] = (time.perf_counter() - start) / 200 * 1e6
-    from xlakit.runtime import manifest
+    from xlakit.runtime import manifest, pjrt_wrap
 
     out["manifest_memory"] = manifest.manifest()["memory"]
+    out["counts"] = pjrt_wrap.status()["counts"]
     return out
 
 

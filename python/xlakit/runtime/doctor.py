@@ -198,11 +198,15 @@ def probe_pjrt_wrapper(s: dict, device_type: str | None) -> Probe:
 
 def probe_memory_source(available: dict) -> Probe:
     """Whether memory per raw runtime device can be read in this process, and from where (`memory.availability()`)."""
+    name = "per-device memory"
     if available["per_device"]:
-        how = (f"{available['devices']} devices, live buffers {'counted' if available['accounting'] else 'not counted'}"
-               if available["source"] == memory.PJRT_WRAP else "the patched binding")
-        return Probe("memory per device", "ok", f"from {available['source']} ({how})")
-    return Probe("memory per device", "warn", available["why_not"], available["fix"])
+        how = available.get("note", "the patched binding")
+        if available["source"] == memory.PJRT_WRAP:
+            how = f"{available['devices']} devices, live buffers {'counted' if available['accounting'] else 'not counted'}"
+        return Probe(name, "ok", f"from {available['source']} ({how})")
+    if available["fix"] is None:
+        return Probe(name, "n/a", available["why_not"])
+    return Probe(name, "warn", available["why_not"], available["fix"])
 
 
 def probe_memory(device_type: str | None) -> list[Probe]:

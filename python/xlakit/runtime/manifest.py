@@ -181,7 +181,8 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
         "pjrt_wrap": pjrt_wrap.status(),
         "profile": {"name": name, "why": why, "pins": str(pins or _pins.baked_path())},
     }
-    m["memory"] = memory.availability(m["pjrt_wrap"])  # per-device memory: whether, and from where
+    # Per-device memory: whether, and from where.
+    m["memory"] = memory.availability(m["pjrt_wrap"], m["runtime"].get("device_type"))
     m["drift"] = drift(m, name, pins)
     return m
 

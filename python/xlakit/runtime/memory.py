@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from xlakit import _knobs
 from xlakit.runtime import features, pjrt_wrap, wrap_memory
 
 STOCK_MEMORY_INFO = "_xla_memory_info"
@@ -156,12 +157,13 @@ def memory_info(device: str | None = None) -> MemoryInfo | list[MemoryInfo]:
     return _one(xlac, device, wrapped)
 
 
-def availability(wrap_status: dict | None = None) -> dict:
+def availability(wrap_status: dict | None = None, device_type: str | None = None) -> dict:
     """Whether this process can read memory per raw runtime device, and from where; never raises.
 
-    `wrap_status` is `pjrt_wrap.status()` if the caller has it. Returns
-    `{"per_device": bool, "source": str | None, ...}` with `why_not` (and
-    `fix`) when it cannot, and for the wrapper whether it accounts buffers.
+    `wrap_status` is `pjrt_wrap.status()` if the caller has it, `device_type`
+    the runtime's (`PJRT_DEVICE`). Returns `{"per_device": bool, "source":
+    str | None, ...}` with `why_not` (and `fix`) when it cannot, and for the
+    wrapper whether it counts live buffers.
     """
     if features.has_binding(features.RUNTIME_MEMORY_INFO):
         return {"per_device": True, "source": features.RUNTIME_MEMORY_INFO}
@@ -169,11 +171,15 @@ def availability(wrap_status: dict | None = None) -> dict:
     if r["installed"]:
         return {"per_device": True, "source": PJRT_WRAP, "accounting": r["accounting"],
                 "devices": len(r["devices"])}
+    if (device_type or "").upper() == "CPU":
+        return {"per_device": False, "source": None,
+                "why_not": "torch_xla's built-in CPU client keeps no allocator statistics and is no PJRT plugin "
+                           "xlakit's wrapper could count buffers in", "fix": None}
+    if not _knobs.xla_flag(_knobs.XLA_USE_SPMD):
+        return {"per_device": True, "source": STOCK_MEMORY_INFO, "note": "one torch device per chip outside SPMD"}
     s = wrap_status if wrap_status is not None else pjrt_wrap.status()
     return {"per_device": False, "source": None,
             "why_not": f"stock torch_xla answers only for a torch device, never per chip under SPMD, and "
                        f"{'the PJRT wrapper is not loaded in this process' if s.get('built') else s.get('why_not')}",
             "fix": "load xlakit's PJRT wrapper (xlakit.enable_persistent_cache(), or `xlakit pjrt env DIR`), "
                    f"or install the xlakit wheels ({features.RUNTIME_MEMORY_INFO})"}
-
-

@@ -104,6 +104,7 @@ def test_jax_each_device_counts_its_shard_through_the_wrapper():
         assert live["live_buffers"] - before["live_buffers"] == 1
         assert freed["live_bytes"] == before["live_bytes"] and freed["peak_bytes"] >= before["live_bytes"] + SHARD
         assert live["plugin"] is None and live["plugin_unavailable"].startswith(UNIMPLEMENTED)
+        assert out["reset"][d]["peak_bytes"] == freed["live_bytes"]  # reset_peaks(): the peak runs from now
 
 
 def xlakit_cli(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:

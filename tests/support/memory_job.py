@@ -104,6 +104,8 @@ def run_jax() -> dict:
     del x
     gc.collect()
     out["freed"] = wrap_memory.by_device()
+    wrap_memory.reset_peaks()
+    out["reset"] = wrap_memory.by_device(plugin_stats=False)
     return out
 
 

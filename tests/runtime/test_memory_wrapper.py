@@ -132,6 +132,8 @@ def test_xlakit_memory_answers_per_device_under_spmd_and_watches():
     assert unknown.returncode == 2 and "one of CPU:0, CPU:1, CPU:2, CPU:3; found 'CPU:9'" in unknown.stderr
     bad = xlakit_cli("memory", "--watch", "0", env=env)
     assert bad.returncode == 2 and "expected an interval from 0.05 to 86400 seconds, found 0" in bad.stderr
+    alone = xlakit_cli("memory", "--count", "2", env=env)
+    assert alone.returncode == 2 and "add --watch SECONDS" in alone.stderr
 
 
 def test_xlakit_memory_watch_stops_on_ctrl_c_with_130():

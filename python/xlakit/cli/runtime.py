@@ -70,6 +70,9 @@ def format_table(infos: list[memory.MemoryInfo]) -> str:
 
 
 def _memory(args: argparse.Namespace) -> int:
+    if args.count is not None and args.watch is None:
+        print("xlakit memory: --count N counts --watch intervals: add --watch SECONDS", file=sys.stderr)
+        return 2
     problems = contract.contract_violations()
     found = startup.blocker() or (
         {"why_not": "the run contract is broken: " + "; ".join(problems),
@@ -79,6 +82,8 @@ def _memory(args: argparse.Namespace) -> int:
     except ValueError as e:  # an unknown device is a usage error, not a crash
         print(f"xlakit memory: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the runtime starts
+        return 130
     # Starting the runtime may raise anything a plugin raises; it is a finding here, not a crash.
     except Exception as e:
         found = startup.failure(e)

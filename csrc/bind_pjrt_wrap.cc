@@ -11,6 +11,7 @@ void BindPjrtWrap(pybind11::module_& m) {
   m.attr("PJRT_PLUGIN_ENV") = pjrt_wrap::kPluginEnv;
   m.attr("PJRT_CACHE_DIR_ENV") = pjrt_wrap::kCacheDirEnv;
   m.attr("PJRT_CACHE_READ_ONLY_ENV") = pjrt_wrap::kCacheReadOnlyEnv;
+  m.attr("PJRT_MEMORY_ACCOUNTING_ENV") = pjrt_wrap::kMemoryAccountingEnv;
   m.attr("CACHE_TRUST_SHARED_ENV") = pjrt_wrap::kTrustSharedEnv;
   m.attr("PJRT_CACHE_MAX_ENTRY_BYTES_ENV") = pjrt_wrap::kCacheMaxEntryBytesEnv;
   m.attr("PJRT_DEFAULT_MAX_ENTRY_BYTES") = pjrt_wrap::kDefaultMaxEntryBytes;

@@ -28,6 +28,9 @@ inline constexpr char kCacheMaxEntryBytesEnv[] =
     "XLAKIT_PJRT_CACHE_MAX_ENTRY_BYTES";
 // 2 GiB: serialized executables are protocol buffers, which cannot be larger.
 inline constexpr uint64_t kDefaultMaxEntryBytes = uint64_t{2} << 30;
+// Account live buffers per device (memory_accounting.h); 0 turns it off
+// (the plugin's own statistics are still reported). Default on.
+inline constexpr char kMemoryAccountingEnv[] = "XLAKIT_PJRT_MEMORY_ACCOUNTING";
 // Compiler flags a plugin reads from the environment rather than from the
 // compile options (torch_xla passes none there): part of every cache key.
 inline constexpr const char* kKeyedFlagEnvs[] = {"XLA_FLAGS", "TF_XLA_FLAGS",

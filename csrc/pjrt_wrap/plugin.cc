@@ -12,6 +12,8 @@
 //   PJRT_LoadedExecutable_Execute  pads an older framework's
 //                         PJRT_ExecuteOptions to this header's size
 //                         (execute_bridge.h).
+// Memory accounting (memory_accounting.h) then wraps the functions that make
+// and free buffers, clients and executables, and PJRT_Device_MemoryStats.
 // Everything else is the real plugin's own function. A plugin that cannot be
 // wrapped gets a table that refuses to start with the reason (refusal.h).
 #include <dlfcn.h>
@@ -27,6 +29,7 @@
 #include "pjrt_wrap/counters.h"
 #include "pjrt_wrap/env.h"
 #include "pjrt_wrap/execute_bridge.h"
+#include "pjrt_wrap/memory_accounting.h"
 #include "pjrt_wrap/refusal.h"
 #include "xla/pjrt/c/pjrt_c_api.h"
 
@@ -241,6 +244,11 @@ const PJRT_Api* Activate() {
   table->PJRT_Client_Compile = &WrappedCompile;
   table->PJRT_Client_Destroy = &WrappedClientDestroy;
   table->PJRT_LoadedExecutable_Execute = &WrappedExecute;
+  std::string problem;  // a mistyped value leaves the accounting on
+  const bool accounting = Env(kMemoryAccountingEnv).empty() ||
+                          Flag(kMemoryAccountingEnv, &problem) || !problem.empty();
+  if (!problem.empty()) Log(problem + "; memory accounting stays on");
+  InstallMemoryAccounting(w.real, table, accounting);
   std::string cache = w.cache ? "compile cache " + w.cache_state.dir + " (" +
                                     w.cache_state.folder +
                                     (w.cache_state.authenticated
@@ -314,6 +322,23 @@ XLAKIT_EXPORT const PJRT_Api* GetPjrtApi() {
 // full length, like snprintf.
 XLAKIT_EXPORT size_t xlakit_pjrt_wrap_status(char* buffer, size_t capacity) {
   std::string json = xlakit::pjrt_wrap::StatusJson();
+  if (buffer != nullptr && capacity > 0) {
+    size_t n = json.size() < capacity - 1 ? json.size() : capacity - 1;
+    std::memcpy(buffer, json.data(), n);
+    buffer[n] = '\0';
+  }
+  return json.size();
+}
+
+// Memory per device of every client the wrapper wraps, as one JSON object
+// (memory_accounting.h; xlakit.runtime.wrap_memory reads it with ctypes).
+// `flags` bit 0: ask the plugin's PJRT_Device_MemoryStats too; bit 1: reset
+// each device's peak to its live bytes after reading. Returns the full
+// length, like xlakit_pjrt_wrap_status.
+XLAKIT_EXPORT size_t xlakit_pjrt_wrap_memory(char* buffer, size_t capacity,
+                                             int flags) {
+  std::string json =
+      xlakit::pjrt_wrap::MemoryJson((flags & 1) != 0, (flags & 2) != 0);
   if (buffer != nullptr && capacity > 0) {
     size_t n = json.size() < capacity - 1 ? json.size() : capacity - 1;
     std::memcpy(buffer, json.data(), n);

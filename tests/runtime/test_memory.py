@@ -88,12 +88,12 @@ def test_stock_build_under_spmd_says_why_not(monkeypatch, local_devices):
 def test_cli_prints_a_table(capsys, local_devices):
     assert cli.main(["memory"]) == 1  # nothing could be measured here
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["DEVICE", "USED", "LIMIT", "PEAK", "SOURCE"]
+    assert out[0].split() == ["DEVICE", "USED", "LIMIT", "PEAK", "LIVE", "BUFFERS", "LIVE-PEAK", "SOURCE"]
     assert out[1].split()[0] == local_devices[0] and out[1].endswith("not supported")
     assert out[-1].startswith(f"{local_devices[-1]}: not supported: ")
 
 
 def test_table_formats_bytes():
     table = cli_runtime.format_table([memory.MemoryInfo("TPU:0", 3 << 30, 32 << 30, 512, "_xla_runtime_memory_info")])
-    assert table.splitlines()[1].split() == ["TPU:0", "3.0", "GiB", "32.0", "GiB", "512", "B",
+    assert table.splitlines()[1].split() == ["TPU:0", "3.0", "GiB", "32.0", "GiB", "512", "B", "-", "-", "-",
                                              "_xla_runtime_memory_info"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from xlakit import _knobs
 from xlakit.runtime import contract, doctor, manifest, memory, startup, torchtpu
@@ -51,14 +52,18 @@ def _bytes(n: int | None) -> str:
 
 
 def format_table(infos: list[memory.MemoryInfo]) -> str:
-    rows = [("DEVICE", "USED", "LIMIT", "PEAK", "SOURCE")]
+    rows = [("DEVICE", "USED", "LIMIT", "PEAK", "LIVE", "BUFFERS", "LIVE-PEAK", "SOURCE")]
     notes = []
     for i in infos:
+        live = (_bytes(i.live_bytes), "-" if i.live_buffers is None else str(i.live_buffers), _bytes(i.peak_live_bytes))
         if i.supported:
-            rows.append((i.device, _bytes(i.bytes_used), _bytes(i.bytes_limit), _bytes(i.peak_bytes_used),
+            rows.append((i.device, _bytes(i.bytes_used), _bytes(i.bytes_limit), _bytes(i.peak_bytes_used), *live,
                          i.source or "-"))
+            if i.plugin_unavailable:
+                notes.append(f"{i.device}: the plugin's own statistics are unavailable ({i.plugin_unavailable}); "
+                             "LIVE is the wrapper's count of the buffers the runtime holds")
         else:
-            rows.append((i.device, "-", "-", "-", "not supported"))
+            rows.append((i.device, "-", "-", "-", *live, "not supported"))
             notes.append(f"{i.device}: not supported: {i.unsupported}")
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
@@ -66,6 +71,9 @@ def format_table(infos: list[memory.MemoryInfo]) -> str:
 
 
 def _memory(args: argparse.Namespace) -> int:
+    if args.count is not None and args.watch is None:
+        print("xlakit memory: --count N counts --watch intervals: add --watch SECONDS", file=sys.stderr)
+        return 2
     problems = contract.contract_violations()
     found = (None if torchtpu.in_use() else startup.blocker()) or (  # on TorchTPU, memory.py answers
         {"why_not": "the run contract is broken: " + "; ".join(problems),
@@ -75,6 +83,8 @@ def _memory(args: argparse.Namespace) -> int:
     except ValueError as e:  # an unknown device is a usage error, not a crash
         print(f"xlakit memory: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the runtime starts
+        return 130
     # Starting the runtime may raise anything a plugin raises; it is a finding here, not a crash.
     except Exception as e:
         found = startup.failure(e)
@@ -82,13 +92,60 @@ def _memory(args: argparse.Namespace) -> int:
         print(f"xlakit memory: {found['why_not']}\n  fix: {found['fix']}", file=sys.stderr)
         return 1
     infos = infos if isinstance(infos, list) else [infos]
+    if args.watch is not None:
+        return _watch(args, infos)
     print(format_table(infos))
     return 0 if all(i.supported for i in infos) else 1
+
+
+def format_line(info: memory.MemoryInfo, at: float) -> str:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at)) + f".{int(at % 1 * 1000):03d}Z"
+    if not info.supported:
+        return f"{stamp} {info.device} not supported: {info.unsupported}"
+    fields = {"used": info.bytes_used, "limit": info.bytes_limit, "peak": info.peak_bytes_used,
+              "live": info.live_bytes, "buffers": info.live_buffers, "peak_live": info.peak_live_bytes}
+    # Plain integers (bytes), `-` where unknown: one line splits on spaces for a log shipper.
+    return " ".join([stamp, info.device, *(f"{k}={'-' if v is None else v}" for k, v in fields.items()),
+                     f"source={info.source}"])
+
+
+def _watch(args: argparse.Namespace, infos: list[memory.MemoryInfo]) -> int:
+    """A line per device per interval, `--count` times (default: until Ctrl-C, which exits 130)."""
+    try:
+        done = 0
+        while True:
+            at = time.time()
+            print("\n".join(format_line(i, at) for i in infos), flush=True)
+            done += 1
+            if args.count and done >= args.count:
+                return 0
+            time.sleep(max(0.0, at + args.watch - time.time()))
+            infos = memory.memory_info(args.device)
+            infos = infos if isinstance(infos, list) else [infos]
+    except KeyboardInterrupt:
+        return 130
+
+
+def _interval_s(text: str) -> float:
+    value = float(text)
+    if not 0.05 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"expected an interval from 0.05 to 86400 seconds, found {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of intervals, found {text}")
+    return value
 
 
 def _add_memory(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("memory", help="device memory per local runtime device (used/limit/peak)")
     p.add_argument("device", nargs="?", help="one raw runtime device, e.g. TPU:3 (default: every local one)")
+    p.add_argument("--watch", type=_interval_s, metavar="SECONDS",
+                   help="print a line per device every SECONDS (Ctrl-C stops, exit status 130)")
+    p.add_argument("--count", type=_count, metavar="N", help="with --watch: stop after N intervals (exit 0)")
     p.set_defaults(func=_memory)
 
 

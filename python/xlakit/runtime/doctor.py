@@ -199,11 +199,28 @@ def probe_pjrt_wrapper(s: dict, device_type: str | None) -> Probe:
                  "DIR` prints the variables")
 
 
+def probe_memory_source(available: dict) -> Probe:
+    """Whether memory per raw runtime device can be read in this process, and from where (`memory.availability()`)."""
+    name = "per-device memory"
+    if available["per_device"]:
+        how = available.get("note", "the patched binding")
+        if available["source"] == memory.PJRT_WRAP:
+            how = f"{available['devices']} devices, live buffers {'counted' if available['accounting'] else 'not counted'}"
+        return Probe(name, "ok", f"from {available['source']} ({how})")
+    if available["fix"] is None:
+        return Probe(name, "n/a", available["why_not"])
+    return Probe(name, "warn", available["why_not"], available["fix"])
+
+
 def probe_memory(device_type: str | None) -> list[Probe]:
     out = []
     for info in memory.memory_info():
         name = f"memory {info.device}"
-        if info.supported:
+        if info.supported and info.plugin_unavailable:
+            out.append(Probe(name, "ok", f"live {info.live_bytes} bytes in {info.live_buffers} buffers, peak "
+                             f"{info.peak_live_bytes} (via {info.source}); the plugin's own statistics are "
+                             f"unavailable: {info.plugin_unavailable}"))
+        elif info.supported:
             out.append(Probe(name, "ok", f"used {info.bytes_used}, limit {info.bytes_limit}, "
                              f"peak {info.peak_bytes_used} bytes (via {info.source})"))
         elif device_type == "CPU":  # the CPU client has no allocator statistics at all: nothing to fix
@@ -250,6 +267,7 @@ def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float
     m = manifest.manifest(profile=profile, pins=pins)
     report(*probe_stack(m))
     report(probe_pjrt_wrapper(m["pjrt_wrap"], m["runtime"].get("device_type")))
+    report(probe_memory_source(m["memory"]))
     if "device_type" in m["runtime"]:
         report(*probe_memory(m["runtime"]["device_type"]))
     report(probe_transfer())

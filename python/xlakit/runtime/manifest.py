@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from xlakit import _knobs
-from xlakit.runtime import features, pins as _pins, startup, compile_cache, contract, pjrt_wrap, torchtpu
+from xlakit.runtime import compile_cache, contract, features, memory, pins as _pins, pjrt_wrap, startup, torchtpu
 from xlakit._version import __version__
 
 SCHEMA = 1
@@ -185,6 +185,8 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
         "pjrt_wrap": pjrt_wrap.status(),
         "profile": {"name": name, "why": why, "pins": str(pins or _pins.baked_path())},
     }
+    # Per-device memory: whether, and from where.
+    m["memory"] = memory.availability(m["pjrt_wrap"], m["runtime"].get("device_type"))
     m["drift"] = drift(m, name, pins)
     return m
 

@@ -2,29 +2,42 @@
 
 Stock torch_xla answers memory questions only for a torch device (`xla:0`),
 so under SPMD, where the one torch device is virtual, no chip can be asked;
-and on the CPU client it raises an opaque `Bad StatusOr access`. The patch
-series adds `_xla_runtime_memory_info(raw_device)`; it is used when present.
-Otherwise the stock `_xla_memory_info` is asked through the torch device that
-maps to the raw one (non-SPMD only). Where neither can answer, the result says
-why instead of raising: telemetry is read by loggers and dashboards, which
-should show "not supported: <reason>" rather than crash a training step.
+and on the CPU client it raises an opaque `Bad StatusOr access`. Sources, in
+order: the patch series' `_xla_runtime_memory_info(raw_device)`; else xlakit's
+PJRT wrapper where the runtime loaded it (`wrap_memory`: the plugin's own
+statistics and the wrapper's live-buffer accounting, on stock torch_xla, under
+SPMD too); else the stock `_xla_memory_info` through the torch device that
+maps to the raw one (non-SPMD only). Where the wrapper is loaded its live
+buffer figures are added whatever answered. Where nothing can answer, the
+result says why instead of raising: telemetry is read by loggers and
+dashboards, which should show "not supported: <reason>" rather than crash a
+training step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from xlakit.runtime import features, torchtpu
+from xlakit import _knobs
+from xlakit.runtime import features, pjrt_wrap, torchtpu, wrap_memory
 
 STOCK_MEMORY_INFO = "_xla_memory_info"
+PJRT_WRAP = "pjrt_wrap"
 
 
 @dataclass(frozen=True)
 class MemoryInfo:
     """Memory of one raw runtime device; byte counts are None where unknown.
 
-    `source` names the binding that answered; when nothing could, it is None
-    and `unsupported` says why (and what would make it work).
+    `source` names what answered (a binding, or `pjrt_wrap`: xlakit's PJRT
+    wrapper); when nothing could, it is None and `unsupported` says why (and
+    what would make it work). `bytes_used`, `bytes_limit` and
+    `peak_bytes_used` are the allocator's (the plugin's); through the wrapper
+    on a plugin that keeps no statistics they are None and
+    `plugin_unavailable` says why. `live_bytes`, `live_buffers` and
+    `peak_live_bytes` are the wrapper's accounting of the buffers the runtime
+    holds on the device (None where the wrapper is not loaded).
     """
 
     device: str
@@ -33,6 +46,10 @@ class MemoryInfo:
     peak_bytes_used: int | None = None
     source: str | None = None
     unsupported: str | None = None
+    live_bytes: int | None = None
+    live_buffers: int | None = None
+    peak_live_bytes: int | None = None
+    plugin_unavailable: str | None = None
 
     @property
     def supported(self) -> bool:
@@ -55,7 +72,30 @@ def _unsupported_reason(message: str) -> str | None:
     return None
 
 
-def _one(xlac, device: str) -> MemoryInfo:
+def _with_wrapper(info: MemoryInfo, w: dict | None) -> MemoryInfo:
+    """`info` with the wrapper's live-buffer figures added, where the wrapper knows the device."""
+    if w is None:
+        return info
+    return dataclasses.replace(info, live_bytes=w["live_bytes"], live_buffers=w["live_buffers"],
+                               peak_live_bytes=w["peak_bytes"])
+
+
+def _from_wrapper(device: str, w: dict) -> MemoryInfo:
+    plugin = w.get("plugin") or {}
+    return _with_wrapper(MemoryInfo(device, bytes_used=plugin.get("bytes_in_use"),
+                                    bytes_limit=plugin.get("bytes_limit"),
+                                    peak_bytes_used=plugin.get("peak_bytes_in_use"), source=PJRT_WRAP,
+                                    plugin_unavailable=w.get("plugin_unavailable")), w)
+
+
+def _one(xlac, device: str, wrapped: dict[str, dict]) -> MemoryInfo:
+    w = wrapped.get(device)
+    if w is not None and not hasattr(xlac, features.RUNTIME_MEMORY_INFO):
+        return _from_wrapper(device, w)
+    return _with_wrapper(_binding(xlac, device), w)
+
+
+def _binding(xlac, device: str) -> MemoryInfo:
     if hasattr(xlac, features.RUNTIME_MEMORY_INFO):
         try:
             return _from_dict(device, getattr(xlac, features.RUNTIME_MEMORY_INFO)(device),
@@ -67,7 +107,8 @@ def _one(xlac, device: str) -> MemoryInfo:
     if xr.is_spmd():
         return MemoryInfo(device, unsupported=(
             "under SPMD stock torch_xla can only ask the virtual SPMD device, not a chip; "
-            f"the {features.RUNTIME_MEMORY_INFO} binding of the xlakit wheels answers per chip: install them"))
+            f"xlakit's PJRT wrapper answers per chip (xlakit.enable_persistent_cache() or `xlakit pjrt env DIR` "
+            f"loads it), as does the {features.RUNTIME_MEMORY_INFO} binding: install the xlakit wheels"))
     torch_devices = list(xlac._xla_get_devices())
     if device not in torch_devices:  # only SPMD separates the two lists; be sure anyway
         return MemoryInfo(device, unsupported=f"no torch device maps to {device} (torch devices: {torch_devices})")
@@ -88,9 +129,11 @@ def memory_info(device: str | None = None) -> MemoryInfo | list[MemoryInfo]:
             `torch_xla._XLAC._xla_get_runtime_devices()`); None for all local ones.
 
     Returns:
-        A `MemoryInfo` for `device`, or a list of them (one per local device).
-        Where the runtime cannot report memory (the CPU client; SPMD on a stock
-        build) `info.supported` is False and `info.unsupported` says why.
+        A `MemoryInfo` for `device`, or a list of them (one per local device,
+        from one call into the wrapper: cheap enough for every step). Where
+        the runtime cannot report memory (the CPU client or SPMD on a stock
+        build, without xlakit's PJRT wrapper) `info.supported` is False and
+        `info.unsupported` says why.
 
     Raises:
         ValueError: `device` is not a local runtime device; lists the valid ones.
@@ -105,14 +148,15 @@ def memory_info(device: str | None = None) -> MemoryInfo | list[MemoryInfo]:
         return _torchtpu_info(device)
     xlac = _xlac()
     local = list(xlac._xla_get_runtime_devices())
-    if device is None:
-        return [_one(xlac, d) for d in local]
-    if device not in local:
+    if device is not None and device not in local:
         elsewhere = device in xlac._xla_get_all_runtime_devices()
         raise ValueError(
             f"expected a runtime device local to this process, one of {', '.join(local)}; found {device!r}"
             + (" (it belongs to another process)" if elsewhere else ""))
-    return _one(xlac, device)
+    wrapped = wrap_memory.by_device()
+    if device is None:
+        return [_one(xlac, d, wrapped) for d in local]
+    return _one(xlac, device, wrapped)
 
 
 
@@ -138,3 +182,31 @@ def _torchtpu_info(device: str | None) -> MemoryInfo | list[MemoryInfo]:
             name, bytes_used=stats["bytes_in_use"], peak_bytes_used=stats["peak_bytes_in_use"],
             source=stats["source"]))
     return infos if device is None else infos[names.index(device)]
+
+
+def availability(wrap_status: dict | None = None, device_type: str | None = None) -> dict:
+    """Whether this process can read memory per raw runtime device, and from where; never raises.
+
+    `wrap_status` is `pjrt_wrap.status()` if the caller has it, `device_type`
+    the runtime's (`PJRT_DEVICE`). Returns `{"per_device": bool, "source":
+    str | None, ...}` with `why_not` (and `fix`) when it cannot, and for the
+    wrapper whether it counts live buffers.
+    """
+    if features.has_binding(features.RUNTIME_MEMORY_INFO):
+        return {"per_device": True, "source": features.RUNTIME_MEMORY_INFO}
+    r = wrap_memory.report(plugin_stats=False)
+    if r["installed"]:
+        return {"per_device": True, "source": PJRT_WRAP, "accounting": r["accounting"],
+                "devices": len(r["devices"])}
+    if (device_type or "").upper() == "CPU":
+        return {"per_device": False, "source": None,
+                "why_not": "torch_xla's built-in CPU client keeps no allocator statistics and is no PJRT plugin "
+                           "xlakit's wrapper could count buffers in", "fix": None}
+    if not _knobs.xla_flag(_knobs.XLA_USE_SPMD):
+        return {"per_device": True, "source": STOCK_MEMORY_INFO, "note": "one torch device per chip outside SPMD"}
+    s = wrap_status if wrap_status is not None else pjrt_wrap.status()
+    return {"per_device": False, "source": None,
+            "why_not": f"stock torch_xla answers only for a torch device, never per chip under SPMD, and "
+                       f"{'the PJRT wrapper is not loaded in this process' if s.get('built') else s.get('why_not')}",
+            "fix": "load xlakit's PJRT wrapper (xlakit.enable_persistent_cache(), or `xlakit pjrt env DIR`), "
+                   f"or install the xlakit wheels ({features.RUNTIME_MEMORY_INFO})"}

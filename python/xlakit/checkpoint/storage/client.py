@@ -235,7 +235,7 @@ class Store:
                 left = self._left(op, end)
                 wait = min(_BACKOFF_S * 2 ** attempt, _BACKOFF_MAX_S)
                 if left <= wait:
-                    raise self._timeout(op, what, f"it failed, and the {left:.1f} s left of the deadline "
+                    raise self.timeout_error(op, what, f"it failed, and the {left:.1f} s left of the deadline "
                                                   f"leave no time to retry it", e) from e
                 attempt, last = attempt + 1, e
                 log.warning("xlakit: %s failed (%s: %s); retrying in %.1f s", what, type(e).__name__, e, wait)
@@ -256,7 +256,7 @@ class Store:
               last: BaseException | None) -> T:
         left = self._left(op, end)
         if left <= 0:
-            raise self._timeout(op, what, "no time was left of the deadline for it", last)
+            raise self.timeout_error(op, what, "no time was left of the deadline for it", last)
         future = self.submit(request, left)
         while True:
             done, _ = concurrent.futures.wait([future], timeout=_POLL_S)
@@ -268,7 +268,7 @@ class Store:
         try:
             return future.result()
         except (asyncio.TimeoutError, TimeoutError) as e:
-            raise self._timeout(op, what, f"the object store did not answer within {left:.1f} s (what was "
+            raise self.timeout_error(op, what, f"the object store did not answer within {left:.1f} s (what was "
                                           f"left of the deadline)", last) from e
 
     def submit(self, request: Callable[[], Awaitable[T]], timeout_s: float) -> concurrent.futures.Future:
@@ -279,7 +279,8 @@ class Store:
         return asyncio.run_coroutine_threadsafe(bounded(), self.loop)
 
     @staticmethod
-    def _timeout(op: "Operation | None", what: str, how: str, last: BaseException | None) -> CheckpointTimeoutError:
+    def timeout_error(op: "Operation | None", what: str, how: str, last: BaseException | None) -> CheckpointTimeoutError:
+        """The deadline's error for request `what`, naming the store's `last` transient answer."""
         err = CheckpointTimeoutError(f"{what}: {how}", stage=op.stage if op else "request",
                                      tensor=op.tensor if op else None)
         if last is not None:

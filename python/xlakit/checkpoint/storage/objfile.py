@@ -26,7 +26,7 @@ from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.storage import generations
 from xlakit.checkpoint.storage.client import Location, Store, store_for
-from xlakit.checkpoint.storage.reader import ObjectFile
+from xlakit.checkpoint.storage.reader import ObjectFile, gone_error
 from xlakit.checkpoint.storage.upload import Upload
 from xlakit.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointFormatError
 
@@ -140,12 +140,7 @@ def open_object(op: Operation, store: Store, loc: Location, name: str, entry: di
 
 
 def replaced_error(loc: Location, name: str) -> CheckpointCorruptError:
-    from xlakit.errors import CheckpointIncompleteError
-
-    err = CheckpointIncompleteError(f"{loc}: the object {name} named by the commit record being read is gone")
-    err.add_note("Newer saves replaced this checkpoint twice while it was read (each save keeps the previous "
-                 "generation only); load it again. If no save ran, the object was deleted by hand.")
-    return err
+    return gone_error(loc.url, name)
 
 
 def _read_index(f: ObjectFile) -> dict:

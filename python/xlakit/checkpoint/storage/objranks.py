@@ -234,14 +234,16 @@ def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
 def verify(url: str, opts: LoadOptions) -> tuple[str, int]:
     """Every object of the newest committed checkpoint at `url` read whole and verified; its kind and
     the bytes checked (`xlakit ckpt verify`)."""
+    from xlakit.checkpoint.storage import objdcp
+
     loc = Location.parse(url)
     record = objfile.peek(loc, opts)
     kind = record.get("kind")
-    if kind == "dcp":
-        from xlakit.checkpoint.storage import objdcp
-
-        objdcp.verify(loc, record, opts)
-    else:
+    if kind != "dcp":  # a file's or shard's records as `xlakit.load` reads them (a damage names its tensor)
         for shard in range(record["world"]) if kind == SHARDED else [None]:
             objfile.load_file(loc, opts, lambda r, s=shard: part_of(loc, r, s), record)
+    # Then every object whole against the size and xxh3-64 its commit record names: an edited record,
+    # or an object replaced by another whose records still verify, is found only here (a load checks
+    # each record's checksum, never the whole object's hash: that would be a second pass over it).
+    objdcp.verify(loc, record, opts)
     return kind, sum(e["nbytes"] for e in record["objects"].values())

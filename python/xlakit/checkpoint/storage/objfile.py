@@ -26,6 +26,7 @@ from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.storage import generations
 from xlakit.checkpoint.storage.client import Location, Store, store_for
+from xlakit.checkpoint.storage import reader
 from xlakit.checkpoint.storage.reader import ObjectFile, gone_error
 from xlakit.checkpoint.storage.upload import Upload
 from xlakit.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointFormatError
@@ -155,6 +156,29 @@ def read_object(op: Operation, store: Store, loc: Location, name: str, entry: di
     f = open_object(op, store, loc, name, entry)
     op.bytes_total = f.size
     return loading.read_records(op, f, f.loc.url, _read_index(f), opts.verify)
+
+
+def load_plain(loc: Location, opts: LoadOptions) -> Any:
+    """`xlakit.load(url, verify=False)` of an object another tool wrote (a torch.save file): read whole,
+    then `torch.load(weights_only=True)` as a local file without xlakit checksums is read."""
+    import io
+
+    op = Operation("load", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED)
+
+    def work(op: Operation) -> Any:
+        store = store_for(loc)
+        op.enter("read")
+        size = store.size(op, loc)
+        op.bytes_total = size
+        data = bytearray(size)
+        op.object = loc.url
+        got = store.get_into(op, loc, 0, memoryview(data), chunk_bytes=reader.CHUNK_BYTES,
+                             parallel=reader.PARALLEL) if size else 0
+        op.object = None
+        op.advance(got)
+        return loading.torch_load(io.BytesIO(bytes(memoryview(data)[:got])), False, name=loc.url)
+
+    return op.run(work)
 
 
 def load_file(loc: Location, opts: LoadOptions, choose: Choose, record: dict | None = None) -> Any:

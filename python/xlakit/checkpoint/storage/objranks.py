@@ -175,6 +175,15 @@ def load(url: str, opts: LoadOptions) -> Any:
     """`xlakit.load("gs://...")`: one shard, the file, or (inside a job) every rank its part, agreed."""
     if opts.mmap:
         raise ValueError(f"mmap=True maps a local file; {url} is on object storage (load it without mmap)")
+    try:
+        return _load(url, opts)
+    except CheckpointFormatError as e:
+        if opts.verify or getattr(e, "plain_object", None) is None or opts.shard is not None:
+            raise
+    return objfile.load_plain(Location.parse(url), opts)  # another tool's file, read as torch.load would
+
+
+def _load(url: str, opts: LoadOptions) -> Any:
     loc = Location.parse(url)
     record = None
     if opts.shard is None and opts.layout != "replicated" and world_size() > 1:

@@ -5,38 +5,18 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 import xlakit
-from xlakit import cli
 from xlakit.checkpoint.objstore.client import Location, store_for
 
-
-@pytest.fixture
-def one_rank():
-    """torch.distributed with one rank (gloo on loopback): a sharded save of one shard, in this process."""
-    import torch.distributed as dist
-
-    from tests.support.objstore_servers import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from tests.support.cli import ckpt
 
 
 def state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"model": {"w": torch.randn(64, 32, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)},
             "step": seed}
-
-
-def ckpt(capsys, *args: str) -> tuple[int, str, str]:
-    code = cli.main(["ckpt", *args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def damage(url: str, suffix: str, needle: bytes) -> None:

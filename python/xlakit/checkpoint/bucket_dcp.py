@@ -327,4 +327,4 @@ def verify_object(op: Operation, store: Store, loc: Location, name: str, expecte
     if n != expected["nbytes"] or h.hexdigest() != expected["xxh3_64"]:
         raise CheckpointCorruptError(f"{obj}: expected {expected['nbytes']} bytes with xxh3_64 "
                                      f"{expected['xxh3_64']}, found {n} bytes with {h.hexdigest()}; the object "
-                                     f"was changed or damaged after the save committed")
+                                     f"or its commit record was changed or damaged after the save committed")

@@ -28,7 +28,8 @@ from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.objstore import generations
 from xlakit.checkpoint.objstore.client import Location, Store, store_for
-from xlakit.checkpoint.objstore.reader import ObjectFile
+from xlakit.checkpoint.objstore import reader
+from xlakit.checkpoint.objstore.reader import ObjectFile, gone_error
 from xlakit.checkpoint.objstore.upload import Upload
 from xlakit.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointFormatError
 
@@ -142,12 +143,7 @@ def open_object(op: Operation, store: Store, loc: Location, name: str, entry: di
 
 
 def replaced_error(loc: Location, name: str) -> CheckpointCorruptError:
-    from xlakit.errors import CheckpointIncompleteError
-
-    err = CheckpointIncompleteError(f"{loc}: the object {name} named by the commit record being read is gone")
-    err.add_note("Newer saves replaced this checkpoint twice while it was read (each save keeps the previous "
-                 "generation only); load it again. If no save ran, the object was deleted by hand.")
-    return err
+    return gone_error(loc.url, name)
 
 
 def _read_index(f: ObjectFile) -> dict:
@@ -162,6 +158,29 @@ def read_object(op: Operation, store: Store, loc: Location, name: str, entry: di
     f = open_object(op, store, loc, name, entry)
     op.bytes_total = f.size
     return loading.read_records(op, f, f.loc.url, _read_index(f), opts.verify)
+
+
+def load_plain(loc: Location, opts: LoadOptions) -> Any:
+    """`xlakit.load(url, verify=False)` of an object another tool wrote (a torch.save file): read whole,
+    then `torch.load(weights_only=True)` as a local file without xlakit checksums is read."""
+    import io
+
+    op = Operation("load", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED)
+
+    def work(op: Operation) -> Any:
+        store = store_for(loc)
+        op.enter("read")
+        size = store.size(op, loc)
+        op.bytes_total = size
+        data = bytearray(size)
+        op.object = loc.url
+        got = store.get_into(op, loc, 0, memoryview(data), chunk_bytes=reader.CHUNK_BYTES,
+                             parallel=reader.PARALLEL) if size else 0
+        op.object = None
+        op.advance(got)
+        return loading.torch_load(io.BytesIO(bytes(memoryview(data)[:got])), False, name=loc.url)
+
+    return op.run(work)
 
 
 def load_file(loc: Location, opts: LoadOptions, choose: Choose, record: dict | None = None) -> Any:

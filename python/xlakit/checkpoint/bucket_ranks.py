@@ -178,6 +178,15 @@ def load(url: str, opts: LoadOptions) -> Any:
     """`xlakit.load("gs://...")`: one shard, the file, or (inside a job) every rank its part, agreed."""
     if opts.mmap:
         raise ValueError(f"mmap=True maps a local file; {url} is on object storage (load it without mmap)")
+    try:
+        return _load(url, opts)
+    except CheckpointFormatError as e:
+        if opts.verify or getattr(e, "plain_object", None) is None or opts.shard is not None:
+            raise
+    return bucket_file.load_plain(Location.parse(url), opts)  # another tool's file, read as torch.load would
+
+
+def _load(url: str, opts: LoadOptions) -> Any:
     loc = Location.parse(url)
     record = None
     if opts.shard is None and opts.layout != "replicated" and world_size() > 1:
@@ -237,14 +246,16 @@ def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
 def verify(url: str, opts: LoadOptions) -> tuple[str, int]:
     """Every object of the newest committed checkpoint at `url` read whole and verified; its kind and
     the bytes checked (`xlakit ckpt verify`)."""
+    from xlakit.checkpoint import bucket_dcp
+
     loc = Location.parse(url)
     record = bucket_file.peek(loc, opts)
     kind = record.get("kind")
-    if kind == "dcp":
-        from xlakit.checkpoint import bucket_dcp
-
-        bucket_dcp.verify(loc, record, opts)
-    else:
+    if kind != "dcp":  # a file's or shard's records as `xlakit.load` reads them (a damage names its tensor)
         for shard in range(record["world"]) if kind == SHARDED else [None]:
             bucket_file.load_file(loc, opts, lambda r, s=shard: part_of(loc, r, s), record)
+    # Then every object whole against the size and xxh3-64 its commit record names: an edited record,
+    # or an object replaced by another whose records still verify, is found only here (a load checks
+    # each record's checksum, never the whole object's hash: that would be a second pass over it).
+    bucket_dcp.verify(loc, record, opts)
     return kind, sum(e["nbytes"] for e in record["objects"].values())

@@ -244,21 +244,22 @@ def read_records(op: Operation, f: BinaryIO, path: Path, index: dict, verify: bo
     return structure.decode(layout, structure.materialize, str(path), storages=storages)
 
 
-def torch_load(path: Path, mmap_: bool) -> Any:
-    """torch.load, weights-only, with xlakit's errors."""
+def torch_load(path: Path | BinaryIO, mmap_: bool, *, name: str | None = None) -> Any:
+    """torch.load, weights-only, with xlakit's errors (`name`: what a file object is called in them)."""
+    name = name or str(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap_)
     except pickle.UnpicklingError as e:
-        err = CheckpointFormatError(f"{path} holds pickled objects that a weights-only load refuses "
+        err = CheckpointFormatError(f"{name} holds pickled objects that a weights-only load refuses "
                                     f"to run: {str(e).splitlines()[0]}")
         err.add_note("xlakit.load never executes pickled code. If you trust the file, load it with "
                      "torch.load(path, weights_only=False).")
         raise err from e
     except (RuntimeError, ValueError, KeyError, EOFError) as e:
-        if archive.is_legacy_torch_file(path):
+        if isinstance(path, Path) and archive.is_legacy_torch_file(path):
             raise archive.legacy_format_error(path) from e
         # The checked records were intact; damage elsewhere (names, headers) surfaces here.
-        raise CheckpointCorruptError(f"{path}: the archive is damaged outside the checksummed "
+        raise CheckpointCorruptError(f"{name}: the archive is damaged outside the checksummed "
                                      f"records and torch.load failed: {type(e).__name__}: {e}") from e
 
 

@@ -145,6 +145,10 @@ class Operation:
     def cancelled(self) -> bool:
         return self.gate.outcome == CANCEL
 
+    @property
+    def committed(self) -> bool:
+        return self.gate.outcome == COMMIT
+
     def remaining(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)
 
@@ -203,9 +207,18 @@ class Operation:
     def commit_point(self) -> Iterator[None]:
         """The point of no return: the body runs only if the operation is still wanted.
 
-        Raises `Cancelled` when the owner (or, for an agreed gate, any rank) gave up first.
+        Raises `Cancelled` when the owner (or, for an agreed gate, any rank) gave up first, and
+        `CheckpointTimeoutError` (stage "commit") when the deadline has passed: the owner looks at
+        the clock only between polls, so a worker that reaches its commit after the deadline must
+        not commit on its own (no late commit, whatever the save's size).
         """
         with self.gate.lock:
+            if self.gate.outcome is None and time.monotonic() >= self.deadline:
+                if self.gate.claim_cancel("the deadline passed") != COMMIT:  # another rank may have decided
+                    self.stage, self.tensor = "commit", None
+                    raise self.timeout_error(
+                        f"The deadline had passed when the {self.kind} reached its commit, so it did not "
+                        f"commit: nothing was committed, {self.untouched}; its temporary files are removed.")
             if not self.gate.claim_commit():
                 raise Cancelled("commit")
             yield

@@ -13,7 +13,7 @@ is not enough: its thread goes on after it, freeing the tensors its frames
 held (native code), and a daemon thread caught in native code by the
 interpreter's finalization aborts the process.
 
-Operations are tracked by what they offer (`done`, `cancelled`, `background`,
+Operations are tracked by what they offer (`done`, `cancelled`, `committed`, `error`, `background`,
 `cancel`, `describe`, `remaining`), so this module imports none of
 `operation.py`, which is built on it.
 """
@@ -155,17 +155,30 @@ def wait_until_idle(timeout_s: float | None = None) -> bool:
 
 
 def _at_exit() -> None:
-    """Let asynchronous saves commit, cancel the rest, and never leave a worker in native code."""
+    """Let asynchronous saves commit, cancel the rest, and never leave a worker in native code.
+
+    An asynchronous save that was still writing at exit and did not commit (it failed, ran out of
+    time, or Ctrl-C abandoned it) makes the process exit with a nonzero status: a script whose
+    last checkpoint was lost must not end as a success.
+    """
+    waited: list[Any] = []
+    interrupted = False
     try:
         for op in live_operations():
             if op.background and not op.cancelled and not op.done.is_set():
+                waited.append(op)
                 log.warning("xlakit: waiting for the asynchronous %s to commit before exiting "
                             "(at most %.0f s; Ctrl-C abandons it)", op.describe(), op.remaining())
                 op.done.wait(op.remaining() + STOP_GRACE_S)
     except KeyboardInterrupt:
-        pass
+        interrupted = True
     for op in live_operations():
         op.cancel("the interpreter is exiting")
+    lost = [op for op in waited if not op.committed]
+    for op in lost:
+        log.error("xlakit: the asynchronous %s did not commit before the interpreter exited%s; the "
+                  "process exits with a nonzero status", op.describe(),
+                  f" ({type(op.error).__name__}: {op.error})" if op.error is not None else "")
     end = time.monotonic() + EXIT_GRACE_S
     for op in live_operations():
         _wait_through_ctrl_c(op.done.wait, end)
@@ -176,6 +189,8 @@ def _at_exit() -> None:
         for thread in threads:  # ended operations' threads are still freeing what they held
             _wait_through_ctrl_c(lambda left, t=thread: t.join(left) or not t.is_alive(), end)
         if not any(t.is_alive() for t in threads):
+            if lost:
+                _exit_now(130 if interrupted else 1)
             return
         what = next(t.name for t in threads if t.is_alive())
         log.error("xlakit: exiting without waiting for the thread %s: it is still inside the runtime "
@@ -183,12 +198,17 @@ def _at_exit() -> None:
     else:
         log.error("xlakit: exiting without waiting for the %s: its worker is blocked inside the runtime; "
                   "nothing was committed", stuck[0].describe())
+    # A worker inside native code would abort the interpreter's shutdown (its thread is
+    # torn down under C++ frames); leave before that, with the status Python would give.
+    _exit_now(130 if interrupted or isinstance(getattr(sys, "last_value", None), KeyboardInterrupt) else 1)
+
+
+def _exit_now(status: int) -> None:
+    """Leave the process with `status` from the exit hook (the only way it can set one)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    # A worker inside native code would abort the interpreter's shutdown (its thread is
-    # torn down under C++ frames); leave before that, with the status Python would give.
-    os._exit(130 if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt) else 1)
+    os._exit(status)
 
 
 def _wait_through_ctrl_c(wait: Callable[[float], bool], end: float) -> None:

@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import errno
 import logging
+import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -146,6 +147,66 @@ def _filesystem(kind: str):
                                   name=e.name) from e
 
 
+class IoExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The IO loop's default executor, with threads of its own that keep working at interpreter exit.
+
+    The clients hand blocking calls to `loop.run_in_executor(None, ...)` (aiohttp's name lookups,
+    botocore's credential and config files). The loop's usual default is a `ThreadPoolExecutor`, and
+    every `ThreadPoolExecutor` refuses work ("cannot schedule new futures after interpreter
+    shutdown") once exit has begun, before the exit hook runs: an asynchronous save still writing
+    then (`operation._at_exit`) could never finish. A subclass only because the loop takes nothing
+    else; none of the base class's machinery is used.
+    """
+
+    def __init__(self, max_threads: int = 8):
+        super().__init__(max_workers=max_threads, thread_name_prefix="xlakit-io")
+        self._jobs: "queue.SimpleQueue[tuple[concurrent.futures.Future, Callable, tuple, dict]]" = \
+            queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._started = 0
+        self._start_lock = threading.Lock()
+        self._max_threads = max_threads
+
+    def submit(self, fn, /, *args, **kwargs):  # noqa: ANN001 - Executor.submit's signature
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args, kwargs))
+        if not self._idle.acquire(blocking=False):
+            with self._start_lock:
+                if self._started < self._max_threads:
+                    self._started += 1
+                    threading.Thread(target=self._serve, name=f"xlakit-io-{self._started}",
+                                     daemon=True).start()
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                    future.set_exception(e)
+            del future, fn, args, kwargs
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass  # the threads are daemons, idle between calls, and serve whoever still needs them
+
+
+_io_executor: IoExecutor | None = None
+_io_executor_lock = threading.Lock()
+
+
+def _own_executor(loop: asyncio.AbstractEventLoop) -> None:
+    """Give fsspec's IO loop `IoExecutor` as its default executor (once per process)."""
+    global _io_executor
+    with _io_executor_lock:
+        if _io_executor is None:
+            _io_executor = IoExecutor()
+        if getattr(loop, "_default_executor", None) is not _io_executor:
+            loop.set_default_executor(_io_executor)
+
+
 class Store:
     """One object store's client: fsspec's async filesystem, driven from worker threads."""
 
@@ -153,6 +214,7 @@ class Store:
         self.kind = kind
         self.fs = _filesystem(kind)
         self.loop = self.fs.loop
+        _own_executor(self.loop)
 
     # -- running requests ------------------------------------------------------------------
     def run(self, op: "Operation | None", what: str, request: Callable[[], Awaitable[T]], *,
@@ -173,7 +235,7 @@ class Store:
                 left = self._left(op, end)
                 wait = min(_BACKOFF_S * 2 ** attempt, _BACKOFF_MAX_S)
                 if left <= wait:
-                    raise self._timeout(op, what, f"it failed, and the {left:.1f} s left of the deadline "
+                    raise self.timeout_error(op, what, f"it failed, and the {left:.1f} s left of the deadline "
                                                   f"leave no time to retry it", e) from e
                 attempt, last = attempt + 1, e
                 log.warning("xlakit: %s failed (%s: %s); retrying in %.1f s", what, type(e).__name__, e, wait)
@@ -194,7 +256,7 @@ class Store:
               last: BaseException | None) -> T:
         left = self._left(op, end)
         if left <= 0:
-            raise self._timeout(op, what, "no time was left of the deadline for it", last)
+            raise self.timeout_error(op, what, "no time was left of the deadline for it", last)
         future = self.submit(request, left)
         while True:
             done, _ = concurrent.futures.wait([future], timeout=_POLL_S)
@@ -206,7 +268,7 @@ class Store:
         try:
             return future.result()
         except (asyncio.TimeoutError, TimeoutError) as e:
-            raise self._timeout(op, what, f"the object store did not answer within {left:.1f} s (what was "
+            raise self.timeout_error(op, what, f"the object store did not answer within {left:.1f} s (what was "
                                           f"left of the deadline)", last) from e
 
     def submit(self, request: Callable[[], Awaitable[T]], timeout_s: float) -> concurrent.futures.Future:
@@ -217,7 +279,8 @@ class Store:
         return asyncio.run_coroutine_threadsafe(bounded(), self.loop)
 
     @staticmethod
-    def _timeout(op: "Operation | None", what: str, how: str, last: BaseException | None) -> CheckpointTimeoutError:
+    def timeout_error(op: "Operation | None", what: str, how: str, last: BaseException | None) -> CheckpointTimeoutError:
+        """The deadline's error for request `what`, naming the store's `last` transient answer."""
         err = CheckpointTimeoutError(f"{what}: {how}", stage=op.stage if op else "request",
                                      tensor=op.tensor if op else None)
         if last is not None:

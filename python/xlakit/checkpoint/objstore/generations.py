@@ -142,6 +142,23 @@ def read_record(store: Store, op: "Operation | None", loc: Location, generation:
     return record
 
 
+def plain_object_error(store: Store, op: "Operation | None", loc: Location) -> CheckpointFormatError | None:
+    """Where `loc` itself is one object (another tool's file, e.g. a torch.save file copied to the
+    bucket): the error that says so; its `plain_object` is the object's size. None otherwise."""
+    try:
+        size = store.size(op, loc)
+    except FileNotFoundError:
+        return None
+    err = CheckpointFormatError(f"{loc} is one object of {size} bytes, not an xlakit checkpoint (xlakit saves "
+                                f"a checkpoint as objects under {loc}/ with a commit record): another tool "
+                                f"wrote it, e.g. a torch.save file copied there")
+    err.add_note(f"xlakit.load({loc.url!r}, verify=False) reads it as a local torch.save file is read (weights "
+                 f"only; it has no xlakit checksums to verify). Saving it with xlakit.save gives a checkpoint "
+                 f"that xlakit verifies.")
+    err.plain_object = size  # type: ignore[attr-defined]
+    return err
+
+
 def latest_record(store: Store, op: "Operation | None", loc: Location, kind: str | None = None) -> dict:
     """The record of the newest committed generation at `loc`; refuses a prefix without one."""
     found = scan(store, op, loc)
@@ -152,6 +169,8 @@ def latest_record(store: Store, op: "Operation | None", loc: Location, kind: str
         message = f"no committed checkpoint at {loc}: no commit record ({commit_name(0)[:14]}*.json); {what}"
         if found.data:
             raise CheckpointIncompleteError(message)
+        if not found.other and (plain := plain_object_error(store, op, loc)) is not None:
+            raise plain
         raise FileNotFoundError(errno.ENOENT, message, loc.url)
     record = read_record(store, op, loc, found.latest)
     if kind is not None and record.get("kind") != kind:

@@ -52,13 +52,28 @@ class ObjectFile(io.RawIOBase):
         if n == 0:
             return 0
         self.op.object = self.loc.url
-        if n <= _AHEAD:
-            data = self.store.get(self.op, self.loc, self.pos, self.pos + n)
-            dst[:len(data)] = data
-            got = len(data)
-        else:
-            got = self.store.get_into(self.op, self.loc, self.pos, dst[:n], chunk_bytes=CHUNK_BYTES,
-                                      parallel=PARALLEL)
+        try:
+            if n <= _AHEAD:
+                data = self.store.get(self.op, self.loc, self.pos, self.pos + n)
+                dst[:len(data)] = data
+                got = len(data)
+            else:
+                got = self.store.get_into(self.op, self.loc, self.pos, dst[:n], chunk_bytes=CHUNK_BYTES,
+                                          parallel=PARALLEL)
+        except FileNotFoundError as e:  # removed under the read: newer saves overtook it
+            parent, _, name = self.loc.url.rpartition("/")
+            raise gone_error(parent, name) from e
         self.op.object = None
         self.pos += got
         return got
+
+
+def gone_error(checkpoint: str, name: str) -> Exception:
+    """A data object a commit record names, gone while that record was being read."""
+    from xlakit.errors import CheckpointIncompleteError
+
+    err = CheckpointIncompleteError(f"{checkpoint}: the object {name} named by the commit record being read "
+                                    f"is gone")
+    err.add_note("Newer saves replaced this checkpoint twice while it was read (each save keeps the previous "
+                 "generation only); load it again. If no save ran, the object was deleted by hand.")
+    return err

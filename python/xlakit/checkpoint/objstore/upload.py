@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from xlakit import _knobs
-from xlakit.checkpoint.objstore.client import Location, Store
-from xlakit.errors import CheckpointWriteError
+from xlakit.checkpoint.objstore.client import Location, Store, is_transient
+from xlakit.errors import CheckpointTimeoutError, CheckpointWriteError
 
 if TYPE_CHECKING:
     from xlakit.checkpoint.operation import Operation
@@ -88,6 +88,7 @@ class Upload:
         self._etags: dict[int, str] = {}
         self._hash = xxhash.xxh3_64()
         self._session: Any = None  # the multipart upload id / the resumable session's URL
+        self._last: BaseException | None = None  # a part's last transient failure, retried
         self.finished = False
 
     # -- the file interface -------------------------------------------------------------------
@@ -175,7 +176,19 @@ class Upload:
         while len(self._parts) > keep:
             number, future = self._parts[0]
             what = f"uploading part {number} of {self.loc}"
-            self.store.run(self.op, what, lambda f=future: _wrap(f), retry=False)
+            try:
+                self.store.run(self.op, what, lambda f=future: _wrap(f), retry=False)
+            except CheckpointTimeoutError as e:
+                if self._last is not None:  # the part was being retried when time ran out
+                    e.add_note(f"The store's last answer was a transient failure: {type(self._last).__name__}: "
+                               f"{self._last}")
+                raise
+            except Exception as e:  # noqa: BLE001 - a transient failure the part could not retry in time
+                if not is_transient(e):
+                    raise
+                raise self.store.timeout_error(self.op, what, f"it failed, and the {self.op.remaining():.1f} s "
+                                                              f"left of the deadline leave no time to retry it",
+                                               e) from e
             self._parts.popleft()
             self._etags[number] = future.result()
             self.op.advance(0)
@@ -199,9 +212,8 @@ class Upload:
         """One part, retried while transient (the bytes are still in hand)."""
         import asyncio
 
-        from xlakit.checkpoint.objstore.client import is_transient
-
-        for attempt in range(5):
+        attempt = 0
+        while True:
             try:
                 if self.store.kind == "s3":
                     out = await self.store.fs._call_s3("upload_part", Bucket=self.loc.bucket, Key=self.loc.key,
@@ -210,10 +222,14 @@ class Upload:
                 await self._chunk(offset, memoryview(data), total)
                 return ""
             except Exception as e:  # noqa: BLE001 - transient failures are retried, the rest raised
-                if attempt == 4 or not is_transient(e):
+                # Retried while the deadline leaves time, as every other request (a server killed and
+                # restarted mid-save is a transient failure); `_drain` names the last one.
+                wait = min(0.5 * 2 ** attempt, 8.0)
+                if not is_transient(e) or self.op.remaining() <= wait:
                     raise
-                await asyncio.sleep(0.5 * 2 ** attempt)
-        raise AssertionError("unreachable")
+                self._last = e
+                attempt += 1
+                await asyncio.sleep(wait)
 
     async def _chunk(self, offset: int, data: memoryview, total: int | None) -> None:
         """One chunk of the resumable session, once (no blind resend: `_part` retries), streamed; a

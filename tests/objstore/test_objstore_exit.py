@@ -1,0 +1,79 @@
+"""A final asynchronous save to a bucket completes at interpreter exit, or the exit status says it did not.
+
+Regression (issue 25, item 4): on s3:// the exit hook's requests failed with "cannot schedule new
+futures after interpreter shutdown" (the IO loop's default executor is a ThreadPoolExecutor, and
+those refuse work once exit began), nothing was committed, and the process exited 0.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import xlakit
+
+HEAD = """
+    import sys, time, torch, xlakit
+    url = sys.argv[1]
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 7}
+"""
+SCRIPTS = {
+    "end": """
+        h = xlakit.save(state, url, asynchronous=True, timeout_s=40)
+    """,
+    "sys.exit(0)": """
+        h = xlakit.save(state, url, asynchronous=True, timeout_s=40)
+        sys.exit(0)
+    """,
+    "raise": """
+        h = xlakit.save(state, url, asynchronous=True, timeout_s=40)
+        raise RuntimeError("the training loop failed right after the save")
+    """,
+    "manager without close()": """
+        m = xlakit.CheckpointManager(url.rsplit("/", 1)[0] + "/run", asynchronous=True,
+                                     options=xlakit.SaveOptions(timeout_s=40))
+        m.save(7, state)
+    """,
+}
+
+
+def _run(script: str, url: str) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(HEAD) + textwrap.dedent(script)
+    return subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("case", list(SCRIPTS))
+def test_a_final_asynchronous_save_commits_at_exit(bucket, case):
+    url = f"{bucket}/end/latest.pt"
+    proc = _run(SCRIPTS[case], url)
+    assert proc.returncode == (1 if case == "raise" else 0), proc.stderr
+    assert "cannot schedule new futures" not in proc.stderr
+    if case == "manager without close()":
+        m = xlakit.ReadOnlyCheckpointManager(f"{bucket}/end/run")
+        assert m.latest_step() == 7, proc.stderr
+        loaded = m.restore(7)
+    else:
+        loaded = xlakit.load(url)
+    assert loaded["step"] == 7 and loaded["w"].sum() == 499500
+
+
+def test_an_asynchronous_save_that_cannot_commit_at_exit_makes_the_exit_status_nonzero(bucket):
+    url = f"{bucket}/end/latest.pt"
+    # The commit is reached after the deadline (and so refused): whatever the cause, a lost
+    # final save must not read as success.
+    proc = _run("""
+        from xlakit.checkpoint import operation
+        original = operation.Operation.commit_point
+        def late(self):
+            time.sleep(max(self.deadline - time.monotonic(), 0.0) + 0.05)
+            return original(self)
+        operation.Operation.commit_point = late
+        h = xlakit.save(state, url, asynchronous=True, timeout_s=3)
+    """, url)
+    assert proc.returncode == 1, proc.stderr
+    assert "did not commit before the interpreter exited" in proc.stderr
+    with pytest.raises(FileNotFoundError):
+        xlakit.load(url)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint import operation
+from xlakit.checkpoint import operation, workers
 from xlakit.checkpoint.objstore.client import Location, store_for
 
 
@@ -63,7 +63,7 @@ def test_a_file_save_reaching_its_commit_after_the_deadline_does_not_commit(tmp_
         if h is not None:
             h.result()
     check_timed_out_at_commit(info)
-    assert operation.wait_until_idle(10)
+    assert workers.wait_until_idle(10)
     assert xlakit.load(p)["step"] == 1
     assert sorted(os.listdir(tmp_path)) == ["x.pt"]
 
@@ -73,7 +73,7 @@ def test_a_dcp_save_reaching_its_commit_after_the_deadline_does_not_commit(tmp_p
     with pytest.raises(xlakit.CheckpointTimeoutError) as info:
         xlakit.dcp_save({"w": torch.ones(10)}, p, timeout_s=1)
     check_timed_out_at_commit(info)
-    assert operation.wait_until_idle(10)
+    assert workers.wait_until_idle(10)
     assert os.listdir(tmp_path) == []
 
 
@@ -83,7 +83,7 @@ def test_a_manager_step_reaching_its_commit_after_the_deadline_does_not_commit(t
         with pytest.raises(xlakit.CheckpointTimeoutError) as info:
             m.save(10, state(1))
         check_timed_out_at_commit(info)
-        assert operation.wait_until_idle(10)
+        assert workers.wait_until_idle(10)
         assert m.latest_step() is None
     finally:
         m.close()
@@ -95,7 +95,7 @@ def test_on_a_bucket_a_save_reaching_its_commit_after_the_deadline_creates_no_re
     with pytest.raises(xlakit.CheckpointTimeoutError) as info:
         xlakit.save(state(2), url, timeout_s=2)
     check_timed_out_at_commit(info)
-    assert operation.wait_until_idle(10)
+    assert workers.wait_until_idle(10)
     assert xlakit.load(url)["step"] == 1
     loc = Location.parse(url)
     assert len([n for n in store_for(loc).list(None, loc) if "commit" in n]) == 1
@@ -106,7 +106,7 @@ def test_on_a_bucket_a_dcp_save_reaching_its_commit_after_the_deadline_creates_n
     with pytest.raises(xlakit.CheckpointTimeoutError) as info:
         xlakit.dcp_save({"w": torch.ones(10)}, url, timeout_s=2)
     check_timed_out_at_commit(info)
-    assert operation.wait_until_idle(10)
+    assert workers.wait_until_idle(10)
     loc = Location.parse(url)
     assert [n for n in store_for(loc).list(None, loc) if "commit" in n] == []
 
@@ -117,7 +117,7 @@ def test_on_a_bucket_a_manager_step_reaching_its_commit_after_the_deadline_does_
         with pytest.raises(xlakit.CheckpointTimeoutError) as info:
             m.save(10, state(1))
         check_timed_out_at_commit(info)
-        assert operation.wait_until_idle(10)
+        assert workers.wait_until_idle(10)
         assert m.latest_step() is None
     finally:
         m.close()

@@ -154,7 +154,7 @@ class IoExecutor(concurrent.futures.ThreadPoolExecutor):
     botocore's credential and config files). The loop's usual default is a `ThreadPoolExecutor`, and
     every `ThreadPoolExecutor` refuses work ("cannot schedule new futures after interpreter
     shutdown") once exit has begun, before the exit hook runs: an asynchronous save still writing
-    then (`operation._at_exit`) could never finish. A subclass only because the loop takes nothing
+    then (`workers._at_exit`) could never finish. A subclass only because the loop takes nothing
     else; none of the base class's machinery is used.
     """
 

@@ -94,6 +94,10 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
     if objstore.is_url(path):
         return _save_url(obj, path, opts)
     final = Path(path)
+    if opts.replica_parallel:
+        from xlakit.checkpoint import replicas
+
+        return replicas.save(obj, final, opts)
     if opts.layout != "single":
         from xlakit.checkpoint import ranks
 
@@ -167,8 +171,13 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
 
 
 def _load_folder(folder: Path, opts: LoadOptions) -> Any:
-    from xlakit.checkpoint import agreement, ranks
+    from xlakit.checkpoint import agreement, folders, ranks, replicas
 
+    if replicas.is_replicated(folders.read_json_record(folder)):
+        if opts.shard is not None:
+            raise ValueError(f"{folder} is a replicated checkpoint (a folder of shares); load it "
+                             f"whole, without shard=N")
+        return replicas.load_all(folder, opts) if agreement.world_size() == 1 else replicas.load(folder, opts)
     ranks.read_commit(folder)  # refuses what is not a committed sharded checkpoint, saying what it is
     if opts.shard is not None:
         return ranks.load_shard(folder, opts.shard, opts)

@@ -1,0 +1,70 @@
+"""Replica-parallel replicated saves and broadcast loads with real ranks (gloo, 4 processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import xlakit
+from tests.support import SUPPORT, ranks, replica_state
+
+pytestmark = pytest.mark.multiproc
+WORKER = SUPPORT / "replicas_worker.py"
+WORLD = 4
+
+
+def run_ranks(scenario: str, folder: Path, env: dict | None = None) -> dict[int, dict]:
+    """Each rank's JSON result, or its exit status and stderr when it printed none."""
+    job = ranks.Job(WORKER, scenario, folder, WORLD, env=env)
+    results = job.results()
+    out = {}
+    for r in range(WORLD):
+        lines = job.lines[r]
+        out[r] = lines[-1] if lines else {"exit": results[r]["exit"], "stderr": job.errors[r][-3000:]}
+    return out
+
+
+def check_shares(record: dict) -> None:
+    """Every rank wrote a share, each at most 1/R + 5% of the state's bytes."""
+    total = replica_state.nbytes(replica_state.state(1))
+    written = [s["bytes"] for s in record["shares"]]
+    assert [s["rank"] for s in record["shares"]] == list(range(WORLD))
+    assert sum(written) >= total  # every byte written once (plus each file's index and pickle)
+    for b in written:
+        assert b <= total * (1 / WORLD + 0.05), (written, total)
+
+
+def test_replica_parallel_save_and_broadcast_load_bit_exact_on_disk(tmp_path):
+    results = run_ranks("roundtrip", tmp_path)
+    folder = tmp_path / "ckpt"
+    record = json.loads((folder / "xlakit-commit.json").read_text())
+    assert (record["format"], record["version"], record["world"]) == ("xlakit-replicated", 2, WORLD)
+    check_shares(record)
+    for rank, r in results.items():
+        assert r.get("digest") == r.get("expected"), (rank, r)
+        assert r["view_shares_storage"] and r["tied_shares_storage"], r
+        assert r["read"] == [record["shares"][rank]["file"]]  # its own share, once; the rest broadcast
+    # Outside the job (one process): every share is read and the whole state comes back.
+    assert replica_state.digest(xlakit.load(folder)) == replica_state.digest(replica_state.state(1))
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["xlakit-commit.json"] + [s["file"] for s in record["shares"]])
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    results = run_ranks("2-dies", tmp_path)
+    assert results[2]["exit"] == 17
+    for rank in (0, 1, 3):
+        r = results[rank]
+        assert r.get("error") == "CheckpointTimeoutError" and r.get("rank_named") == 2, (rank, r)
+    assert xlakit.load(tmp_path / "ckpt")["version"] == 1
+    assert replica_state.digest(xlakit.load(tmp_path / "ckpt")) == replica_state.digest(replica_state.state(1))
+
+
+def test_an_old_single_file_replicated_checkpoint_still_loads(tmp_path):
+    results = run_ranks("old-format", tmp_path)
+    for rank, r in results.items():
+        assert r.get("digest") == r.get("expected"), (rank, r)
+    assert (tmp_path / "old.pt").is_file()
+    assert replica_state.digest(xlakit.load(tmp_path / "old.pt")) == replica_state.digest(replica_state.state(3))

@@ -68,3 +68,47 @@ def test_an_old_single_file_replicated_checkpoint_still_loads(tmp_path):
         assert r.get("digest") == r.get("expected"), (rank, r)
     assert (tmp_path / "old.pt").is_file()
     assert replica_state.digest(xlakit.load(tmp_path / "old.pt")) == replica_state.digest(replica_state.state(3))
+
+
+def _bucket_record(url: str) -> dict:
+    from xlakit.checkpoint.objstore import generations
+    from xlakit.checkpoint.objstore.client import Location, store_for
+
+    loc = Location.parse(url)
+    return generations.latest_record(store_for(loc), None, loc)
+
+
+@pytest.mark.slow
+def test_replica_parallel_save_and_broadcast_load_bit_exact_on_a_bucket(bucket, tmp_path):
+    url = f"{bucket}/run"
+    results = run_ranks("roundtrip", tmp_path, env={"XLAKIT_TEST_TARGET": url})
+    record = _bucket_record(url)
+    assert (record["kind"], record["layout_version"], record["world"]) == ("replicated", 2, WORLD)
+    shares = [{"rank": record["objects"][n]["rank"], "bytes": record["objects"][n]["nbytes"]}
+              for n in record["shares"]]
+    check_shares({"shares": shares})
+    for rank, r in results.items():
+        assert r.get("digest") == r.get("expected"), (rank, r)
+        assert r["view_shares_storage"] and r["tied_shares_storage"], r
+        assert r["read"] == [record["shares"][rank]], r  # its own share, once
+    assert replica_state.digest(xlakit.load(url)) == replica_state.digest(replica_state.state(1))
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_save_to_a_bucket_leaves_the_previous_checkpoint(bucket, tmp_path):
+    url = f"{bucket}/run"
+    results = run_ranks("2-dies", tmp_path, env={"XLAKIT_TEST_TARGET": url})
+    assert results[2]["exit"] == 17
+    for rank in (0, 1, 3):
+        r = results[rank]
+        assert r.get("error") == "CheckpointTimeoutError" and r.get("rank_named") == 2, (rank, r)
+    assert replica_state.digest(xlakit.load(url)) == replica_state.digest(replica_state.state(1))
+
+
+@pytest.mark.slow
+def test_an_old_single_object_replicated_checkpoint_still_loads_from_a_bucket(bucket, tmp_path):
+    url = f"{bucket}/run"
+    results = run_ranks("old-format", tmp_path, env={"XLAKIT_TEST_TARGET": url})
+    for rank, r in results.items():
+        assert r.get("digest") == r.get("expected"), (rank, r)
+    assert replica_state.digest(xlakit.load(url + "-old.pt")) == replica_state.digest(replica_state.state(3))

@@ -33,16 +33,20 @@ class _Dies(fakes.HostTransfer):
 
 
 def _count_reads() -> list[str]:
-    """The files (shares) this rank reads, by name."""
-    from xlakit.checkpoint import loading
+    """The files or objects (shares) this rank reads, by name."""
+    from xlakit.checkpoint import bucket_file, loading
 
-    read, real = [], loading.read_file
+    read, real_file, real_object = [], loading.read_file, bucket_file.read_object
 
-    def counting(op, path, opts):
+    def counting_file(op, path, opts):
         read.append(Path(path).name)
-        return real(op, path, opts)
+        return real_file(op, path, opts)
 
-    loading.read_file = counting
+    def counting_object(op, store, loc, name, entry, opts):
+        read.append(name)
+        return real_object(op, store, loc, name, entry, opts)
+
+    loading.read_file, bucket_file.read_object = counting_file, counting_object
     return read
 
 

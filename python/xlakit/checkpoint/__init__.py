@@ -112,6 +112,10 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
 def _save_url(obj: Any, url: str, opts: SaveOptions) -> "SaveHandle | None":
     from xlakit.checkpoint import bucket_file, bucket_ranks, workers
 
+    if opts.replica_parallel:
+        from xlakit.checkpoint import bucket_replicas
+
+        return bucket_replicas.save(obj, url, opts)
     if opts.layout != "single":
         return bucket_ranks.save(obj, url, opts)
     workers.check_idle()
@@ -154,9 +158,9 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
                          "checkpoint's entries); xlakit.load returns every entry")
     objstore.check_url(path)
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_ranks
+        from xlakit.checkpoint import bucket_replicas
 
-        return bucket_ranks.load(path, opts)
+        return bucket_replicas.load(path, opts)  # a replica-parallel checkpoint; else bucket_ranks
     final = Path(path)
     if final.is_dir():
         return _load_folder(final, opts)

@@ -41,7 +41,7 @@ REPLICATED_FORMAT = "xlakit-replicated"
 VERSION = 2  # of the replicated layout: 1 was one archive file, 2 a folder of shares
 SHARE_PREFIX = "share-"
 _SHARE_NAME = re.compile(r"share-\d{5}-of-\d{5}\.\d{8}T\d{6}-[0-9a-f]{6}\.pt")
-_PROPOSED_LAYOUT = "replicated/shares"  # a rank saving the old way disagrees, and is named
+PROPOSED_LAYOUT = "replicated/shares"  # a rank saving the old way disagrees, and is named
 
 
 def share_name(rank: int, world: int, save_id: str) -> str:
@@ -53,7 +53,7 @@ class ReplicaSave(CoordinatedSave):
 
     def __init__(self, obj: Any, path: Path, opts: SaveOptions):
         super().__init__(obj, path, opts)
-        self.coord.proposal["layout"] = _PROPOSED_LAYOUT
+        self.coord.proposal["layout"] = PROPOSED_LAYOUT
 
     def _prepare(self, obj: Any) -> pipeline.FileSave:
         folder = self.target
@@ -143,7 +143,7 @@ def share_path(folder: Path, record: dict, rank: int, opts: LoadOptions) -> Path
     return path
 
 
-def _assemble(shares: dict[int, dict]) -> Any:
+def assemble(shares: dict[int, dict]) -> Any:
     tensors: dict[int, torch.Tensor] = {}
     skeleton = paths_ = None
     for part in shares.values():
@@ -156,7 +156,7 @@ def _assemble(shares: dict[int, dict]) -> Any:
 def load_all(folder: Path, opts: LoadOptions) -> Any:
     """Outside the job: every share, read and verified here, as the whole state."""
     record = read_record(folder)
-    return _assemble({r: loading.load_file(share_path(folder, record, r, opts), opts)
+    return assemble({r: loading.load_file(share_path(folder, record, r, opts), opts)
                       for r in range(record["world"])})
 
 
@@ -164,7 +164,7 @@ def load(folder: Path, opts: LoadOptions) -> Any:
     """Inside the job: each rank reads its share once; the owners broadcast them; all get the state."""
     from xlakit.checkpoint.ranks import check_world
 
-    coord = Coordination("load", {"path": os.path.abspath(folder), "layout": _PROPOSED_LAYOUT})
+    coord = Coordination("load", {"path": os.path.abspath(folder), "layout": PROPOSED_LAYOUT})
     op = Operation("load", folder, Watch.of(opts), gate=coord.gate, rank=coord.rank,
                    untouched=loading.NOTHING_CHANGED)
     coord.op = op
@@ -176,22 +176,27 @@ def load(folder: Path, opts: LoadOptions) -> Any:
 
     def work(op: Operation) -> Any:
         coord.agree(op)
-        mine = coord.all_or_none(op, part)  # every rank has its share verified, or all raise
-        with coord.giving_up(op, waiting=lambda e: op.stage == "broadcast"):
-            group = coord.group(op)
-            op.enter("broadcast")
-            shares = {r: mine if r == coord.rank else None for r in range(coord.world)}
-            for owner in range(coord.world):
-                shares[owner] = broadcast_share(shares[owner], owner, group)
-            state = _assemble(shares)
-        coord.vote({}, "read")
-        coord.votes(op, "read")
-        return state
+        return broadcast_all(coord, op, coord.all_or_none(op, part))
 
     try:
         return op.run(work)
     finally:
         coord.close()
+
+
+def broadcast_all(coord: Coordination, op: Operation, mine: dict) -> Any:
+    """(Every rank, its share read and verified, every rank agreed.) The whole state, each share
+    broadcast by its owner over a fresh gloo group; then every rank votes it has it."""
+    with coord.giving_up(op, waiting=lambda e: op.stage == "broadcast"):
+        group = coord.group(op)
+        op.enter("broadcast")
+        shares = {}
+        for owner in range(coord.world):
+            shares[owner] = broadcast_share(mine if owner == coord.rank else None, owner, group)
+        state = assemble(shares)
+    coord.vote({}, "read")
+    coord.votes(op, "read")
+    return state
 
 
 def broadcast_share(part: dict | None, owner: int, group) -> dict:

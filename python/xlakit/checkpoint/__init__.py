@@ -63,11 +63,12 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
             strings, bools, None; e.g. ``{"model": m.state_dict(), "step": 10}``.
             Tensors sharing a storage are written once and load back sharing it.
         path: the checkpoint file (its folder must exist), or with ``layout="sharded"``
-            the checkpoint folder; or a ``gs://`` / ``s3://`` URL, any layout
+            (or ``replica_parallel=True``) the checkpoint folder; or a ``gs://`` / ``s3://`` URL, any layout
             (docs/object-storage.md).
         options: a `SaveOptions`; keyword overrides (``timeout_s=600``) win over it.
             ``layout="replicated"|"sharded"`` coordinates the ranks of a torch.distributed
-            job; ``asynchronous=True`` returns once the state is on the host.
+            job (``replica_parallel=True``: each rank writes a share of a replicated
+            state); ``asynchronous=True`` returns once the state is on the host.
 
     Returns:
         None, or with ``asynchronous=True`` a `SaveHandle` whose ``result()`` raises
@@ -131,7 +132,8 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     Args:
         path: a file written by `xlakit.save` (with ``verify=False``, any torch.save file),
             or the folder of a sharded checkpoint: inside the job each rank gets its own
-            shard (all ranks load, or all raise); elsewhere pass ``shard=N``. Or the
+            shard (all ranks load, or all raise); elsewhere pass ``shard=N``. A
+            replica-parallel folder loads whole (in the job each share read once, broadcast). Or the
             ``gs://`` / ``s3://`` URL it was saved to (its newest committed save).
         options: a `LoadOptions`; keyword overrides (``verify=False``) win over it.
 

@@ -22,7 +22,14 @@ import torch.distributed as dist  # noqa: E402
 import xlakit  # noqa: E402
 from tests.support import fakes, replica_state  # noqa: E402
 
-RANK = int(os.environ["RANK"])
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _wchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no wchar in /proc/self/io")
 
 
 class _Dies(fakes.HostTransfer):
@@ -53,7 +60,12 @@ def _count_reads() -> list[str]:
 def run(scenario: str, folder: Path) -> dict:
     out: dict = {"rank": RANK}
     target = os.environ.get("XLAKIT_TEST_TARGET") or str(folder / "ckpt")
-    xlakit.save(replica_state.state(1), target, layout="replicated", replica_parallel=True, timeout_s=60)
+    first = replica_state.state(1)
+    dist.barrier()
+    written = _wchar()
+    # The writer of the commit record (and the skeleton) is the last rank, not rank 0.
+    xlakit.save(first, target, layout="replicated", replica_parallel=True, writer_rank=WORLD - 1, timeout_s=60)
+    out["wchar"] = _wchar() - written  # every byte this process passed to write(), as the kernel counts
     if scenario == "roundtrip":
         read = _count_reads()
         loaded = xlakit.load(target)
@@ -63,7 +75,12 @@ def run(scenario: str, folder: Path) -> dict:
                                       == loaded["model"]["layer3"].untyped_storage().data_ptr())
         out["tied_shares_storage"] = (loaded["tied"].untyped_storage().data_ptr()
                                       == loaded["model"]["layer0"].untyped_storage().data_ptr())
-        out["read"] = read
+        out["read"] = list(read)
+        handle = xlakit.save(replica_state.state(2), target, layout="replicated", replica_parallel=True,
+                             writer_rank=WORLD - 1, asynchronous=True, timeout_s=60)
+        handle.result()
+        out["async_digest"] = replica_state.digest(xlakit.load(target))
+        out["async_expected"] = replica_state.digest(replica_state.state(2))
         return out
     if scenario == "old-format":  # a single-file replicated checkpoint, as written before
         old = str(folder / "old.pt") if "://" not in target else target + "-old.pt"

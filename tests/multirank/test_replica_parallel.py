@@ -46,6 +46,7 @@ def test_replica_parallel_save_and_broadcast_load_bit_exact_on_disk(tmp_path):
     for rank, r in results.items():
         assert r.get("digest") == r.get("expected"), (rank, r)
         assert r.get("async_digest") == r.get("async_expected"), (rank, r)
+        assert r.get("restored_digest") == r.get("async_expected"), (rank, r)  # xlakit.restore in the job
         assert r["wchar"] <= total * (1 / WORLD + 0.05), (rank, r["wchar"], total)  # counted by the kernel
         assert r["view_shares_storage"] and r["tied_shares_storage"], r
         assert r["wchar"] >= total / WORLD * 0.95, (rank, r["wchar"], total)
@@ -53,6 +54,8 @@ def test_replica_parallel_save_and_broadcast_load_bit_exact_on_disk(tmp_path):
         assert len(r["read"]) == 1 and r["read"][0].startswith(f"share-{rank:05d}-of-{WORLD:05d}."), r
     # Outside the job (one process): every share is read and the whole state comes back.
     assert replica_state.digest(xlakit.load(folder)) == replica_state.digest(replica_state.state(2))
+    restored = xlakit.restore(folder, replica_state.zeroed(replica_state.state(2)))
+    assert replica_state.digest(restored) == replica_state.digest(replica_state.state(2))
     record = json.loads((folder / "xlakit-commit.json").read_text())  # the asynchronous save's
     check_shares(record, 2)
     assert sorted(p.name for p in folder.iterdir()) == sorted(
@@ -97,9 +100,12 @@ def test_replica_parallel_save_and_broadcast_load_bit_exact_on_a_bucket(bucket, 
     for rank, r in results.items():
         assert r.get("digest") == r.get("expected"), (rank, r)
         assert r.get("async_digest") == r.get("async_expected"), (rank, r)
+        assert r.get("restored_digest") == r.get("async_expected"), (rank, r)
         assert r["view_shares_storage"] and r["tied_shares_storage"], r
         assert len(r["read"]) == 1 and r["read"][0].endswith(f".share-{rank:05d}-of-{WORLD:05d}.pt"), r
     assert replica_state.digest(xlakit.load(url)) == replica_state.digest(replica_state.state(2))
+    restored = xlakit.restore(url, replica_state.zeroed(replica_state.state(2)))
+    assert replica_state.digest(restored) == replica_state.digest(replica_state.state(2))
 
 
 @pytest.mark.slow

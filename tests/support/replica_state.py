@@ -6,6 +6,8 @@ weight and a view sharing a storage, nested lists, tuples and plain values.
 
 from __future__ import annotations
 
+import copy
+
 import xxhash
 
 import torch
@@ -23,6 +25,14 @@ def state(version: int, *, tensors: int = 48, max_elems: int = 100_000) -> dict:
         layers[f"layer{i}"] = t.to(dtype)
     return {"version": version, "model": layers, "tied": layers["layer0"], "view": layers["layer3"][10:20],
             "opt": [{"step": version * 7, "m": torch.randn(3, 5, generator=g)}, ("lr", 0.1)]}
+
+
+def zeroed(state: dict) -> dict:
+    """A template for `xlakit.restore`: a copy of `state` (its sharing kept) holding zeros."""
+    template = copy.deepcopy(state)
+    for t in replica_plan.flatten(template)[2]:
+        t.zero_()
+    return template
 
 
 def nbytes(state: dict) -> int:

@@ -81,6 +81,8 @@ def run(scenario: str, folder: Path) -> dict:
         handle.result()
         out["async_digest"] = replica_state.digest(xlakit.load(target))
         out["async_expected"] = replica_state.digest(replica_state.state(2))
+        restored = xlakit.restore(target, replica_state.zeroed(replica_state.state(2)))
+        out["restored_digest"] = replica_state.digest(restored)
         return out
     if scenario == "old-format":  # a single-file replicated checkpoint, as written before
         old = str(folder / "old.pt") if "://" not in target else target + "-old.pt"

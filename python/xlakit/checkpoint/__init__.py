@@ -252,9 +252,9 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
         raise ValueError("mmap does not apply to restore: the values go into the template's own memory")
     objstore.check_url(path)
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_ranks
+        from xlakit.checkpoint import bucket_replicas
 
-        return bucket_ranks.restore(path, template, opts)
+        return bucket_replicas.restore(path, template, opts)  # a replica-parallel one; else bucket_ranks
     final = Path(path)
     if final.is_dir():
         return _restore_folder(final, template, opts)
@@ -267,9 +267,14 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
 def _restore_folder(folder: Path, template: Any, opts: LoadOptions) -> Any:
     import dataclasses
 
-    from xlakit.checkpoint import agreement, folders, ranks, restoring
+    from xlakit.checkpoint import agreement, folders, ranks, replicas, restoring
 
     record = folders.read_json_record(folder)
+    if replicas.is_replicated(record):
+        if opts.shard is not None:
+            raise ValueError(f"{folder} is a replicated checkpoint (a folder of shares); restore it "
+                             f"whole, without shard=N")
+        return replicas.restore(folder, template, opts)
     if record is not None and record.get("format") == folders.DCP_FORMAT:
         dcp_load(template, folder, options=dataclasses.replace(opts, shard=None, layout="auto"))
         return template

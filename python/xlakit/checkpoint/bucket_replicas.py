@@ -89,6 +89,15 @@ def load(url: str, opts: LoadOptions) -> Any:
     return replicas.assemble(shares)
 
 
+def restore(url: str, template: Any, opts: LoadOptions) -> Any:
+    """`xlakit.restore("gs://...", template)`: a replica-parallel checkpoint loaded whole, then copied
+    into the template; any other kind as before."""
+    record = bucket_file.peek(Location.parse(url), opts) if opts.shard is None else None
+    if record is None or record.get("kind") != KIND:
+        return bucket_ranks.restore(url, template, opts)
+    return replicas.restore(url, template, opts, load_whole=load)
+
+
 def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
     """Rank 0 names the generation; each rank reads its share of it once; the owners broadcast."""
     from xlakit.checkpoint.ranks import check_world

@@ -20,6 +20,7 @@ replicated checkpoints (the layout's format 1) are read as before.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -182,6 +183,29 @@ def load(folder: Path, opts: LoadOptions) -> Any:
         return op.run(work)
     finally:
         coord.close()
+
+
+def restore(folder: Path, template: Any, opts: LoadOptions, load_whole: Any = None) -> Any:
+    """`xlakit.restore` of a replica-parallel checkpoint: loaded whole (in the job, each share read
+    once and broadcast), then copied into the template as a plain file's state is; one deadline."""
+    from xlakit.checkpoint import restoring
+    from xlakit.checkpoint.agreement import world_size
+    from xlakit.checkpoint.matching import match
+
+    start = time.monotonic()
+    if load_whole is None:
+        load_whole = load if world_size() > 1 else load_all
+    saved = load_whole(folder, opts)
+    left = dataclasses.replace(opts, timeout_s=max(opts.timeout_s - (time.monotonic() - start), 1e-3))
+    op = Operation("restore", folder, Watch.of(left), untouched=restoring.PARTLY)
+
+    def work(op: Operation) -> Any:
+        targets, restored = match(saved, template, folder, opts, None)
+        op.enter("copy")
+        restoring.apply_pairs(op, [(t, t.source) for t in targets])
+        return restored
+
+    return op.run(work)
 
 
 def broadcast_all(coord: Coordination, op: Operation, mine: dict) -> Any:

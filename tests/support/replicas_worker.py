@@ -16,7 +16,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import xlakit  # noqa: E402
@@ -90,15 +89,27 @@ def run(scenario: str, folder: Path) -> dict:
         out["digest"] = replica_state.digest(xlakit.load(old, layout="replicated"))
         out["expected"] = replica_state.digest(replica_state.state(3))
         return out
-    # "<victim rank>-dies": the victim dies in the middle of the second save's transfer
+    # "<victim rank>-dies[-writing]": the victim dies in the second save's transfer, or after
+    # writing the first batch of its share (a partial temporary file is left behind)
     victim = int(scenario.split("-")[0])
-    if RANK == victim:
+    if RANK == victim and scenario.endswith("-writing"):
+        from xlakit.checkpoint import pipeline
+
+        real = pipeline.write_batch
+
+        def write_then_die(*args, **kwargs):
+            real(*args, **kwargs)
+            os._exit(17)
+
+        pipeline.write_batch = write_then_die
+    elif RANK == victim:
         from xlakit.checkpoint import transfer
 
         transfer.backend_for = lambda device_type, sample, **_: _Dies()
     start = time.monotonic()
     try:
-        xlakit.save(replica_state.state(2), target, layout="replicated", replica_parallel=True, timeout_s=4)
+        xlakit.save(replica_state.state(2), target, layout="replicated", replica_parallel=True, timeout_s=4,
+                    max_inflight_bytes=1 << 20)  # batches of 1 MiB: a share is written in several
         out["saved"] = True
     except xlakit.CheckpointError as e:
         out.update({"error": type(e).__name__, "message": str(e), "rank_named": getattr(e, "rank", None)})

@@ -63,11 +63,12 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
             strings, bools, None; e.g. ``{"model": m.state_dict(), "step": 10}``.
             Tensors sharing a storage are written once and load back sharing it.
         path: the checkpoint file (its folder must exist), or with ``layout="sharded"``
-            the checkpoint folder; or a ``gs://`` / ``s3://`` URL, any layout
+            (or ``replica_parallel=True``) the checkpoint folder; or a ``gs://`` / ``s3://`` URL, any layout
             (docs/object-storage.md).
         options: a `SaveOptions`; keyword overrides (``timeout_s=600``) win over it.
             ``layout="replicated"|"sharded"`` coordinates the ranks of a torch.distributed
-            job; ``asynchronous=True`` returns once the state is on the host.
+            job (``replica_parallel=True``: each rank writes a share of a replicated
+            state); ``asynchronous=True`` returns once the state is on the host.
 
     Returns:
         None, or with ``asynchronous=True`` a `SaveHandle` whose ``result()`` raises
@@ -94,6 +95,10 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
     if objstore.is_url(path):
         return _save_url(obj, path, opts)
     final = Path(path)
+    if opts.replica_parallel:
+        from xlakit.checkpoint import replicas
+
+        return replicas.save(obj, final, opts)
     if opts.layout != "single":
         from xlakit.checkpoint import ranks
 
@@ -108,6 +113,10 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
 def _save_url(obj: Any, url: str, opts: SaveOptions) -> "SaveHandle | None":
     from xlakit.checkpoint import bucket_file, bucket_ranks, workers
 
+    if opts.replica_parallel:
+        from xlakit.checkpoint import bucket_replicas
+
+        return bucket_replicas.save(obj, url, opts)
     if opts.layout != "single":
         return bucket_ranks.save(obj, url, opts)
     workers.check_idle()
@@ -123,7 +132,8 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
     Args:
         path: a file written by `xlakit.save` (with ``verify=False``, any torch.save file),
             or the folder of a sharded checkpoint: inside the job each rank gets its own
-            shard (all ranks load, or all raise); elsewhere pass ``shard=N``. Or the
+            shard (all ranks load, or all raise); elsewhere pass ``shard=N``. A
+            replica-parallel folder loads whole (in the job each share read once, broadcast). Or the
             ``gs://`` / ``s3://`` URL it was saved to (its newest committed save).
         options: a `LoadOptions`; keyword overrides (``verify=False``) win over it.
 
@@ -150,9 +160,9 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
                          "checkpoint's entries); xlakit.load returns every entry")
     objstore.check_url(path)
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_ranks
+        from xlakit.checkpoint import bucket_replicas
 
-        return bucket_ranks.load(path, opts)
+        return bucket_replicas.load(path, opts)  # a replica-parallel checkpoint; else bucket_ranks
     final = Path(path)
     if final.is_dir():
         return _load_folder(final, opts)
@@ -167,8 +177,13 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
 
 
 def _load_folder(folder: Path, opts: LoadOptions) -> Any:
-    from xlakit.checkpoint import agreement, ranks
+    from xlakit.checkpoint import agreement, folders, ranks, replicas
 
+    if replicas.is_replicated(folders.read_json_record(folder)):
+        if opts.shard is not None:
+            raise ValueError(f"{folder} is a replicated checkpoint (a folder of shares); load it "
+                             f"whole, without shard=N")
+        return replicas.load_all(folder, opts) if agreement.world_size() == 1 else replicas.load(folder, opts)
     ranks.read_commit(folder)  # refuses what is not a committed sharded checkpoint, saying what it is
     if opts.shard is not None:
         return ranks.load_shard(folder, opts.shard, opts)
@@ -237,9 +252,9 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
         raise ValueError("mmap does not apply to restore: the values go into the template's own memory")
     objstore.check_url(path)
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_ranks
+        from xlakit.checkpoint import bucket_replicas
 
-        return bucket_ranks.restore(path, template, opts)
+        return bucket_replicas.restore(path, template, opts)  # a replica-parallel one; else bucket_ranks
     final = Path(path)
     if final.is_dir():
         return _restore_folder(final, template, opts)
@@ -252,9 +267,14 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
 def _restore_folder(folder: Path, template: Any, opts: LoadOptions) -> Any:
     import dataclasses
 
-    from xlakit.checkpoint import agreement, folders, ranks, restoring
+    from xlakit.checkpoint import agreement, folders, ranks, replicas, restoring
 
     record = folders.read_json_record(folder)
+    if replicas.is_replicated(record):
+        if opts.shard is not None:
+            raise ValueError(f"{folder} is a replicated checkpoint (a folder of shares); restore it "
+                             f"whole, without shard=N")
+        return replicas.restore(folder, template, opts)
     if record is not None and record.get("format") == folders.DCP_FORMAT:
         dcp_load(template, folder, options=dataclasses.replace(opts, shard=None, layout="auto"))
         return template

@@ -27,7 +27,9 @@ from xlakit.errors import (CheckpointCorruptError, CheckpointFormatError, Checkp
 COMMIT_RECORD = "xlakit-commit.json"
 DCP_FORMAT = "xlakit-dcp"
 SHARDED_FORMAT = "xlakit-sharded"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what DCP and sharded records are written with
+# The newest record this xlakit reads; 2: replicated checkpoints as a folder of shares (replicas.py).
+NEWEST_VERSION = 2
 _DCP_METADATA = ".metadata"
 _DCP_DATA_SUFFIX = ".distcp"
 _CHUNK = 8 << 20
@@ -108,10 +110,10 @@ def read_json_record(folder: Path) -> dict | None:
         raise CheckpointCorruptError(f"{folder / COMMIT_RECORD} is not an xlakit commit record "
                                      f"({e}); found {text[:80]!r}") from e
     version = record.get("version")
-    if isinstance(version, int) and version > FORMAT_VERSION:
+    if isinstance(version, int) and version > NEWEST_VERSION:
         raise CheckpointFormatError(f"{folder} was committed in xlakit folder format version "
                                     f"{version}; this xlakit understands versions up to "
-                                    f"{FORMAT_VERSION}: upgrade xlakit to load it")
+                                    f"{NEWEST_VERSION}: upgrade xlakit to load it")
     return record
 
 

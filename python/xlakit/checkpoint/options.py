@@ -95,6 +95,9 @@ class SaveOptions:
             torch.distributed job passes the same state; `writer_rank` writes it) or
             "sharded" (every rank writes its own state as a shard of folder `path`).
         writer_rank: the rank that writes a replicated checkpoint (layout "replicated" only).
+        replica_parallel: (layout "replicated" only) every rank writes a share of about 1/R
+            of the bytes into a folder at `path`, `writer_rank` its commit record; a load
+            in the job reads each share once and broadcasts it (docs/multi-rank.md).
         compute_crc32: also fill in the zip CRC32 fields. Off by default: torch.load
             never checks them, xlakit's xxh3 checksums cover every byte, and they
             cost ~0.4 s per GB; turn on for generic zip tools (`unzip -t`).
@@ -114,6 +117,7 @@ class SaveOptions:
     asynchronous: bool = False
     layout: str = "single"
     writer_rank: int = 0
+    replica_parallel: bool = False
     transfer_backend: str = field(default_factory=_knobs.get_transfer_backend)
 
     def __post_init__(self) -> None:
@@ -126,10 +130,14 @@ class SaveOptions:
         _bool("asynchronous", self.asynchronous)
         _choice("layout", self.layout, SAVE_LAYOUTS)
         _count("writer_rank", self.writer_rank, minimum=0)
+        _bool("replica_parallel", self.replica_parallel)
         _choice("transfer_backend", self.transfer_backend, _knobs.TRANSFER_BACKENDS)
         if self.writer_rank != 0 and self.layout != "replicated":
             raise ValueError(f"writer_rank={self.writer_rank} applies to layout='replicated' only "
                              f"(layout is {self.layout!r}); drop it or use layout='replicated'")
+        if self.replica_parallel and self.layout != "replicated":
+            raise ValueError(f"replica_parallel=True applies to layout='replicated' only (layout is "
+                             f"{self.layout!r}); drop it or use layout='replicated'")
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,11 @@ def _host_view(buffer: torch.Tensor, place: int, nbytes: int, s: TensorSpec) -> 
     return structure.set_math_bits(t, structure.CONJ * s.conj | structure.NEG * s.neg)
 
 
+def apply_pairs(op: Operation, pairs: list[tuple[Target, torch.Tensor]]) -> None:
+    """Copy each host tensor into its target (a state loaded whole elsewhere: `replicas.restore`)."""
+    _apply(op, pairs)
+
+
 def _apply(op: Operation, pairs: list[tuple[Target, torch.Tensor]]) -> None:
     """Put each host tensor's values into its template tensor, in place, on its device."""
     plain_xla: list[tuple[Target, torch.Tensor]] = []

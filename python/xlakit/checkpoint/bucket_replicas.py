@@ -1,0 +1,132 @@
+"""Replica-parallel replicated saves to object storage, and their loads: the sibling of `replicas.py`.
+
+A replica-parallel checkpoint at URL `U` is one generation, like a sharded one
+(`bucket_ranks.py`): each rank uploads its share (`replica_plan.py`) as the data
+object `U/<generation>.<host>.<pid>.<token>.share-RRRRR-of-WWWWW.pt` and votes
+with its name, size and xxh3-64; the writing rank creates the commit record
+(kind `replicated`, `layout_version` 2) naming every share, create-only, at the
+agreed commit point. One abort means no record: the previous generation stays
+the checkpoint.
+
+Loads: inside the job the ranks agree on the generation, each reads and
+verifies its own share once and the owners broadcast them (`replicas.
+broadcast_share`); outside it every share is read here. Every other kind of
+checkpoint at a URL goes on to `bucket_ranks.load` as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xlakit.checkpoint import bucket_file, bucket_ranks, loading, pipeline, replica_plan, replicas
+from xlakit.checkpoint.agreement import Coordination, world_size
+from xlakit.checkpoint.objstore import generations
+from xlakit.checkpoint.objstore.client import Location, store_for
+from xlakit.checkpoint.operation import Operation, Watch
+from xlakit.checkpoint.options import LoadOptions, SaveOptions
+from xlakit.errors import CheckpointError
+
+KIND = "replicated"
+
+
+def share_suffix(rank: int, world: int) -> str:
+    return f".{replicas.SHARE_PREFIX}{rank:05d}-of-{world:05d}.pt"
+
+
+class ShareObjectSave(bucket_ranks.ObjectSave):
+    """One rank's share of a replica-parallel save to a bucket."""
+
+    def __init__(self, obj: Any, url: str, opts: SaveOptions):
+        super().__init__(obj, url, opts)
+        self.coord.proposal["layout"] = replicas.PROPOSED_LAYOUT
+
+    def _prepare(self, obj: Any) -> pipeline.FileSave:
+        mine = replica_plan.share(obj, self.rank, self.world, self.opts.writer_rank)
+        return pipeline.prepare(mine, self.url, self.opts, check_target=False)
+
+    def _write_replicated(self, op: Operation, items: Any) -> None:
+        self._tidy(op)
+        name, meta, _ = self._upload(op, items, share_suffix(self.rank, self.world))
+        self.coord.vote({"name": name, **meta})
+        if self.rank != self.committer:
+            self.coord.expect_commit(op, self.url)
+            return
+        votes = self.coord.votes(op)
+        names = [votes[r]["name"] for r in range(self.world)]
+        record = {"kind": KIND, "layout_version": replicas.VERSION, "generation": self.generation,
+                  "operation": self.operation_id, "world": self.world, "writer_rank": self.committer,
+                  "shares": names,
+                  "objects": {votes[r]["name"]: {"nbytes": votes[r]["nbytes"], "xxh3_64": votes[r]["xxh3_64"],
+                                                 "rank": r} for r in range(self.world)}}
+        self._commit(op, record, names)
+
+
+def save(obj: Any, url: str, opts: SaveOptions):
+    from xlakit.checkpoint import ranks
+
+    return ranks.save(obj, url, opts, saver=ShareObjectSave)
+
+
+def _share(record: dict, rank: int) -> tuple[str, dict]:
+    name = record["shares"][rank]
+    return name, record["objects"][name]
+
+
+def load(url: str, opts: LoadOptions) -> Any:
+    """`xlakit.load("gs://...")`: a replica-parallel checkpoint whole; any other kind as before."""
+    loc = Location.parse(url)
+    if opts.shard is not None or opts.mmap:
+        return bucket_ranks.load(url, opts)
+    record = bucket_file.peek(loc, opts)
+    if record.get("kind") != KIND:
+        if world_size() > 1 or opts.layout == "replicated":
+            return bucket_ranks.load(url, opts)
+        return bucket_file.load_file(loc, opts, lambda r: bucket_ranks.part_of(loc, r, None), record)
+    if world_size() > 1:
+        return _load_agreed(loc, opts)
+    shares = {r: bucket_file.load_file(loc, opts, lambda rec, r=r: _share(rec, r), record)
+              for r in range(record["world"])}
+    return replicas.assemble(shares)
+
+
+def restore(url: str, template: Any, opts: LoadOptions) -> Any:
+    """`xlakit.restore("gs://...", template)`: a replica-parallel checkpoint loaded whole, then copied
+    into the template; any other kind as before."""
+    record = bucket_file.peek(Location.parse(url), opts) if opts.shard is None else None
+    if record is None or record.get("kind") != KIND:
+        return bucket_ranks.restore(url, template, opts)
+    return replicas.restore(url, template, opts, load_whole=load)
+
+
+def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
+    """Rank 0 names the generation; each rank reads its share of it once; the owners broadcast."""
+    from xlakit.checkpoint.ranks import check_world
+
+    store = store_for(loc)
+    coord = Coordination("load", {"path": loc.url, "layout": replicas.PROPOSED_LAYOUT})
+    op = Operation("load", loc.url, Watch.of(opts), gate=coord.gate, rank=coord.rank,
+                   untouched=loading.NOTHING_CHANGED)
+    coord.op = op
+
+    def work(op: Operation) -> Any:
+        prepared, error = {}, None
+        if coord.rank == 0:
+            try:
+                op.enter("list")
+                prepared["generation"] = generations.latest_record(store, op, loc, KIND)["generation"]
+            except (CheckpointError, OSError, ValueError) as e:
+                error = e
+        coord.agree(op, prepared, error)
+
+        def part() -> dict:
+            record = generations.read_record(store, op, loc, coord.proposals[0]["generation"])
+            check_world(loc, record["world"], coord.world)
+            name, entry = _share(record, coord.rank)
+            return bucket_file.read_object(op, store, loc, name, entry, opts)
+
+        return replicas.broadcast_all(coord, op, coord.all_or_none(op, part))
+
+    try:
+        return op.run(work)
+    finally:
+        coord.close()

@@ -1,0 +1,259 @@
+"""Replica-parallel saves and broadcast loads of `layout="replicated"` (`replica_parallel=True`).
+
+Every rank holds the same state, so instead of one rank writing it all, each
+of the R ranks writes a disjoint share of about 1/R of the bytes
+(`replica_plan.py`: split by storages, balanced by size) into a folder, as
+`share-RRRRR-of-WWWWW.<id>.pt`, each an ordinary xlakit file. The commit is
+the sharded layout's: every rank agrees, writes, fsyncs and hashes its share
+and votes; the writing rank (`writer_rank`) writes `xlakit-commit.json`
+(format `xlakit-replicated`, folder format version 2) last, atomically, under
+the one decision every rank's abort can pre-empt. A rank killed mid-save
+leaves the previous commit record, and so the previous checkpoint, in place;
+shares no commit names are removed after the next commit.
+
+A load inside the job reads each byte once: every rank reads and verifies its
+own share, then each share's owner broadcasts its storages to the others over a
+fresh gloo group (`Coordination.group`), and every rank rebuilds the whole
+state. Outside the job `xlakit.load(folder)` reads every share. Single-file
+replicated checkpoints (the layout's format 1) are read as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xlakit.checkpoint import folders, loading, paths, pipeline, replica_plan
+from xlakit.checkpoint.agreement import Coordination, dist
+from xlakit.checkpoint.operation import Operation, Watch, remove_path
+from xlakit.checkpoint.options import LoadOptions, SaveOptions
+from xlakit.checkpoint.ranks import CoordinatedSave, _rename_shard, shard_digest
+from xlakit.errors import CheckpointFormatError, CheckpointIncompleteError
+
+REPLICATED_FORMAT = "xlakit-replicated"
+VERSION = 2  # of the replicated layout: 1 was one archive file, 2 a folder of shares
+SHARE_PREFIX = "share-"
+_SHARE_NAME = re.compile(r"share-\d{5}-of-\d{5}\.\d{8}T\d{6}-[0-9a-f]{6}\.pt")
+PROPOSED_LAYOUT = "replicated/shares"  # a rank saving the old way disagrees, and is named
+
+
+def share_name(rank: int, world: int, save_id: str) -> str:
+    return f"{SHARE_PREFIX}{rank:05d}-of-{world:05d}.{save_id}.pt"
+
+
+class ReplicaSave(CoordinatedSave):
+    """One rank's share of a replica-parallel save."""
+
+    def __init__(self, obj: Any, path: Path, opts: SaveOptions):
+        super().__init__(obj, path, opts)
+        self.coord.proposal["layout"] = PROPOSED_LAYOUT
+
+    def _prepare(self, obj: Any) -> pipeline.FileSave:
+        folder = self.target
+        if self.rank == self.opts.writer_rank:
+            if folder.exists() and not folder.is_dir():
+                err = paths.write_error(FileExistsError(17, "File exists"), folder, stage="mkdir")
+                err.add_note("A replica-parallel save writes a folder; this path holds a single-file "
+                             "checkpoint (or another file): save to a new path.")
+                raise err
+            try:
+                folder.mkdir(exist_ok=True)
+            except OSError as e:
+                raise paths.write_error(e, folder, stage="mkdir") from e
+            self.prepared["id"] = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
+        mine = replica_plan.share(obj, self.rank, self.world, self.opts.writer_rank)
+        return pipeline.prepare(mine, folder / "share.pt", self.opts, check_target=False)
+
+    def agree(self, op: Operation) -> None:
+        self.coord.agree(op, self.prepared, self.error)
+        save_id = self.coord.proposals[self.opts.writer_rank]["id"]
+        self.job.final = self.target / share_name(self.rank, self.world, save_id)
+
+    def _write_replicated(self, op: Operation, items: Any) -> None:
+        folder, writer = self.target, self.opts.writer_rank
+        paths.remove_stale_temps(folder, stem_prefix=SHARE_PREFIX)
+        paths.remove_stale_temps(folder, stem=folders.COMMIT_RECORD)
+        pipeline.write(op, self.job, items, commit=_rename_shard)
+        mine = self.job.final
+        self.coord.vote({"file": mine.name, "bytes": mine.stat().st_size, "checksums": shard_digest(mine)})
+        if self.rank != writer:
+            self._expect_commit(op, writer)
+            return
+        votes = self.coord.votes(op)
+        record = {"format": REPLICATED_FORMAT, "version": VERSION,
+                  "id": self.coord.proposals[writer]["id"], "world": self.world, "writer_rank": writer,
+                  "shares": [{"rank": r, **{k: votes[r][k] for k in ("file", "bytes", "checksums")}}
+                             for r in range(self.world)]}
+        final = folder / folders.COMMIT_RECORD
+        tmp = op.own(paths.temp_path(final))
+        with open(tmp, "x") as f:
+            json.dump(record, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        op.enter("commit")
+        pipeline.commit_file(op, tmp, final)
+        self.coord.finish({"ok": True})
+        keep = {s["file"] for s in record["shares"]}
+        for name in os.listdir(folder):  # committed, agreed: the old shares can go
+            if _SHARE_NAME.fullmatch(name) and name not in keep:
+                remove_path(folder / name)
+
+
+def save(obj: Any, path: Path, opts: SaveOptions):
+    from xlakit.checkpoint import ranks
+
+    return ranks.save(obj, path, opts, saver=ReplicaSave)
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+def is_replicated(record: dict | None) -> bool:
+    return record is not None and record.get("format") == REPLICATED_FORMAT
+
+
+def read_record(folder: Path) -> dict:
+    record = folders.read_json_record(folder)
+    if record is None:
+        raise CheckpointIncompleteError(f"{folder} has no commit record ({folders.COMMIT_RECORD}): the "
+                                        f"save that wrote it never finished, so it is not a checkpoint "
+                                        f"({folders.describe_folder(folder)})")
+    if not is_replicated(record):
+        raise CheckpointFormatError(f"{folder} has a commit record of format {record.get('format')!r}, "
+                                    f"not {REPLICATED_FORMAT!r}")
+    return record
+
+
+def share_path(folder: Path, record: dict, rank: int, opts: LoadOptions) -> Path:
+    """Share `rank`'s file, checked against the commit record (size; digest when verifying)."""
+    entry = record["shares"][rank]
+    path = folder / entry["file"]
+    if not path.is_file() or path.stat().st_size != entry["bytes"]:
+        raise CheckpointIncompleteError(f"{folder}: share {rank} ({entry['file']}) is missing or not "
+                                        f"the size the commit record names ({entry['bytes']} bytes)")
+    if opts.verify and shard_digest(path) != entry["checksums"]:
+        raise CheckpointIncompleteError(f"{folder}: share {rank} ({entry['file']}) is not the one the "
+                                        f"commit record names")
+    return path
+
+
+def assemble(shares: dict[int, dict]) -> Any:
+    tensors: dict[int, torch.Tensor] = {}
+    skeleton = paths_ = None
+    for part in shares.values():
+        tensors.update(part[replica_plan.TENSORS])
+        if replica_plan.SKELETON in part:
+            skeleton, paths_ = part[replica_plan.SKELETON], part[replica_plan.PATHS]
+    return replica_plan.assemble(skeleton, paths_, tensors)
+
+
+def load_all(folder: Path, opts: LoadOptions) -> Any:
+    """Outside the job: every share, read and verified here, as the whole state."""
+    record = read_record(folder)
+    return assemble({r: loading.load_file(share_path(folder, record, r, opts), opts)
+                      for r in range(record["world"])})
+
+
+def load(folder: Path, opts: LoadOptions) -> Any:
+    """Inside the job: each rank reads its share once; the owners broadcast them; all get the state."""
+    from xlakit.checkpoint.ranks import check_world
+
+    coord = Coordination("load", {"path": os.path.abspath(folder), "layout": PROPOSED_LAYOUT})
+    op = Operation("load", folder, Watch.of(opts), gate=coord.gate, rank=coord.rank,
+                   untouched=loading.NOTHING_CHANGED)
+    coord.op = op
+
+    def part() -> dict:
+        record = read_record(folder)
+        check_world(folder, record["world"], coord.world)
+        return loading.read_file(op, share_path(folder, record, coord.rank, opts), opts)
+
+    def work(op: Operation) -> Any:
+        coord.agree(op)
+        return broadcast_all(coord, op, coord.all_or_none(op, part))
+
+    try:
+        return op.run(work)
+    finally:
+        coord.close()
+
+
+def restore(folder: Path, template: Any, opts: LoadOptions, load_whole: Any = None) -> Any:
+    """`xlakit.restore` of a replica-parallel checkpoint: loaded whole (in the job, each share read
+    once and broadcast), then copied into the template as a plain file's state is; one deadline."""
+    from xlakit.checkpoint import restoring
+    from xlakit.checkpoint.agreement import world_size
+    from xlakit.checkpoint.matching import match
+
+    start = time.monotonic()
+    if load_whole is None:
+        load_whole = load if world_size() > 1 else load_all
+    saved = load_whole(folder, opts)
+    left = dataclasses.replace(opts, timeout_s=max(opts.timeout_s - (time.monotonic() - start), 1e-3))
+    op = Operation("restore", folder, Watch.of(left), untouched=restoring.PARTLY)
+
+    def work(op: Operation) -> Any:
+        targets, restored = match(saved, template, folder, opts, None)
+        op.enter("copy")
+        restoring.apply_pairs(op, [(t, t.source) for t in targets])
+        return restored
+
+    return op.run(work)
+
+
+def broadcast_all(coord: Coordination, op: Operation, mine: dict) -> Any:
+    """(Every rank, its share read and verified, every rank agreed.) The whole state, each share
+    broadcast by its owner over a fresh gloo group; then every rank votes it has it."""
+    with coord.giving_up(op, waiting=lambda e: op.stage == "broadcast"):
+        group = coord.group(op)
+        op.enter("broadcast")
+        shares = {}
+        for owner in range(coord.world):
+            shares[owner] = broadcast_share(mine if owner == coord.rank else None, owner, group)
+        state = assemble(shares)
+    coord.vote({}, "read")
+    coord.votes(op, "read")
+    return state
+
+
+def broadcast_share(part: dict | None, owner: int, group) -> dict:
+    """`owner`'s share on every rank: its layout as a small object, then each storage's bytes."""
+    d = dist()
+    if part is not None:
+        storages: list[torch.UntypedStorage] = []
+        index: dict[int, int] = {}
+        specs = {}
+        for slot, t in part[replica_plan.TENSORS].items():
+            s = t.untyped_storage()
+            if s._cdata not in index:
+                index[s._cdata] = len(storages)
+                storages.append(s)
+            specs[slot] = (index[s._cdata], t.storage_offset(), tuple(t.shape), t.stride(),
+                           str(t.dtype).removeprefix("torch."), t.requires_grad)
+        layout = {"sizes": [s.nbytes() for s in storages], "specs": specs,
+                  "rest": {k: v for k, v in part.items() if k != replica_plan.TENSORS}}
+    else:
+        storages, layout = [], None
+    box = [layout]
+    d.broadcast_object_list(box, src=owner, group=group)
+    layout = box[0]
+    if part is None:
+        storages = [torch.UntypedStorage(n) for n in layout["sizes"]]
+    for s in storages:
+        if s.nbytes():
+            d.broadcast(torch.empty(0, dtype=torch.uint8).set_(s), src=owner, group=group)
+    if part is not None:
+        return part
+    tensors = {}
+    for slot, (i, offset, shape, stride, dtype, grad) in layout["specs"].items():
+        t = torch.empty(0, dtype=getattr(torch, dtype)).set_(storages[i], offset, shape, stride)
+        tensors[slot] = t.requires_grad_() if grad else t
+    return {replica_plan.TENSORS: tensors, **layout["rest"]}
+

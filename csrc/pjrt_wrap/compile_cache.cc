@@ -15,6 +15,7 @@
 #include "core/envelope.h"
 #include "pjrt_wrap/counters.h"
 #include "pjrt_wrap/env.h"
+#include "pjrt_wrap/key_parts.h"
 #include "pjrt_wrap/pjrt_calls.h"
 #include "pjrt_wrap/proto_canon.h"
 
@@ -36,15 +37,12 @@ uint64_t MicrosSince(Clock::time_point start) {
 const char* MissingFunction(const PJRT_Api* api) {
 #define XLAKIT_REQUIRE(field) \
   if (!XLAKIT_PJRT_HAS(api, field)) return #field;
-  XLAKIT_REQUIRE(PJRT_Client_ProcessIndex)
   XLAKIT_REQUIRE(PJRT_Client_PlatformName)
   XLAKIT_REQUIRE(PJRT_Client_PlatformVersion)
   XLAKIT_REQUIRE(PJRT_Client_Devices)
   XLAKIT_REQUIRE(PJRT_Device_GetDescription)
-  XLAKIT_REQUIRE(PJRT_DeviceDescription_Id)
   XLAKIT_REQUIRE(PJRT_DeviceDescription_ProcessIndex)
   XLAKIT_REQUIRE(PJRT_DeviceDescription_Kind)
-  XLAKIT_REQUIRE(PJRT_DeviceDescription_ToString)
   XLAKIT_REQUIRE(PJRT_LoadedExecutable_GetExecutable)
   XLAKIT_REQUIRE(PJRT_Executable_Serialize)
   XLAKIT_REQUIRE(PJRT_Executable_Destroy)
@@ -178,10 +176,7 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
   cache->plugin_build_ =
       digest + " " + std::to_string(real->pjrt_api_version.major_version) +
       "." + std::to_string(real->pjrt_api_version.minor_version);
-  for (const char* name : kKeyedFlagEnvs) {
-    const char* value = std::getenv(name);
-    cache->flags_ += std::string(name) + "=" + (value ? value : "") + "\n";
-  }
+  cache->flags_ = KeyedEnvironment(*crypto);
   state->on = true;
   state->authenticated = !cfg.key.empty();
   return cache;
@@ -211,8 +206,19 @@ CompileCache::ClientInfo CompileCache::Info(PJRT_Client* client) {
   info.ok = PlatformName(real_, client, &info.self.platform_name, &error) &&
             PlatformVersion(real_, client, &info.self.platform_version,
                             &error) &&
-            DescribeDevices(real_, client, &info.topology, &error);
+            DescribeTopology(real_, client, &info.topology,
+                             &info.topology_source, &error);
   info.error = error;
+  if (info.ok) {
+    LogOnce("topology", "cache keys cover the " +
+                            std::string(info.topology_source == "devices"
+                                            ? "device kinds and counts (the "
+                                              "plugin has no topology "
+                                              "description)"
+                                            : "plugin's topology description "
+                                              "and device kinds") +
+                            ", not the host: the hosts of a pod share entries");
+  }
   info.self.patch_series_id = std::string("pjrt-wrap/") + kWrapperVersion;
   clients_[client] = info;
   return info;
@@ -385,6 +391,30 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
                        "); compiling without it");
     return real_->PJRT_Client_Compile(args);
   }
+  // Single flight: wait while another thread has this key in hand, then take
+  // it; the flight ends (and the next waiter looks up) however this returns.
+  std::shared_ptr<Flight> mine = std::make_shared<Flight>();
+  {
+    std::unique_lock<std::mutex> lock(flight_mu_);
+    for (auto it = in_flight_.find(key); it != in_flight_.end();
+         it = in_flight_.find(key)) {
+      std::shared_ptr<Flight> other = it->second;
+      ++counters.flight_waits;
+      other->cv.wait(lock, [&other] { return other->done; });
+    }
+    in_flight_[key] = mine;
+  }
+  struct Land {
+    CompileCache* cache;
+    const std::string& key;
+    const std::shared_ptr<Flight>& flight;
+    ~Land() {
+      std::lock_guard<std::mutex> lock(cache->flight_mu_);
+      flight->done = true;
+      cache->in_flight_.erase(key);
+      flight->cv.notify_all();
+    }
+  } land{this, key, mine};
   bool hit = false;
   try {
     hit = TryLoad(info, key, path, args);

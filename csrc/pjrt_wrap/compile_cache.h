@@ -5,9 +5,11 @@
 // (both with map entries in a canonical order, proto_canon.h), the real
 // plugin's build (the SHA-256 of its file and its C API version: two builds
 // report the same platform strings), its platform name and version, the
-// compiler flags it reads from the environment (env.h kKeyedFlagEnvs), the
-// client's process index and every device of the client (id, process, kind,
-// description), the wrapper's own version, and the id of the job's key
+// environment that changes its code (key_parts.h: the compiler flags it reads
+// from the environment, normalised, and env.h kKeyedCodegenEnvs), the
+// topology (pjrt_calls.h DescribeTopology: the plugin's serialized topology
+// description, the device kinds and counts; nothing host-specific, so the
+// hosts of a pod share one entry per program), the wrapper's own version, and the id of the job's key
 // (XLAKIT_CACHE_KEY) if it has one, so jobs with different keys, or none,
 // never use or replace each other's entries. The entry is xlakit's envelope (core/envelope.h: checksum;
 // HMAC-SHA256 tag under the key; the entry's name stored in it and compared
@@ -25,6 +27,7 @@
 #ifndef XLAKIT_PJRT_WRAP_COMPILE_CACHE_H_
 #define XLAKIT_PJRT_WRAP_COMPILE_CACHE_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -42,7 +45,7 @@ namespace pjrt_wrap {
 
 // The wrapper's own version: part of every key and of every entry's identity.
 // Bump it when what a key covers, or what an entry holds, changes.
-inline constexpr char kWrapperVersion[] = "1";
+inline constexpr char kWrapperVersion[] = "2";
 
 struct CacheConfig {
   std::string dir;
@@ -88,7 +91,8 @@ class CompileCache {
     bool ok = false;
     std::string error;
     RuntimeIdentity self;
-    std::string topology;
+    std::string topology;         // pjrt_calls.h DescribeTopology
+    std::string topology_source;  // "topology+devices" or "devices"
   };
 
   CompileCache(const PJRT_Api* real, CacheConfig cfg, const Libcrypto& crypto);
@@ -113,6 +117,15 @@ class CompileCache {
   std::string flags_;
   std::mutex mu_;
   std::map<PJRT_Client*, ClientInfo> clients_;
+  // Single flight: the keys a thread of this process is looking up or
+  // compiling now; another thread asking for one waits for it, then looks
+  // the entry up again (a hit once the first wrote it).
+  struct Flight {
+    bool done = false;
+    std::condition_variable cv;
+  };
+  std::mutex flight_mu_;
+  std::map<std::string, std::shared_ptr<Flight>> in_flight_;
 };
 
 }  // namespace pjrt_wrap

@@ -30,8 +30,21 @@ inline constexpr char kCacheMaxEntryBytesEnv[] =
 inline constexpr uint64_t kDefaultMaxEntryBytes = uint64_t{2} << 30;
 // Compiler flags a plugin reads from the environment rather than from the
 // compile options (torch_xla passes none there): part of every cache key.
+// Normalised first (key_parts.h): flags sorted, dump and logging flags
+// dropped, a --flagfile= replaced by the SHA-256 of its contents.
 inline constexpr const char* kKeyedFlagEnvs[] = {"XLA_FLAGS", "TF_XLA_FLAGS",
                                                  "LIBTPU_INIT_ARGS"};
+// Other variables the plugin reads that change the code it generates, the
+// same on every host of a pod: part of every cache key, as they are. torch_xla
+// 2.9 sets TPU_MEGACORE (v4) and the bounds (tpu.py); the host-specific ones
+// it sets (TPU_VISIBLE_CHIPS, TPU_PROCESS_ADDRESSES, TPU_PROCESS_PORT,
+// CLOUD_TPU_TASK_ID, TPU_WORKER_ID, TPU_WORKER_HOSTNAMES) choose which chips a
+// process drives, not its code: the topology and the compile options' device
+// assignment, both in the key, cover that, so they stay out.
+inline constexpr const char* kKeyedCodegenEnvs[] = {
+    "TPU_MEGACORE",        "TPU_ACCELERATOR_TYPE",
+    "TPU_PROCESS_BOUNDS",  "TPU_CHIPS_PER_PROCESS_BOUNDS",
+    "TPU_HOST_BOUNDS",     "TPU_CHIPS_PER_HOST_BOUNDS"};
 
 }  // namespace pjrt_wrap
 }  // namespace xlakit

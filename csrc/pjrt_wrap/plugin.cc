@@ -289,6 +289,7 @@ std::string StatusJson() {
          ", \"serialize_failures\": " + std::to_string(c.serialize_failures) +
          ", \"execute_options_padded\": " +
          std::to_string(c.execute_options_padded) +
+         ", \"flight_waits\": " + std::to_string(c.flight_waits) +
          ", \"compile_s\": " + std::to_string(c.compile_us / 1e6) +
          ", \"load_s\": " + std::to_string(c.load_us / 1e6) + "}";
   out += ", \"refused_entries\": {";

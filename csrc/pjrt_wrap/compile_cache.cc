@@ -99,6 +99,51 @@ std::string FileDigest(const Libcrypto& crypto, const std::string& path,
   return error->empty() ? sha.Hex() : "";
 }
 
+// The real plugin's SHA-256, remembered per host and user in
+// ~/.cache/xlakit/pjrt-digests, one small file per plugin path holding the
+// file's device, inode, size, mtime and ctime (which no user can set back)
+// and its digest: libtpu is hundreds of MB, and every rank of every start
+// hashed it. A memo that is not the user's own, or that others can write, is
+// ignored; any change to the file hashes it again.
+std::string PluginDigest(const Libcrypto& crypto, const std::string& path,
+                         std::string* error) {
+  struct stat st;
+  const char* home = std::getenv("HOME");
+  if (stat(path.c_str(), &st) != 0 || home == nullptr || *home == '\0') {
+    return FileDigest(crypto, path, error);
+  }
+  const std::string stamp =
+      std::to_string(st.st_dev) + " " + std::to_string(st.st_ino) + " " +
+      std::to_string(st.st_size) + " " + std::to_string(st.st_mtim.tv_sec) +
+      "." + std::to_string(st.st_mtim.tv_nsec) + " " +
+      std::to_string(st.st_ctim.tv_sec) + "." +
+      std::to_string(st.st_ctim.tv_nsec) + " ";
+  const std::string folder = std::string(home) + "/.cache/xlakit/pjrt-digests";
+  Sha256 name(crypto);
+  name.Update(path);
+  const std::string memo = folder + "/" + name.Hex().substr(0, 32);
+  int fd = open(memo.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd >= 0) {
+    struct stat ms;
+    char buf[512];
+    ssize_t n = -1;
+    if (fstat(fd, &ms) == 0 && S_ISREG(ms.st_mode) &&
+        ms.st_uid == geteuid() && (ms.st_mode & 022) == 0) {
+      n = read(fd, buf, sizeof(buf));
+    }
+    close(fd);
+    const std::string line = n > 0 ? std::string(buf, n) : "";
+    if (line.size() == stamp.size() + 65 && line.rfind(stamp, 0) == 0 &&
+        line.back() == '\n') {
+      return line.substr(stamp.size(), 64);
+    }
+  }
+  std::string digest = FileDigest(crypto, path, error);
+  if (!digest.empty() && MakeFolders(folder, 0700).empty()) {
+    WriteFileAtomic(memo, stamp + digest + "\n");  // a failure costs a hash
+  }
+  return digest;
+}
 
 }  // namespace
 
@@ -164,7 +209,7 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
     Log("cache folder " + trust.folder + " is shared (" + kTrustSharedEnv +
         "): " + s + "; every one of them can put code into this job");
   }
-  std::string digest = FileDigest(*crypto, cfg.plugin_path, &why);
+  std::string digest = PluginDigest(*crypto, cfg.plugin_path, &why);
   if (digest.empty()) {
     state->why_off = "cannot key entries by the plugin's build: " + why;
     return nullptr;

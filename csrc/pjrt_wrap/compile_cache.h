@@ -2,7 +2,8 @@
 //
 // An entry's name is the SHA-256 (hex) of everything the executable depends
 // on: the program (its format and bytes), the serialized compile options
-// (both with map entries in a canonical order, proto_canon.h), the real
+// (both with map entries in a canonical order and an HLO module without its
+// source locations, proto_canon.h), the real
 // plugin's build (the SHA-256 of its file and its C API version: two builds
 // report the same platform strings), its platform name and version, the
 // environment that changes its code (key_parts.h: the compiler flags it reads

@@ -246,3 +246,25 @@ def test_threads_compiling_the_same_programs_compile_each_once(tmp_path):
     assert c["flight_waits"] >= 1  # the threads did ask at once
     assert len(set(out["results"][0::2])) == len(set(out["results"][1::2])) == 1
     assert out["results"][0] != out["results"][1]
+
+
+# -- cheap starts -------------------------------------------------------------------------------------------
+
+def test_the_plugins_digest_is_remembered_per_host_until_the_file_changes(tmp_path):
+    # Regression (issue 24): every process start hashed the whole real plugin (libtpu is hundreds of MB).
+    folder = tmp_path / "cache"
+    plugin = tmp_path / "plugin.so"
+    plugin.write_bytes(Path(pjrt_job.lammps_plugin()).read_bytes())
+    env = dict(HOME=str(tmp_path / "home"), XLAKIT_PJRT_PLUGIN=str(plugin))
+    job("jax", folder, **env)
+    (memo,) = (tmp_path / "home" / ".cache" / "xlakit" / "pjrt-digests").iterdir()
+    stamp, digest = memo.read_text().rsplit(" ", 1)
+    assert len(digest) == 65 and oct(memo.stat().st_mode & 0o777) == "0o600"
+    assert all_hits(job("jax", folder, **env))
+    # The memo is what the next start uses: a digest put in it is another plugin build, so every program misses.
+    memo.write_text(f"{stamp} {'0' * 64}\n")
+    assert counts(job("jax", folder, **env))["hits"] == 0
+    # A changed file (here only touched: its mtime and ctime) is hashed again, and hits what it wrote before.
+    os.utime(plugin)
+    assert all_hits(job("jax", folder, **env))
+    assert memo.read_text().endswith(digest)

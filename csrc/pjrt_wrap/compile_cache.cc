@@ -1,10 +1,12 @@
 // The compile cache; see compile_cache.h.
 #include "pjrt_wrap/compile_cache.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -180,7 +182,9 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
     return nullptr;
   }
   FolderTrust trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared);
-  if (trust.trusted() && !cfg.read_only) {
+  struct stat before;
+  if (trust.trusted() && !cfg.read_only &&
+      stat(trust.folder.c_str(), &before) != 0) {
     std::string error =
         MakeFolders(trust.folder, cfg.trust_shared ? 0750 : 0700);
     if (!error.empty()) {
@@ -188,7 +192,8 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
                        kCacheReadOnlyEnv + "=1)";
       return nullptr;
     }
-    trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared);  // what got made
+    // What got made (judging reads every entry: once per start otherwise).
+    trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared);
   }
   state->folder = trust.state;
   state->dir = trust.folder;
@@ -366,6 +371,10 @@ bool CompileCache::TryLoad(const ClientInfo& info, const std::string& key,
     return false;
   }
   counters.load_us += MicrosSince(start);
+  // A hit is a use: its times say when, for least-recently-used eviction
+  // (`xlakit cache prune --max-bytes`). A worker that may not write the entry
+  // leaves it as it is.
+  utimensat(AT_FDCWD, path.c_str(), nullptr, AT_SYMLINK_NOFOLLOW);
   args->executable = loaded;
   return true;
 }
@@ -412,6 +421,51 @@ void CompileCache::Store(const ClientInfo& info, const std::string& key,
     return;
   }
   ++counters.writes;
+  if (cfg_.max_bytes > 0) Evict(key);
+}
+
+void CompileCache::Evict(const std::string& keep) {
+  // Only the wrapper's own entries (64 hex digits) count and go; the folder
+  // is listed at each write (a miss), never at a hit.
+  DIR* dir = opendir(cfg_.dir.c_str());
+  if (dir == nullptr) return;
+  struct Entry {
+    int64_t used_ns;
+    std::string name;
+    uint64_t bytes;
+  };
+  std::vector<Entry> entries;
+  uint64_t total = 0;
+  while (struct dirent* d = readdir(dir)) {
+    std::string name = d->d_name;
+    if (name.size() != 64 ||
+        name.find_first_not_of("0123456789abcdef") != std::string::npos) {
+      continue;
+    }
+    struct stat st;
+    if (fstatat(dirfd(dir), d->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(st.st_mode)) {
+      continue;
+    }
+    total += static_cast<uint64_t>(st.st_size);
+    entries.push_back({int64_t{st.st_mtim.tv_sec} * 1000000000 +
+                           st.st_mtim.tv_nsec,
+                       name, static_cast<uint64_t>(st.st_size)});
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry& a, const Entry& b) {
+              return a.used_ns != b.used_ns ? a.used_ns < b.used_ns
+                                            : a.name < b.name;
+            });
+  for (const Entry& e : entries) {
+    if (total <= cfg_.max_bytes) break;
+    if (e.name == keep) continue;
+    if (unlinkat(dirfd(dir), e.name.c_str(), 0) == 0) {
+      total -= e.bytes;
+      ++GlobalCounters().evictions;
+    }
+  }
+  closedir(dir);
 }
 
 PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
@@ -445,7 +499,9 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
          it = in_flight_.find(key)) {
       std::shared_ptr<Flight> other = it->second;
       ++counters.flight_waits;
-      other->cv.wait(lock, [&other] { return other->done; });
+      while (!other->done) {
+        pthread_cond_wait(&other->cv, lock.mutex()->native_handle());
+      }
     }
     in_flight_[key] = mine;
   }
@@ -457,7 +513,7 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
       std::lock_guard<std::mutex> lock(cache->flight_mu_);
       flight->done = true;
       cache->in_flight_.erase(key);
-      flight->cv.notify_all();
+      pthread_cond_broadcast(&flight->cv);
     }
   } land{this, key, mine};
   bool hit = false;

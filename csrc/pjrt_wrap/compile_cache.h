@@ -28,7 +28,8 @@
 #ifndef XLAKIT_PJRT_WRAP_COMPILE_CACHE_H_
 #define XLAKIT_PJRT_WRAP_COMPILE_CACHE_H_
 
-#include <condition_variable>
+#include <pthread.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -56,6 +57,8 @@ struct CacheConfig {
   std::string key;  // XLAKIT_CACHE_KEY; "" for plain entries
   // Larger entries are refused unread and not written (env.h).
   uint64_t max_entry_bytes = kDefaultMaxEntryBytes;
+  // The folder's bound (env.h kCacheMaxBytesEnv); 0 for none.
+  uint64_t max_bytes = 0;
   // A variable the cache reads holds a value it cannot use (a mistyped flag):
   // what is wrong, naming the variable and its value; the cache then stays off.
   std::string env_problem;
@@ -101,6 +104,9 @@ class CompileCache {
   std::string KeyFor(const ClientInfo& info,
                      const PJRT_Client_Compile_Args& args);
   std::unique_ptr<EntryMac> NewMac() const;
+  // Removes the least recently used entries but `keep` until the folder's
+  // entries hold at most cfg_.max_bytes.
+  void Evict(const std::string& keep);
   // True when `args->executable` now holds the cached executable.
   bool TryLoad(const ClientInfo& info, const std::string& key,
                const std::string& path, PJRT_Client_Compile_Args* args);
@@ -121,9 +127,12 @@ class CompileCache {
   // Single flight: the keys a thread of this process is looking up or
   // compiling now; another thread asking for one waits for it, then looks
   // the entry up again (a hit once the first wrote it).
+  // A pthread condition, not std::condition_variable, whose wait needs
+  // GLIBCXX_3.4.30 (GCC 12) where the library promises 3.4.21.
   struct Flight {
     bool done = false;
-    std::condition_variable cv;
+    pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+    ~Flight() { pthread_cond_destroy(&cv); }
   };
   std::mutex flight_mu_;
   std::map<std::string, std::shared_ptr<Flight>> in_flight_;

@@ -32,6 +32,8 @@ struct Counters {
   // Compiles that waited for another thread compiling the same key (single
   // flight), then looked the entry up again.
   std::atomic<uint64_t> flight_waits{0};
+  // Entries removed to keep the folder under XLAKIT_PJRT_CACHE_MAX_BYTES.
+  std::atomic<uint64_t> evictions{0};
   // Microseconds spent in real compiles (misses) and in loading hits.
   std::atomic<uint64_t> compile_us{0};
   std::atomic<uint64_t> load_us{0};

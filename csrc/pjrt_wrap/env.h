@@ -26,6 +26,11 @@ inline constexpr char kTrustSharedEnv[] = "XLAKIT_CACHE_TRUST_SHARED";
 // kDefaultMaxEntryBytes; a positive integer, else the cache stays off.
 inline constexpr char kCacheMaxEntryBytesEnv[] =
     "XLAKIT_PJRT_CACHE_MAX_ENTRY_BYTES";
+// The most bytes the cache folder's entries may hold together: after each
+// write, the least recently used entries (a hit touches its entry) are
+// removed until the rest fit. Unset: no bound. A positive integer, else the
+// cache stays off.
+inline constexpr char kCacheMaxBytesEnv[] = "XLAKIT_PJRT_CACHE_MAX_BYTES";
 // 2 GiB: serialized executables are protocol buffers, which cannot be larger.
 inline constexpr uint64_t kDefaultMaxEntryBytes = uint64_t{2} << 30;
 // Compiler flags a plugin reads from the environment rather than from the

@@ -233,6 +233,10 @@ const PJRT_Api* Activate() {
   cfg.key = Env(kCacheKeyEnv);
   cfg.max_entry_bytes =
       Bytes(kCacheMaxEntryBytesEnv, kDefaultMaxEntryBytes, &cfg.env_problem);
+  if (!Env(kCacheMaxBytesEnv).empty()) {
+    cfg.max_bytes = Bytes(kCacheMaxBytesEnv, kDefaultMaxEntryBytes,
+                          &cfg.env_problem);
+  }
   w.cache = CompileCache::Open(w.real, cfg, &w.cache_state);
   const size_t size = w.real->struct_size;
   w.table.reset(new char[size]);
@@ -290,6 +294,7 @@ std::string StatusJson() {
          ", \"execute_options_padded\": " +
          std::to_string(c.execute_options_padded) +
          ", \"flight_waits\": " + std::to_string(c.flight_waits) +
+         ", \"evictions\": " + std::to_string(c.evictions) +
          ", \"compile_s\": " + std::to_string(c.compile_us / 1e6) +
          ", \"load_s\": " + std::to_string(c.load_us / 1e6) + "}";
   out += ", \"refused_entries\": {";

@@ -45,6 +45,7 @@ PJRT_PLUGIN = _C.PJRT_PLUGIN_ENV
 PJRT_CACHE_DIR = _C.PJRT_CACHE_DIR_ENV
 PJRT_CACHE_READ_ONLY = _C.PJRT_CACHE_READ_ONLY_ENV
 PJRT_CACHE_MAX_ENTRY_BYTES = _C.PJRT_CACHE_MAX_ENTRY_BYTES_ENV
+PJRT_CACHE_MAX_BYTES = _C.PJRT_CACHE_MAX_BYTES_ENV
 # The job's secret for authenticated cache entries. The C++ runtime and the PJRT wrapper read it
 # too: its name and the shortest key accepted are facts of csrc/core/envelope.h (kCacheKeyEnv,
 # kMinCacheKeyBytes), taken from there. Never logged.

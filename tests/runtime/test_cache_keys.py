@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -268,3 +268,45 @@ def test_the_plugins_digest_is_remembered_per_host_until_the_file_changes(tmp_pa
     os.utime(plugin)
     assert all_hits(job("jax", folder, **env))
     assert memo.read_text().endswith(digest)
+
+
+# -- bounded size -------------------------------------------------------------------------------------------
+
+def test_prune_max_bytes_evicts_the_least_recently_used_and_a_hit_is_a_use(tmp_path):
+    folder = tmp_path / "cache"
+    job("jax", folder)
+    first = {p.name: p for p in folder.iterdir()}
+    old = time.time() - 3600
+    for p in first.values():
+        os.utime(p, (old, old))
+    other = run([str(JOB), "jax", "--variant", "1"], folder)  # hits the programs both variants compile
+    assert 0 < counts(other)["hits"] < counts(other)["compiles"]
+    unused = {name for name, p in first.items() if p.stat().st_mtime < old + 1}
+    assert unused and len(unused) < len(first)  # a hit touched its entry
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
+    budget = sum(sizes.values()) - sum(sizes[n] for n in unused)
+    prune = subprocess.run([sys.executable, "-m", "xlakit", "cache", "prune", str(folder), "--max-bytes",
+                            str(budget)], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": PYTHONPATH})
+    assert prune.returncode == 0, prune.stderr
+    assert {p.name for p in folder.iterdir()} == set(sizes) - unused, prune.stdout
+    assert all_hits(run([str(JOB), "jax", "--variant", "1"], folder))
+
+
+def test_the_wrapper_keeps_its_folder_under_max_bytes(tmp_path):
+    sizes = {p.name: p.stat().st_size for p in _written(tmp_path / "unbounded")}
+    folder = tmp_path / "cache"
+    budget = sum(sizes.values()) - 1  # one byte short of every entry
+    first = run([str(JOB), "jax"], folder, XLAKIT_PJRT_CACHE_MAX_BYTES=str(budget))
+    c = counts(first)
+    kept = list(folder.iterdir())
+    assert c["writes"] == c["compiles"] and c["evictions"] == c["writes"] - len(kept) >= 1
+    assert sum(p.stat().st_size for p in kept) <= budget
+    assert counts(job("jax", folder))["hits"] == len(kept)  # what is left is loadable, and hit
+    bad = run([str(JOB), "jax"], folder, XLAKIT_PJRT_CACHE_MAX_BYTES="lots")
+    assert not bad["status"]["cache"]["on"] and "XLAKIT_PJRT_CACHE_MAX_BYTES='lots'" in bad["stderr"]
+
+
+def _written(folder: Path) -> list[Path]:
+    job("jax", folder)
+    return list(folder.iterdir())

@@ -529,8 +529,13 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
   ++counters.misses;
   Clock::time_point start = Clock::now();
   PJRT_Error* error = real_->PJRT_Client_Compile(args);
-  counters.compile_us += MicrosSince(start);
-  if (error == nullptr && args->executable != nullptr && !cfg_.read_only) {
+  const uint64_t compile_us = MicrosSince(start);
+  counters.compile_us += compile_us;
+  if (error == nullptr && args->executable != nullptr && !cfg_.read_only &&
+      compile_us < cfg_.min_compile_us) {
+    ++counters.skipped_fast;
+  } else if (error == nullptr && args->executable != nullptr &&
+             !cfg_.read_only) {
     try {
       Store(info, key, path, args->executable);
     } catch (...) {

@@ -59,6 +59,9 @@ struct CacheConfig {
   uint64_t max_entry_bytes = kDefaultMaxEntryBytes;
   // The folder's bound (env.h kCacheMaxBytesEnv); 0 for none.
   uint64_t max_bytes = 0;
+  // Compiles faster than this are not written (env.h
+  // kCacheMinCompileSecondsEnv).
+  uint64_t min_compile_us = 0;
   // A variable the cache reads holds a value it cannot use (a mistyped flag):
   // what is wrong, naming the variable and its value; the cache then stays off.
   std::string env_problem;

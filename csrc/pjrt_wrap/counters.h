@@ -34,6 +34,9 @@ struct Counters {
   std::atomic<uint64_t> flight_waits{0};
   // Entries removed to keep the folder under XLAKIT_PJRT_CACHE_MAX_BYTES.
   std::atomic<uint64_t> evictions{0};
+  // Programs not written: they compiled faster than
+  // XLAKIT_PJRT_CACHE_MIN_COMPILE_S.
+  std::atomic<uint64_t> skipped_fast{0};
   // Microseconds spent in real compiles (misses) and in loading hits.
   std::atomic<uint64_t> compile_us{0};
   std::atomic<uint64_t> load_us{0};

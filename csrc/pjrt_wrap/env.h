@@ -31,6 +31,14 @@ inline constexpr char kCacheMaxEntryBytesEnv[] =
 // removed until the rest fit. Unset: no bound. A positive integer, else the
 // cache stays off.
 inline constexpr char kCacheMaxBytesEnv[] = "XLAKIT_PJRT_CACHE_MAX_BYTES";
+// Programs that compiled in less than this many seconds are not written
+// (counted as skipped_fast). Default 0: every program is written, since a hit
+// loads in about a millisecond where the smallest compile takes tens of
+// milliseconds (measured on the CPU plugins; more on a TPU), and the size
+// bound, not the compile time, is what keeps the folder small. A number of
+// seconds (0 or more), else the cache stays off.
+inline constexpr char kCacheMinCompileSecondsEnv[] =
+    "XLAKIT_PJRT_CACHE_MIN_COMPILE_S";
 // 2 GiB: serialized executables are protocol buffers, which cannot be larger.
 inline constexpr uint64_t kDefaultMaxEntryBytes = uint64_t{2} << 30;
 // Compiler flags a plugin reads from the environment rather than from the

@@ -310,3 +310,13 @@ def test_the_wrapper_keeps_its_folder_under_max_bytes(tmp_path):
 def _written(folder: Path) -> list[Path]:
     job("jax", folder)
     return list(folder.iterdir())
+
+
+def test_programs_compiled_faster_than_the_minimum_are_not_written(tmp_path):
+    folder = tmp_path / "cache"
+    out = job("jax", folder, XLAKIT_PJRT_CACHE_MIN_COMPILE_S="1000")
+    c = counts(out)
+    assert c["writes"] == 0 and c["skipped_fast"] == c["misses"] == c["compiles"] > 0 and not any(folder.iterdir())
+    assert counts(job("jax", folder, XLAKIT_PJRT_CACHE_MIN_COMPILE_S="0"))["writes"] == c["compiles"]
+    bad = job("jax", folder, XLAKIT_PJRT_CACHE_MIN_COMPILE_S="1s")
+    assert not bad["status"]["cache"]["on"] and "XLAKIT_PJRT_CACHE_MIN_COMPILE_S='1s'" in bad["stderr"]

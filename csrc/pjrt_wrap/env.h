@@ -33,8 +33,8 @@ inline constexpr char kCacheMaxEntryBytesEnv[] =
 inline constexpr char kCacheMaxBytesEnv[] = "XLAKIT_PJRT_CACHE_MAX_BYTES";
 // Programs that compiled in less than this many seconds are not written
 // (counted as skipped_fast). Default 0: every program is written, since a hit
-// loads in about a millisecond where the smallest compile takes tens of
-// milliseconds (measured on the CPU plugins; more on a TPU), and the size
+// loads in about a millisecond where a compile takes far longer (measured in
+// docs/runtime.md), and the size
 // bound, not the compile time, is what keeps the folder small. A number of
 // seconds (0 or more), else the cache stays off.
 inline constexpr char kCacheMinCompileSecondsEnv[] =

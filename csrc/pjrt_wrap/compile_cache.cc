@@ -436,8 +436,19 @@ void CompileCache::Evict(const std::string& keep) {
   };
   std::vector<Entry> entries;
   uint64_t total = 0;
+  // A temporary of a writer killed long ago (core/atomic_file.h), kept as
+  // long as `xlakit cache prune` keeps one (a live writer's is younger).
+  constexpr time_t kAbandonedTempSeconds = 15 * 60;
+  const time_t now = time(nullptr);
   while (struct dirent* d = readdir(dir)) {
     std::string name = d->d_name;
+    struct stat tst;
+    if (!TempFileTarget(name).empty() &&
+        fstatat(dirfd(dir), d->d_name, &tst, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISREG(tst.st_mode) && tst.st_mtime + kAbandonedTempSeconds < now) {
+      unlinkat(dirfd(dir), d->d_name, 0);
+      continue;
+    }
     if (name.size() != 64 ||
         name.find_first_not_of("0123456789abcdef") != std::string::npos) {
       continue;

@@ -108,7 +108,8 @@ class CompileCache {
                      const PJRT_Client_Compile_Args& args);
   std::unique_ptr<EntryMac> NewMac() const;
   // Removes the least recently used entries but `keep` until the folder's
-  // entries hold at most cfg_.max_bytes.
+  // entries hold at most cfg_.max_bytes, and the temporaries of writers
+  // killed more than 15 minutes ago.
   void Evict(const std::string& keep);
   // True when `args->executable` now holds the cached executable.
   bool TryLoad(const ClientInfo& info, const std::string& key,

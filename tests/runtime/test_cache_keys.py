@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO, pjrt_job
+from xlakit import _C
 from xlakit.runtime import pjrt_wrap
 
 JOB = Path(pjrt_job.__file__)
@@ -297,7 +298,16 @@ def test_the_wrapper_keeps_its_folder_under_max_bytes(tmp_path):
     sizes = {p.name: p.stat().st_size for p in _written(tmp_path / "unbounded")}
     folder = tmp_path / "cache"
     budget = sum(sizes.values()) - 1  # one byte short of every entry
+    folder.mkdir(mode=0o700)
+    killed, live = (folder / f"{_C.TEMP_PREFIX}{'a' * 64}.host.{pid}.1.{'0' * 16}" for pid in (11, 12))
+    for temp in (killed, live):
+        temp.write_bytes(b"half an entry")
+    assert _C.temp_file_target(killed.name) == "a" * 64
+    old = time.time() - 3600
+    os.utime(killed, (old, old))  # a writer killed an hour ago; `live` may still be written
     first = run([str(JOB), "jax"], folder, XLAKIT_PJRT_CACHE_MAX_BYTES=str(budget))
+    assert not killed.exists() and live.exists()
+    live.unlink()
     c = counts(first)
     kept = list(folder.iterdir())
     assert c["writes"] == c["compiles"] and c["evictions"] == c["writes"] - len(kept) >= 1

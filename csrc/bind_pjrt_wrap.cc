@@ -14,6 +14,7 @@ void BindPjrtWrap(pybind11::module_& m) {
   m.attr("PJRT_MEMORY_ACCOUNTING_ENV") = pjrt_wrap::kMemoryAccountingEnv;
   m.attr("CACHE_TRUST_SHARED_ENV") = pjrt_wrap::kTrustSharedEnv;
   m.attr("PJRT_CACHE_MAX_ENTRY_BYTES_ENV") = pjrt_wrap::kCacheMaxEntryBytesEnv;
+  m.attr("PJRT_CACHE_MAX_BYTES_ENV") = pjrt_wrap::kCacheMaxBytesEnv;
   m.attr("PJRT_DEFAULT_MAX_ENTRY_BYTES") = pjrt_wrap::kDefaultMaxEntryBytes;
 }
 

@@ -1,10 +1,12 @@
 // The compile cache; see compile_cache.h.
 #include "pjrt_wrap/compile_cache.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -15,6 +17,7 @@
 #include "core/envelope.h"
 #include "pjrt_wrap/counters.h"
 #include "pjrt_wrap/env.h"
+#include "pjrt_wrap/key_parts.h"
 #include "pjrt_wrap/pjrt_calls.h"
 #include "pjrt_wrap/proto_canon.h"
 
@@ -36,15 +39,12 @@ uint64_t MicrosSince(Clock::time_point start) {
 const char* MissingFunction(const PJRT_Api* api) {
 #define XLAKIT_REQUIRE(field) \
   if (!XLAKIT_PJRT_HAS(api, field)) return #field;
-  XLAKIT_REQUIRE(PJRT_Client_ProcessIndex)
   XLAKIT_REQUIRE(PJRT_Client_PlatformName)
   XLAKIT_REQUIRE(PJRT_Client_PlatformVersion)
   XLAKIT_REQUIRE(PJRT_Client_Devices)
   XLAKIT_REQUIRE(PJRT_Device_GetDescription)
-  XLAKIT_REQUIRE(PJRT_DeviceDescription_Id)
   XLAKIT_REQUIRE(PJRT_DeviceDescription_ProcessIndex)
   XLAKIT_REQUIRE(PJRT_DeviceDescription_Kind)
-  XLAKIT_REQUIRE(PJRT_DeviceDescription_ToString)
   XLAKIT_REQUIRE(PJRT_LoadedExecutable_GetExecutable)
   XLAKIT_REQUIRE(PJRT_Executable_Serialize)
   XLAKIT_REQUIRE(PJRT_Executable_Destroy)
@@ -101,6 +101,51 @@ std::string FileDigest(const Libcrypto& crypto, const std::string& path,
   return error->empty() ? sha.Hex() : "";
 }
 
+// The real plugin's SHA-256, remembered per host and user in
+// ~/.cache/xlakit/pjrt-digests, one small file per plugin path holding the
+// file's device, inode, size, mtime and ctime (which no user can set back)
+// and its digest: libtpu is hundreds of MB, and every rank of every start
+// hashed it. A memo that is not the user's own, or that others can write, is
+// ignored; any change to the file hashes it again.
+std::string PluginDigest(const Libcrypto& crypto, const std::string& path,
+                         std::string* error) {
+  struct stat st;
+  const char* home = std::getenv("HOME");
+  if (stat(path.c_str(), &st) != 0 || home == nullptr || *home == '\0') {
+    return FileDigest(crypto, path, error);
+  }
+  const std::string stamp =
+      std::to_string(st.st_dev) + " " + std::to_string(st.st_ino) + " " +
+      std::to_string(st.st_size) + " " + std::to_string(st.st_mtim.tv_sec) +
+      "." + std::to_string(st.st_mtim.tv_nsec) + " " +
+      std::to_string(st.st_ctim.tv_sec) + "." +
+      std::to_string(st.st_ctim.tv_nsec) + " ";
+  const std::string folder = std::string(home) + "/.cache/xlakit/pjrt-digests";
+  Sha256 name(crypto);
+  name.Update(path);
+  const std::string memo = folder + "/" + name.Hex().substr(0, 32);
+  int fd = open(memo.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd >= 0) {
+    struct stat ms;
+    char buf[512];
+    ssize_t n = -1;
+    if (fstat(fd, &ms) == 0 && S_ISREG(ms.st_mode) &&
+        ms.st_uid == geteuid() && (ms.st_mode & 022) == 0) {
+      n = read(fd, buf, sizeof(buf));
+    }
+    close(fd);
+    const std::string line = n > 0 ? std::string(buf, n) : "";
+    if (line.size() == stamp.size() + 65 && line.rfind(stamp, 0) == 0 &&
+        line.back() == '\n') {
+      return line.substr(stamp.size(), 64);
+    }
+  }
+  std::string digest = FileDigest(crypto, path, error);
+  if (!digest.empty() && MakeFolders(folder, 0700).empty()) {
+    WriteFileAtomic(memo, stamp + digest + "\n");  // a failure costs a hash
+  }
+  return digest;
+}
 
 }  // namespace
 
@@ -137,7 +182,9 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
     return nullptr;
   }
   FolderTrust trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared);
-  if (trust.trusted() && !cfg.read_only) {
+  struct stat before;
+  if (trust.trusted() && !cfg.read_only &&
+      stat(trust.folder.c_str(), &before) != 0) {
     std::string error =
         MakeFolders(trust.folder, cfg.trust_shared ? 0750 : 0700);
     if (!error.empty()) {
@@ -145,7 +192,8 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
                        kCacheReadOnlyEnv + "=1)";
       return nullptr;
     }
-    trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared);  // what got made
+    // What got made (judging reads every entry: once per start otherwise).
+    trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared);
   }
   state->folder = trust.state;
   state->dir = trust.folder;
@@ -166,7 +214,7 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
     Log("cache folder " + trust.folder + " is shared (" + kTrustSharedEnv +
         "): " + s + "; every one of them can put code into this job");
   }
-  std::string digest = FileDigest(*crypto, cfg.plugin_path, &why);
+  std::string digest = PluginDigest(*crypto, cfg.plugin_path, &why);
   if (digest.empty()) {
     state->why_off = "cannot key entries by the plugin's build: " + why;
     return nullptr;
@@ -178,10 +226,7 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
   cache->plugin_build_ =
       digest + " " + std::to_string(real->pjrt_api_version.major_version) +
       "." + std::to_string(real->pjrt_api_version.minor_version);
-  for (const char* name : kKeyedFlagEnvs) {
-    const char* value = std::getenv(name);
-    cache->flags_ += std::string(name) + "=" + (value ? value : "") + "\n";
-  }
+  cache->flags_ = KeyedEnvironment(*crypto);
   state->on = true;
   state->authenticated = !cfg.key.empty();
   return cache;
@@ -211,8 +256,19 @@ CompileCache::ClientInfo CompileCache::Info(PJRT_Client* client) {
   info.ok = PlatformName(real_, client, &info.self.platform_name, &error) &&
             PlatformVersion(real_, client, &info.self.platform_version,
                             &error) &&
-            DescribeDevices(real_, client, &info.topology, &error);
+            DescribeTopology(real_, client, &info.topology,
+                             &info.topology_source, &error);
   info.error = error;
+  if (info.ok) {
+    LogOnce("topology", "cache keys cover the " +
+                            std::string(info.topology_source == "devices"
+                                            ? "device kinds and counts (the "
+                                              "plugin has no topology "
+                                              "description)"
+                                            : "plugin's topology description "
+                                              "and device kinds") +
+                            ", not the host: the hosts of a pod share entries");
+  }
   info.self.patch_series_id = std::string("pjrt-wrap/") + kWrapperVersion;
   clients_[client] = info;
   return info;
@@ -315,6 +371,10 @@ bool CompileCache::TryLoad(const ClientInfo& info, const std::string& key,
     return false;
   }
   counters.load_us += MicrosSince(start);
+  // A hit is a use: its times say when, for least-recently-used eviction
+  // (`xlakit cache prune --max-bytes`). A worker that may not write the entry
+  // leaves it as it is.
+  utimensat(AT_FDCWD, path.c_str(), nullptr, AT_SYMLINK_NOFOLLOW);
   args->executable = loaded;
   return true;
 }
@@ -361,6 +421,62 @@ void CompileCache::Store(const ClientInfo& info, const std::string& key,
     return;
   }
   ++counters.writes;
+  if (cfg_.max_bytes > 0) Evict(key);
+}
+
+void CompileCache::Evict(const std::string& keep) {
+  // Only the wrapper's own entries (64 hex digits) count and go; the folder
+  // is listed at each write (a miss), never at a hit.
+  DIR* dir = opendir(cfg_.dir.c_str());
+  if (dir == nullptr) return;
+  struct Entry {
+    int64_t used_ns;
+    std::string name;
+    uint64_t bytes;
+  };
+  std::vector<Entry> entries;
+  uint64_t total = 0;
+  // A temporary of a writer killed long ago (core/atomic_file.h), kept as
+  // long as `xlakit cache prune` keeps one (a live writer's is younger).
+  constexpr time_t kAbandonedTempSeconds = 15 * 60;
+  const time_t now = time(nullptr);
+  while (struct dirent* d = readdir(dir)) {
+    std::string name = d->d_name;
+    struct stat tst;
+    if (!TempFileTarget(name).empty() &&
+        fstatat(dirfd(dir), d->d_name, &tst, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISREG(tst.st_mode) && tst.st_mtime + kAbandonedTempSeconds < now) {
+      unlinkat(dirfd(dir), d->d_name, 0);
+      continue;
+    }
+    if (name.size() != 64 ||
+        name.find_first_not_of("0123456789abcdef") != std::string::npos) {
+      continue;
+    }
+    struct stat st;
+    if (fstatat(dirfd(dir), d->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(st.st_mode)) {
+      continue;
+    }
+    total += static_cast<uint64_t>(st.st_size);
+    entries.push_back({int64_t{st.st_mtim.tv_sec} * 1000000000 +
+                           st.st_mtim.tv_nsec,
+                       name, static_cast<uint64_t>(st.st_size)});
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry& a, const Entry& b) {
+              return a.used_ns != b.used_ns ? a.used_ns < b.used_ns
+                                            : a.name < b.name;
+            });
+  for (const Entry& e : entries) {
+    if (total <= cfg_.max_bytes) break;
+    if (e.name == keep) continue;
+    if (unlinkat(dirfd(dir), e.name.c_str(), 0) == 0) {
+      total -= e.bytes;
+      ++GlobalCounters().evictions;
+    }
+  }
+  closedir(dir);
 }
 
 PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
@@ -385,6 +501,32 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
                        "); compiling without it");
     return real_->PJRT_Client_Compile(args);
   }
+  // Single flight: wait while another thread has this key in hand, then take
+  // it; the flight ends (and the next waiter looks up) however this returns.
+  std::shared_ptr<Flight> mine = std::make_shared<Flight>();
+  {
+    std::unique_lock<std::mutex> lock(flight_mu_);
+    for (auto it = in_flight_.find(key); it != in_flight_.end();
+         it = in_flight_.find(key)) {
+      std::shared_ptr<Flight> other = it->second;
+      ++counters.flight_waits;
+      while (!other->done) {
+        pthread_cond_wait(&other->cv, lock.mutex()->native_handle());
+      }
+    }
+    in_flight_[key] = mine;
+  }
+  struct Land {
+    CompileCache* cache;
+    const std::string& key;
+    const std::shared_ptr<Flight>& flight;
+    ~Land() {
+      std::lock_guard<std::mutex> lock(cache->flight_mu_);
+      flight->done = true;
+      cache->in_flight_.erase(key);
+      pthread_cond_broadcast(&flight->cv);
+    }
+  } land{this, key, mine};
   bool hit = false;
   try {
     hit = TryLoad(info, key, path, args);
@@ -398,8 +540,13 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
   ++counters.misses;
   Clock::time_point start = Clock::now();
   PJRT_Error* error = real_->PJRT_Client_Compile(args);
-  counters.compile_us += MicrosSince(start);
-  if (error == nullptr && args->executable != nullptr && !cfg_.read_only) {
+  const uint64_t compile_us = MicrosSince(start);
+  counters.compile_us += compile_us;
+  if (error == nullptr && args->executable != nullptr && !cfg_.read_only &&
+      compile_us < cfg_.min_compile_us) {
+    ++counters.skipped_fast;
+  } else if (error == nullptr && args->executable != nullptr &&
+             !cfg_.read_only) {
     try {
       Store(info, key, path, args->executable);
     } catch (...) {

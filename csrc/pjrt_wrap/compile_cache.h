@@ -2,12 +2,15 @@
 //
 // An entry's name is the SHA-256 (hex) of everything the executable depends
 // on: the program (its format and bytes), the serialized compile options
-// (both with map entries in a canonical order, proto_canon.h), the real
+// (both with map entries in a canonical order and an HLO module without its
+// source locations, proto_canon.h), the real
 // plugin's build (the SHA-256 of its file and its C API version: two builds
 // report the same platform strings), its platform name and version, the
-// compiler flags it reads from the environment (env.h kKeyedFlagEnvs), the
-// client's process index and every device of the client (id, process, kind,
-// description), the wrapper's own version, and the id of the job's key
+// environment that changes its code (key_parts.h: the compiler flags it reads
+// from the environment, normalised, and env.h kKeyedCodegenEnvs), the
+// topology (pjrt_calls.h DescribeTopology: the plugin's serialized topology
+// description, the device kinds and counts; nothing host-specific, so the
+// hosts of a pod share one entry per program), the wrapper's own version, and the id of the job's key
 // (XLAKIT_CACHE_KEY) if it has one, so jobs with different keys, or none,
 // never use or replace each other's entries. The entry is xlakit's envelope (core/envelope.h: checksum;
 // HMAC-SHA256 tag under the key; the entry's name stored in it and compared
@@ -24,6 +27,8 @@
 // or aborts.
 #ifndef XLAKIT_PJRT_WRAP_COMPILE_CACHE_H_
 #define XLAKIT_PJRT_WRAP_COMPILE_CACHE_H_
+
+#include <pthread.h>
 
 #include <cstdint>
 #include <map>
@@ -42,7 +47,7 @@ namespace pjrt_wrap {
 
 // The wrapper's own version: part of every key and of every entry's identity.
 // Bump it when what a key covers, or what an entry holds, changes.
-inline constexpr char kWrapperVersion[] = "1";
+inline constexpr char kWrapperVersion[] = "2";
 
 struct CacheConfig {
   std::string dir;
@@ -52,6 +57,11 @@ struct CacheConfig {
   std::string key;  // XLAKIT_CACHE_KEY; "" for plain entries
   // Larger entries are refused unread and not written (env.h).
   uint64_t max_entry_bytes = kDefaultMaxEntryBytes;
+  // The folder's bound (env.h kCacheMaxBytesEnv); 0 for none.
+  uint64_t max_bytes = 0;
+  // Compiles faster than this are not written (env.h
+  // kCacheMinCompileSecondsEnv).
+  uint64_t min_compile_us = 0;
   // A variable the cache reads holds a value it cannot use (a mistyped flag):
   // what is wrong, naming the variable and its value; the cache then stays off.
   std::string env_problem;
@@ -88,7 +98,8 @@ class CompileCache {
     bool ok = false;
     std::string error;
     RuntimeIdentity self;
-    std::string topology;
+    std::string topology;         // pjrt_calls.h DescribeTopology
+    std::string topology_source;  // "topology+devices" or "devices"
   };
 
   CompileCache(const PJRT_Api* real, CacheConfig cfg, const Libcrypto& crypto);
@@ -96,6 +107,10 @@ class CompileCache {
   std::string KeyFor(const ClientInfo& info,
                      const PJRT_Client_Compile_Args& args);
   std::unique_ptr<EntryMac> NewMac() const;
+  // Removes the least recently used entries but `keep` until the folder's
+  // entries hold at most cfg_.max_bytes, and the temporaries of writers
+  // killed more than 15 minutes ago.
+  void Evict(const std::string& keep);
   // True when `args->executable` now holds the cached executable.
   bool TryLoad(const ClientInfo& info, const std::string& key,
                const std::string& path, PJRT_Client_Compile_Args* args);
@@ -113,6 +128,18 @@ class CompileCache {
   std::string flags_;
   std::mutex mu_;
   std::map<PJRT_Client*, ClientInfo> clients_;
+  // Single flight: the keys a thread of this process is looking up or
+  // compiling now; another thread asking for one waits for it, then looks
+  // the entry up again (a hit once the first wrote it).
+  // A pthread condition, not std::condition_variable, whose wait needs
+  // GLIBCXX_3.4.30 (GCC 12) where the library promises 3.4.21.
+  struct Flight {
+    bool done = false;
+    pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+    ~Flight() { pthread_cond_destroy(&cv); }
+  };
+  std::mutex flight_mu_;
+  std::map<std::string, std::shared_ptr<Flight>> in_flight_;
 };
 
 }  // namespace pjrt_wrap

@@ -29,6 +29,14 @@ struct Counters {
   std::atomic<uint64_t> serialize_failures{0};
   // PJRT_ExecuteOptions of an older framework padded to this header's size.
   std::atomic<uint64_t> execute_options_padded{0};
+  // Compiles that waited for another thread compiling the same key (single
+  // flight), then looked the entry up again.
+  std::atomic<uint64_t> flight_waits{0};
+  // Entries removed to keep the folder under XLAKIT_PJRT_CACHE_MAX_BYTES.
+  std::atomic<uint64_t> evictions{0};
+  // Programs not written: they compiled faster than
+  // XLAKIT_PJRT_CACHE_MIN_COMPILE_S.
+  std::atomic<uint64_t> skipped_fast{0};
   // Microseconds spent in real compiles (misses) and in loading hits.
   std::atomic<uint64_t> compile_us{0};
   std::atomic<uint64_t> load_us{0};

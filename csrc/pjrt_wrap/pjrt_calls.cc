@@ -1,6 +1,8 @@
 // Calls into the real plugin; see pjrt_calls.h.
 #include "pjrt_wrap/pjrt_calls.h"
 
+#include <set>
+
 namespace xlakit {
 namespace pjrt_wrap {
 namespace {
@@ -112,21 +114,51 @@ bool PlatformVersion(const PJRT_Api* api, PJRT_Client* client,
   return true;
 }
 
-bool DescribeDevices(const PJRT_Api* api, PJRT_Client* client,
-                     std::string* out, std::string* error) {
-  auto self = Make<PJRT_Client_ProcessIndex_Args>();
-  self.client = client;
-  if (!Call(api, api->PJRT_Client_ProcessIndex, &self, "Client_ProcessIndex",
-            error)) {
-    return false;
+namespace {
+
+// The serialized topology of the client, or "" where the plugin has none (an
+// older plugin, or one that does not implement it): the device list alone
+// keys those.
+std::string SerializedTopology(const PJRT_Api* api, PJRT_Client* client) {
+  if (!XLAKIT_PJRT_HAS(api, PJRT_Client_TopologyDescription) ||
+      !XLAKIT_PJRT_HAS(api, PJRT_TopologyDescription_Serialize)) {
+    return "";
   }
+  std::string ignored;
+  auto topo = Make<PJRT_Client_TopologyDescription_Args>();
+  topo.client = client;
+  if (!Call(api, api->PJRT_Client_TopologyDescription, &topo,
+            "Client_TopologyDescription", &ignored) ||
+      topo.topology == nullptr) {
+    return "";
+  }
+  auto ser = Make<PJRT_TopologyDescription_Serialize_Args>();
+  ser.topology = topo.topology;
+  if (!Call(api, api->PJRT_TopologyDescription_Serialize, &ser,
+            "TopologyDescription_Serialize", &ignored)) {
+    return "";
+  }
+  std::string out(ser.serialized_bytes ? ser.serialized_bytes : "",
+                  ser.serialized_bytes ? ser.serialized_bytes_size : 0);
+  if (ser.serialized_topology_deleter && ser.serialized_topology) {
+    ser.serialized_topology_deleter(ser.serialized_topology);
+  }
+  return out;
+}
+
+}  // namespace
+
+bool DescribeTopology(const PJRT_Api* api, PJRT_Client* client,
+                      std::string* out, std::string* source,
+                      std::string* error) {
   auto devices = Make<PJRT_Client_Devices_Args>();
   devices.client = client;
   if (!Call(api, api->PJRT_Client_Devices, &devices, "Client_Devices",
             error)) {
     return false;
   }
-  *out = "process " + std::to_string(self.process_index) + "\n";
+  std::string kinds;
+  std::set<int> processes;
   for (size_t i = 0; i < devices.num_devices; ++i) {
     auto desc = Make<PJRT_Device_GetDescription_Args>();
     desc.device = devices.devices[i];
@@ -134,28 +166,25 @@ bool DescribeDevices(const PJRT_Api* api, PJRT_Client* client,
               "Device_GetDescription", error)) {
       return false;
     }
-    auto id = Make<PJRT_DeviceDescription_Id_Args>();
-    id.device_description = desc.device_description;
     auto process = Make<PJRT_DeviceDescription_ProcessIndex_Args>();
     process.device_description = desc.device_description;
     auto kind = Make<PJRT_DeviceDescription_Kind_Args>();
     kind.device_description = desc.device_description;
-    auto text = Make<PJRT_DeviceDescription_ToString_Args>();
-    text.device_description = desc.device_description;
-    if (!Call(api, api->PJRT_DeviceDescription_Id, &id, "DeviceDescription_Id",
-              error) ||
-        !Call(api, api->PJRT_DeviceDescription_ProcessIndex, &process,
+    if (!Call(api, api->PJRT_DeviceDescription_ProcessIndex, &process,
               "DeviceDescription_ProcessIndex", error) ||
         !Call(api, api->PJRT_DeviceDescription_Kind, &kind,
-              "DeviceDescription_Kind", error) ||
-        !Call(api, api->PJRT_DeviceDescription_ToString, &text,
-              "DeviceDescription_ToString", error)) {
+              "DeviceDescription_Kind", error)) {
       return false;
     }
-    *out += std::to_string(id.id) + "|" + std::to_string(process.process_index) +
-            "|" + std::string(kind.device_kind, kind.device_kind_size) + "|" +
-            std::string(text.to_string, text.to_string_size) + "\n";
+    processes.insert(process.process_index);
+    kinds += std::string(kind.device_kind, kind.device_kind_size) + "\n";
   }
+  std::string topology = SerializedTopology(api, client);
+  *source = topology.empty() ? "devices" : "topology+devices";
+  // Length-prefixed: the serialized topology is binary.
+  *out = "topology " + std::to_string(topology.size()) + "\n" + topology +
+         "\ndevices " + std::to_string(devices.num_devices) + " processes " +
+         std::to_string(processes.size()) + "\n" + kinds;
   return true;
 }
 

@@ -35,13 +35,18 @@ bool PlatformName(const PJRT_Api* api, PJRT_Client* client, std::string* out,
 bool PlatformVersion(const PJRT_Api* api, PJRT_Client* client,
                      std::string* out, std::string* error);
 
-// The client's own process index, then every device the client knows (all
-// processes), one line each: id, process index, kind and the plugin's
-// description; the topology an executable is compiled for beyond its device
-// assignment. The process index keeps hosts of a pod apart: an executable is
-// loaded only by the process (host) that compiled it.
-bool DescribeDevices(const PJRT_Api* api, PJRT_Client* client,
-                     std::string* out, std::string* error);
+// What an executable is compiled for beyond its program and options, as the
+// same text on every host of a pod: the plugin's topology description
+// (PJRT_TopologyDescription_Serialize of the client's topology, as JAX keys
+// it) where the plugin has one, then the number of devices and processes and
+// every device's kind, in the client's order. Nothing host-specific (the
+// client's process index, a device's process index, id, coordinates or
+// description string) is in it: an entry one host writes is the one every
+// host looks up. `*source` says which parts were found ("topology+devices" or
+// "devices").
+bool DescribeTopology(const PJRT_Api* api, PJRT_Client* client,
+                      std::string* out, std::string* source,
+                      std::string* error);
 
 // The executable's serialized form (PJRT_Executable_Serialize of its
 // PJRT_Executable), copied out.

@@ -125,6 +125,22 @@ uint64_t Bytes(const char* name, uint64_t fallback, std::string* problem) {
   return fallback;
 }
 
+// A duration in seconds (0 or more, decimals allowed) as microseconds; unset
+// or empty is 0. Anything else is 0 and adds to *problem what is wrong.
+uint64_t Micros(const char* name, std::string* problem) {
+  const std::string raw = Env(name);
+  if (raw.empty()) return 0;
+  char* end = nullptr;
+  const double seconds = std::strtod(raw.c_str(), &end);
+  if (end != nullptr && *end == '\0' && seconds >= 0 && seconds < 1e6) {
+    return static_cast<uint64_t>(seconds * 1e6);
+  }
+  *problem += std::string(problem->empty() ? "" : "; ") +
+              "environment variable " + name + "='" + raw +
+              "': expected a number of seconds, e.g. 1.5";
+  return 0;
+}
+
 std::string DirName(const std::string& path) {
   size_t slash = path.rfind('/');
   return slash == std::string::npos ? "." : path.substr(0, slash);
@@ -236,6 +252,11 @@ const PJRT_Api* Activate() {
   cfg.key = Env(kCacheKeyEnv);
   cfg.max_entry_bytes =
       Bytes(kCacheMaxEntryBytesEnv, kDefaultMaxEntryBytes, &cfg.env_problem);
+  cfg.min_compile_us = Micros(kCacheMinCompileSecondsEnv, &cfg.env_problem);
+  if (!Env(kCacheMaxBytesEnv).empty()) {
+    cfg.max_bytes = Bytes(kCacheMaxBytesEnv, kDefaultMaxEntryBytes,
+                          &cfg.env_problem);
+  }
   w.cache = CompileCache::Open(w.real, cfg, &w.cache_state);
   const size_t size = w.real->struct_size;
   w.table.reset(new char[size]);
@@ -297,6 +318,9 @@ std::string StatusJson() {
          ", \"serialize_failures\": " + std::to_string(c.serialize_failures) +
          ", \"execute_options_padded\": " +
          std::to_string(c.execute_options_padded) +
+         ", \"flight_waits\": " + std::to_string(c.flight_waits) +
+         ", \"evictions\": " + std::to_string(c.evictions) +
+         ", \"skipped_fast\": " + std::to_string(c.skipped_fast) +
          ", \"compile_s\": " + std::to_string(c.compile_us / 1e6) +
          ", \"load_s\": " + std::to_string(c.load_us / 1e6) + "}";
   out += ", \"refused_entries\": {";

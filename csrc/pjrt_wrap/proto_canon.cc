@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <vector>
 
 namespace xlakit {
@@ -16,6 +17,9 @@ namespace {
 struct Schema {
   std::map<uint32_t, const Schema*> messages;
   std::map<uint32_t, bool> maps;
+  // Fields left out of the canonical bytes: debug metadata that never changes
+  // the executable (source locations).
+  std::set<uint32_t> drop;
 };
 
 enum WireType : uint32_t { kVarint = 0, kFixed64 = 1, kBytes = 2, kFixed32 = 5 };
@@ -33,10 +37,19 @@ bool ReadVarint(std::string_view in, size_t* pos, uint64_t* out) {
   return false;
 }
 
+void AppendVarint(uint64_t value, std::string* out) {
+  do {
+    uint8_t byte = value & 0x7f;
+    value >>= 7;
+    out->push_back(static_cast<char>(value ? byte | 0x80 : byte));
+  } while (value);
+}
+
 // One field of a message on the wire.
 struct Field {
   uint32_t number = 0;
   size_t start = 0;           // where its tag starts
+  size_t tag = 0;             // its tag's bytes
   size_t header = 0;          // tag and length bytes, for length-delimited fields
   bool delimited = false;     // a string, bytes or submessage: `payload` holds it
   std::string_view payload;
@@ -49,6 +62,7 @@ bool NextField(std::string_view in, size_t* pos, Field* field) {
   uint64_t tag = 0;
   uint64_t n = 0;
   if (!ReadVarint(in, pos, &tag)) return false;
+  field->tag = *pos - field->start;
   field->number = static_cast<uint32_t>(tag >> 3);
   field->delimited = false;
   switch (tag & 7) {
@@ -94,6 +108,7 @@ std::optional<std::string> Canon(std::string_view in, const Schema& schema) {
   for (size_t pos = 0; pos < in.size();) {
     if (!NextField(in, &pos, &field)) return std::nullopt;
     std::string_view whole = in.substr(field.start, pos - field.start);
+    if (schema.drop.count(field.number)) continue;
     if (field.delimited && schema.maps.count(field.number)) {
       std::optional<std::string> key = EntryKey(field.payload);
       if (!key) return std::nullopt;
@@ -107,8 +122,10 @@ std::optional<std::string> Canon(std::string_view in, const Schema& schema) {
     if (field.delimited && sub != schema.messages.end()) {
       std::optional<std::string> inner = Canon(field.payload, *sub->second);
       if (!inner) return std::nullopt;
-      // Same length as before (only entries moved), so the header stands.
-      out.append(whole.substr(0, field.header));
+      // Its length changes where fields were dropped: the tag, then the new
+      // length.
+      out.append(whole.substr(0, field.tag));
+      AppendVarint(inner->size(), &out);
       out.append(*inner);
       continue;
     }
@@ -147,8 +164,18 @@ const Schema& HloModuleSchema() {
   static const Schema* schema = [] {
     auto* frontend_attributes = new Schema();
     frontend_attributes->maps = {{1, true}};  // map
+    // OpMetadata: where the op came from in the user's source (a blank line
+    // added above it changes them); its other fields stay.
+    auto* op_metadata = new Schema();
+    op_metadata->drop = {3,    // source_file
+                         4,    // source_line
+                         15,   // stack_frame_id (into stack_frame_index)
+                         17,   // source_end_line
+                         18,   // source_column
+                         19};  // source_end_column
     auto* instruction = new Schema();
-    instruction->messages = {{68, frontend_attributes}};
+    instruction->messages = {{7, op_metadata},  // metadata
+                             {68, frontend_attributes}};
     auto* computation = new Schema();
     computation->messages = {{2, instruction}};  // instructions
     auto* schedule = new Schema();
@@ -157,6 +184,8 @@ const Schema& HloModuleSchema() {
     module->messages = {{3, computation},            // computations
                         {7, schedule},               // schedule
                         {19, frontend_attributes}};  // frontend_attributes
+    module->drop = {17};  // stack_frame_index: the source files, lines and
+                          // functions the stack_frame_ids above point to
     return module;
   }();
   return *schema;

@@ -9,6 +9,11 @@
 // maps are reordered: reordering anything else could make two different
 // programs one key, which must never happen. Unparsable input, or a map with a
 // key twice, is returned unchanged (a possible miss, never a wrong hit).
+// An HLO module also loses its debug source locations (each instruction's
+// OpMetadata source file, lines, columns and stack frame id, and the module's
+// stack_frame_index): they never change the executable, and with torch_xla's
+// XLA_HLO_DEBUG=1 they change with every line added above an op. MLIR
+// bytecode keeps its locations: removing them needs MLIR (docs/runtime.md).
 //
 // Field numbers are XLA's (xla/pjrt/proto/compile_options.proto,
 // xla/xla.proto, xla/service/hlo.proto, xla/xla_data.proto); fields never
@@ -25,9 +30,9 @@ namespace pjrt_wrap {
 // A serialized xla.CompileOptionsProto.
 std::string CanonicalCompileOptions(std::string_view bytes);
 
-// A program of `format` ("hlo": a serialized xla.HloModuleProto; other
-// formats, such as "mlir" bytecode, are deterministic and returned as they
-// are).
+// A program of `format` ("hlo": a serialized xla.HloModuleProto, maps
+// sorted and source locations dropped; other formats, such as "mlir"
+// bytecode, are deterministic and returned as they are).
 std::string CanonicalProgram(std::string_view format, std::string_view bytes);
 
 }  // namespace pjrt_wrap

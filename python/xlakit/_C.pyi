@@ -62,6 +62,7 @@ def judge_cache_folder(folder: str, *, trust_shared: bool = False) -> dict[str, 
 
 PJRT_PLUGIN_ENV: str
 PJRT_CACHE_MAX_ENTRY_BYTES_ENV: str
+PJRT_CACHE_MAX_BYTES_ENV: str
 PJRT_DEFAULT_MAX_ENTRY_BYTES: int
 PJRT_CACHE_DIR_ENV: str
 PJRT_CACHE_READ_ONLY_ENV: str

@@ -48,6 +48,7 @@ PJRT_CACHE_MAX_ENTRY_BYTES = _C.PJRT_CACHE_MAX_ENTRY_BYTES_ENV
 # 0: the wrapper counts no live buffers per device (its memory accounting; the plugin's own statistics
 # are still reported). Default on.
 PJRT_MEMORY_ACCOUNTING = _C.PJRT_MEMORY_ACCOUNTING_ENV
+PJRT_CACHE_MAX_BYTES = _C.PJRT_CACHE_MAX_BYTES_ENV
 # The job's secret for authenticated cache entries. The C++ runtime and the PJRT wrapper read it
 # too: its name and the shortest key accepted are facts of csrc/core/envelope.h (kCacheKeyEnv,
 # kMinCacheKeyBytes), taken from there. Never logged.

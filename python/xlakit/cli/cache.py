@@ -91,8 +91,43 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 verb = "already gone"
         removed += verb in ("removed", "would remove")
         print(f"{verb}: {r.name} ({r.status})")
+    if args.max_bytes is not None:
+        removed += _evict(folder, args.max_bytes, dry_run=args.dry_run)
     print(f"{removed} of {len(files)} files {'to remove' if args.dry_run else 'removed'}")
     return 0
+
+
+def _evict(folder, max_bytes: int, *, dry_run: bool) -> int:
+    """Removes the least recently used entries until the folder's entries hold at most `max_bytes`.
+
+    A wrapper hit touches its entry, so the oldest modification time is the entry used least recently.
+    """
+    entries = [(p, st) for p, st in cache_files.regular_files(folder) if cache_files.is_entry_name(p.name)]
+    total = sum(st.st_size for _, st in entries)
+    removed = 0
+    for path, st in sorted(entries, key=lambda e: (e[1].st_mtime_ns, e[0].name)):
+        if total <= max_bytes:
+            break
+        if dry_run:
+            verb = "would remove"
+        elif not cache_files.unchanged_since(path, st):
+            continue  # used or rewritten since it was listed: no longer the least recently used
+        else:
+            try:
+                path.unlink()
+                verb = "removed"
+            except FileNotFoundError:
+                verb = "already gone"
+        total -= st.st_size
+        removed += verb != "already gone"
+        print(f"{verb}: {path.name} (least recently used; {total} of {max_bytes} bytes left)")
+    return removed
+
+
+def _byte_count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number of bytes (0 or more), e.g. 10000000000; found {text!r}")
+    return int(text)
 
 
 def add_parser(subparsers) -> None:
@@ -114,6 +149,8 @@ def add_parser(subparsers) -> None:
                                                     "(with the three above)")
         if name == "prune":
             q.add_argument("--dry-run", action="store_true", help="list what would be removed")
+            q.add_argument("--max-bytes", type=_byte_count, metavar="N",
+                           help="then remove the least recently used entries until the rest hold at most N bytes")
             q.add_argument("--foreign", action="store_true",
                            help=f"also remove entries without an envelope (only in a folder holding {cache_files.KEY_FILE})")
         q.set_defaults(func=func)

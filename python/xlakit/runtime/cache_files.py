@@ -85,6 +85,11 @@ def _is_entry_name(name: str) -> bool:
     return _ENTRY_NAME.fullmatch(name) is not None and int(name) < 1 << 128
 
 
+def is_entry_name(name: str) -> bool:
+    """Whether `name` is an entry's: the wrapper's SHA-256 in hex, or the patched runtime's decimal hash."""
+    return _is_entry_name(name)
+
+
 def _is_temporary(name: str) -> bool:
     """A temporary of the atomic writer for an entry (its name format is the C++ writer's, csrc/core/atomic_file.h)."""
     return _is_entry_name(_C.temp_file_target(name) or "")

@@ -177,7 +177,7 @@ def _default_readonly() -> bool:
 
 
 def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = None,
-                            trust_shared: bool | None = None) -> Path:
+                            trust_shared: bool | None = None, max_bytes: int | None = None) -> Path:
     """Turn on a persistent compilation cache that loads after a restart.
 
     Call it before the first graph is compiled (and, on a TPU, before the
@@ -201,6 +201,10 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
         trust_shared: Accept a folder a group you belong to can write (a team
             cache); its folders are then created group-readable. Default
             `XLAKIT_CACHE_TRUST_SHARED`.
+        max_bytes: Through the PJRT wrapper, the most bytes the folder's
+            entries may hold: after each write the least recently used (a hit
+            is a use) are removed. Default `XLAKIT_PJRT_CACHE_MAX_BYTES`, else
+            no bound.
 
     Returns:
         The subfolder this runtime's entries live in.
@@ -237,14 +241,18 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
         secret = _knobs.get_cache_key()
     except ValueError as e:
         raise CompileCacheError(str(e)) from None
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0):
+        raise ConfigurationError(f"max_bytes: expected a positive number of bytes, found {max_bytes!r}")
     if through_wrapper():
         pjrt_wrap.library_path()  # a missing wrapper is said before anything is made
         where = pjrt_wrap.cache_folder(root, os.environ[_knobs.PJRT_DEVICE])
         _prepare(where, readonly=readonly, shared=shared, key=None)
-        routed = pjrt_wrap.route(where, readonly=readonly, trust_shared=shared)
+        routed = pjrt_wrap.route(where, readonly=readonly, trust_shared=shared, max_bytes=max_bytes)
         log.info("persistent cache %s through xlakit's PJRT wrapper around %s (%s)", where, routed["plugin"],
                  routed["via"])
         return where
+    if max_bytes is not None:
+        log.warning("max_bytes bounds the PJRT wrapper's cache only; torch_xla's own cache (here) is not bounded")
     key = cache_key(secret)
     where = root / cache_dir_name(key)
     _prepare(where, readonly=readonly, shared=shared, key=key)

@@ -173,7 +173,7 @@ def plugin_of(device_type: str) -> tuple[str | None, str]:
                   "there is nothing to wrap")
 
 
-def route(cache_dir: Path, *, readonly: bool, trust_shared: bool) -> dict[str, str]:
+def route(cache_dir: Path, *, readonly: bool, trust_shared: bool, max_bytes: int | None = None) -> dict[str, str]:
     """Make the runtime, when it starts, load the wrapper around its plugin, caching in `cache_dir`.
 
     `cache_dir` has been judged and made already. Returns what was done
@@ -201,6 +201,8 @@ def route(cache_dir: Path, *, readonly: bool, trust_shared: bool) -> dict[str, s
     os.environ[_knobs.PJRT_CACHE_READ_ONLY] = "1" if readonly else "0"
     if trust_shared:
         os.environ[_knobs.CACHE_TRUST_SHARED] = "1"
+    if max_bytes is not None:
+        os.environ[_knobs.PJRT_CACHE_MAX_BYTES] = str(max_bytes)
     if via.startswith(_REGISTRY):
         import torch_xla.experimental.plugins as plugins
 

@@ -21,7 +21,8 @@ against the last URL. Each report names its phase and its URL's scheme.
   save (version 1), then another (version 2) during which rank KILLAT_VICTIM
   SIGKILLs itself at the phase named by XLAKIT_TEST_KILL_AT: `before-vote`
   (its shard uploaded whole, not voted), `after-vote` (voted; rank 0 holds
-  its commit until the victim is gone), `after-vote-before-tidy` (voted;
+  before reading the votes, its commit, until the victim is gone; a bucket
+  URL or a folder), `after-vote-before-tidy` (a bucket only: voted;
   rank 0 holds its first listing, the tidy before its upload, until the
   victim is gone) or `after-commit` (the record created, before its save
   returns). Each survivor reports what its save returned or raised, and its
@@ -142,7 +143,7 @@ def _gone(pid: int) -> bool:
 def killat(url: str) -> None:
     import signal
 
-    from xlakit.checkpoint import agreement, bucket_file, bucket_ranks
+    from xlakit.checkpoint import agreement, bucket_ranks
 
     at = os.environ["XLAKIT_TEST_KILL_AT"]
     target = f"{url}/killat"
@@ -157,7 +158,7 @@ def killat(url: str) -> None:
 
     if RANK == KILLAT_VICTIM:
         store.set("killat/pid", str(os.getpid()))
-        real_vote, real_expect = agreement.Coordination.vote, agreement.Coordination.expect_commit
+        real_vote, real_outcome = agreement.Coordination.vote, agreement.Coordination.outcome
 
         def vote(self, value, round_="vote"):
             if armed and round_ == "vote" and at == "before-vote":
@@ -166,18 +167,19 @@ def killat(url: str) -> None:
             if armed and round_ == "vote" and at.startswith("after-vote"):
                 die(at)
 
-        def expect_commit(self, op, what):
-            real_expect(self, op, what)
+        def outcome(self, op):
+            final = real_outcome(self, op)  # the committing rank's final word: the record is there
             if armed and at == "after-commit":
                 die(at)
+            return final
 
-        agreement.Coordination.vote, agreement.Coordination.expect_commit = vote, expect_commit
+        agreement.Coordination.vote, agreement.Coordination.outcome = vote, outcome
     elif RANK == 0:
         victim = int(store.get("killat/pid"))
 
         def hold(real, name):
             def held(*args, **kwargs):
-                if armed:
+                if armed and kwargs.get("round_", "vote") == "vote":
                     end = time.monotonic() + 30
                     while not _gone(victim) and time.monotonic() < end:
                         time.sleep(0.01)
@@ -185,8 +187,8 @@ def killat(url: str) -> None:
                 return real(*args, **kwargs)
             return held
 
-        if at == "after-vote":
-            bucket_file.commit = hold(bucket_file.commit, "commit")
+        if at == "after-vote":  # every vote is awaited right before the commit (on disk too)
+            agreement.Coordination.votes = hold(agreement.Coordination.votes, "votes")
         elif at == "after-vote-before-tidy":
             bucket_ranks.ObjectSave._tidy = hold(bucket_ranks.ObjectSave._tidy, "tidy")
     armed.append(True)

@@ -17,6 +17,16 @@ against the last URL. Each report names its phase and its URL's scheme.
   `uploading` from inside its upload and waits there, to be killed by the
   test (SIGKILL); the others report their error and load their shard of
   the previous checkpoint (`shard=RANK`, without the dead rank).
+* `killat` (tests/objstore/test_objstore_killed_rank.py, 3 ranks): a sharded
+  save (version 1), then another (version 2) during which rank KILLAT_VICTIM
+  SIGKILLs itself at the phase named by XLAKIT_TEST_KILL_AT: `before-vote`
+  (its shard uploaded whole, not voted), `after-vote` (voted; rank 0 holds
+  before reading the votes, its commit, until the victim is gone; a bucket
+  URL or a folder), `after-vote-before-tidy` (a bucket only: voted;
+  rank 0 holds its first listing, the tidy before its upload, until the
+  victim is gone) or `after-commit` (the record created, before its save
+  returns). Each survivor reports what its save returned or raised, and its
+  shard of the newest checkpoint it can load.
 """
 
 from __future__ import annotations
@@ -40,6 +50,14 @@ from tests.support import objstore_servers  # noqa: E402
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 VICTIM = 2
 DEADLINE_S = 8.0  # the kill phase's timeout_s
+KILLAT_VICTIM = 1
+KILLAT_DEADLINE_S = 6.0  # the killat phase's timeout_s
+KILLAT_N = 1 << 20  # floats per shard: 4 MiB, a few upload parts
+
+
+def killat_tensor(version: int, rank: int) -> torch.Tensor:
+    """The killat phase's shard of `rank` (a later process rebuilds it to compare bit for bit)."""
+    return torch.randn(KILLAT_N, generator=torch.Generator().manual_seed(version * 100 + rank))
 
 
 def state(version: int, *, big: bool = False) -> dict:
@@ -117,6 +135,80 @@ def kill(url: str) -> None:
         report("kill", url, start, **_error(e), error_after_s=elapsed, previous=_seen(previous))
 
 
+def _gone(pid: int) -> bool:
+    """Dead and reaped by its parent, as torchrun reaps it (a zombie still answers kill(pid, 0))."""
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def killat(url: str) -> None:
+    import signal
+
+    from xlakit.checkpoint import agreement, bucket_ranks
+
+    at = os.environ["XLAKIT_TEST_KILL_AT"]
+    target = f"{url}/killat"
+    xlakit.save({"version": 1, "rank": RANK, "w": killat_tensor(1, RANK)}, target, layout="sharded",
+                timeout_s=60)
+    store = dist.distributed_c10d._get_default_store()
+    armed = []
+
+    def die(where: str) -> None:
+        print(json.dumps({"event": "killing", "at": where}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if RANK == KILLAT_VICTIM:
+        store.set("killat/pid", str(os.getpid()))
+        real_vote, real_outcome = agreement.Coordination.vote, agreement.Coordination.outcome
+
+        def vote(self, value, round_="vote"):
+            if armed and round_ == "vote" and at == "before-vote":
+                die(at)
+            real_vote(self, value, round_)
+            if armed and round_ == "vote" and at.startswith("after-vote"):
+                die(at)
+
+        def outcome(self, op):
+            final = real_outcome(self, op)  # the committing rank's final word: the record is there
+            if armed and at == "after-commit":
+                die(at)
+            return final
+
+        agreement.Coordination.vote, agreement.Coordination.outcome = vote, outcome
+    elif RANK == 0:
+        victim = int(store.get("killat/pid"))
+
+        def hold(real, name):
+            def held(*args, **kwargs):
+                if armed and kwargs.get("round_", "vote") == "vote":
+                    end = time.monotonic() + 30
+                    while not _gone(victim) and time.monotonic() < end:
+                        time.sleep(0.01)
+                    print(json.dumps({"event": "held", "at": name, "victim_gone": _gone(victim)}), flush=True)
+                return real(*args, **kwargs)
+            return held
+
+        if at == "after-vote":  # every vote is awaited right before the commit (on disk too)
+            agreement.Coordination.votes = hold(agreement.Coordination.votes, "votes")
+        elif at == "after-vote-before-tidy":
+            bucket_ranks.ObjectSave._tidy = hold(bucket_ranks.ObjectSave._tidy, "tidy")
+    armed.append(True)
+    start = time.monotonic()
+    try:
+        xlakit.save({"version": 2, "rank": RANK, "w": killat_tensor(2, RANK)}, target, layout="sharded",
+                    timeout_s=KILLAT_DEADLINE_S)
+        outcome = {"saved": True}
+    except (xlakit.CheckpointError, TimeoutError) as e:
+        outcome = _error(e)
+    outcome["returned_after_s"] = time.monotonic() - start
+    try:
+        got = xlakit.load(target, shard=RANK, timeout_s=60)
+        outcome["loaded"] = {"version": got["version"], "rank": got["rank"],
+                             "exact": torch.equal(got["w"], killat_tensor(got["version"], RANK))}
+    except Exception as e:  # noqa: BLE001 - reported, the test judges it
+        outcome["load_error"] = f"{type(e).__name__}: {e}"
+    report("killat", url, start, at=at, **outcome)
+
+
 def manager(url: str) -> None:
     start = time.monotonic()
     with xlakit.CheckpointManager(f"{url}/mgr", layout="sharded", max_to_keep=1,
@@ -129,7 +221,7 @@ def manager(url: str) -> None:
 
 
 PHASES = {"sharded": sharded, "replicated": replicated, "async": asynchronous, "dcp": dcp, "manager": manager,
-          "kill": kill}
+          "kill": kill, "killat": killat}
 
 
 if __name__ == "__main__":
@@ -146,7 +238,8 @@ if __name__ == "__main__":
     store = dist.distributed_c10d._get_default_store()
     store.set(f"exit/{RANK}", "1")
     if RANK == 0:
-        alive = [r for r in range(WORLD) if not ("kill" in phases and r == VICTIM)]
+        dead = {VICTIM} if "kill" in phases else {KILLAT_VICTIM} if "killat" in phases else set()
+        alive = [r for r in range(WORLD) if r not in dead]
         try:
             store.wait([f"exit/{r}" for r in alive], timedelta(seconds=15))
         except RuntimeError:

@@ -96,10 +96,11 @@ class ObjectSave(ranks.CoordinatedSave):
         self.generation, self.token = chosen["generation"], chosen["token"]
 
     def _tidy(self, op: Operation) -> None:
-        """(The committing rank, agreed.) What no commit can name any more goes (never this save's)."""
+        """(The committing rank, agreed.) What no commit can name any more goes (never this save's: a
+        rank that uploaded, voted and died before this listing leaves a shard the commit names)."""
         if self.rank == self.committer:
             op.enter("tidy")
-            generations.tidy(self.store, op, self.loc)
+            generations.tidy(self.store, op, self.loc, keep_token=self.token)
 
     def _upload(self, op: Operation, items: Any, suffix: str) -> tuple[str, dict, generations.Leftover]:
         name = generations.data_name(self.generation, self.operation_id, suffix)

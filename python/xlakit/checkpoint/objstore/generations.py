@@ -96,6 +96,7 @@ class DataObject:
     host: str
     pid: int
     nbytes: int
+    token: str = ""
 
 
 @dataclass
@@ -118,7 +119,7 @@ def scan(store: Store, op: "Operation | None", loc: Location) -> Listing:
         if m := _COMMIT.fullmatch(name):
             found.commits[int(m.group(1))] = name
         elif m := _DATA.fullmatch(name):
-            found.data.append(DataObject(name, int(m.group(1)), m.group(2), int(m.group(3)), nbytes))
+            found.data.append(DataObject(name, int(m.group(1)), m.group(2), int(m.group(3)), nbytes, m.group(4)))
         else:
             found.other.append(name)
     return found
@@ -226,12 +227,13 @@ def _owner(store: Store, op: "Operation", where: Location) -> str | None:
         return None
 
 
-def garbage(found: Listing, named: dict[int, set[str]]) -> list[str]:
-    """Data objects no commit can name any more (see the module docstring)."""
+def garbage(found: Listing, named: dict[int, set[str]], keep_token: str | None = None) -> list[str]:
+    """Data objects no commit can name any more (see the module docstring); never those of the save
+    whose token is `keep_token` (its ranks' objects, a dead rank's included: its vote may be in)."""
     latest, me = found.latest, _host()
     out = []
     for d in found.data:
-        if d.name in named.get(d.generation, set()):
+        if d.name in named.get(d.generation, set()) or (keep_token and d.token == keep_token):
             continue
         if latest is not None and d.generation <= latest:
             if d.generation in found.commits and d.generation not in named:
@@ -242,8 +244,10 @@ def garbage(found: Listing, named: dict[int, set[str]]) -> list[str]:
     return out
 
 
-def tidy(store: Store, op: "Operation | None", loc: Location, *, keep_from: int | None = None) -> list[str]:
-    """Remove generations below `keep_from` (records first) and garbage; the names removed.
+def tidy(store: Store, op: "Operation | None", loc: Location, *, keep_from: int | None = None,
+         keep_token: str | None = None) -> list[str]:
+    """Remove generations below `keep_from` (records first) and garbage (never the objects of the
+    save `keep_token`, which is under way); the names removed.
 
     Failures are logged, never raised: what stays is found and removed by the next save.
     """
@@ -259,7 +263,7 @@ def tidy(store: Store, op: "Operation | None", loc: Location, *, keep_from: int 
                 named[g] = set(read_record(store, op, loc, g)["objects"])
             except (CheckpointCorruptError, CheckpointFormatError, FileNotFoundError) as e:
                 log.warning("xlakit: %s: %s; its objects are kept", loc, e)
-        doomed = garbage(found, named)
+        doomed = garbage(found, named, keep_token)
         store.delete(op, [loc.child(n) for n in doomed])
         return [found.commits.get(g, commit_name(g)) for g in old] + doomed
     except (OSError, ValueError) as e:

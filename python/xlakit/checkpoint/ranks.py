@@ -160,6 +160,12 @@ class CoordinatedSave:
                   "id": self.coord.proposals[0]["id"], "world": self.world,
                   "shards": [{"rank": r, **{k: votes[r][k] for k in ("file", "bytes", "checksums")}}
                              for r in range(self.world)]}
+        self.commit_record(op, folder, record, "shards", _SHARD_NAME)
+
+    def commit_record(self, op: Operation, folder: Path, record: dict, parts: str, part_name: re.Pattern) -> None:
+        """The committing rank's last step: `record` written durably and committed as the folder's
+        commit record, the other ranks told, then the parts of earlier saves (names `part_name`
+        matches that `record[parts]` does not name) removed: committed and agreed, they can go."""
         final = folder / folders.COMMIT_RECORD
         tmp = op.own(paths.temp_path(final))
         with open(tmp, "x") as f:
@@ -169,9 +175,9 @@ class CoordinatedSave:
         op.enter("commit")
         pipeline.commit_file(op, tmp, final)
         self.coord.finish({"ok": True})
-        keep = {s["file"] for s in record["shards"]}
-        for name in os.listdir(folder):  # committed, agreed: the old shards can go
-            if _SHARD_NAME.fullmatch(name) and name not in keep:
+        keep = {s["file"] for s in record[parts]}
+        for name in os.listdir(folder):
+            if part_name.fullmatch(name) and name not in keep:
                 remove_path(folder / name)
 
     def _expect_commit(self, op: Operation, committer: int) -> None:

@@ -21,7 +21,6 @@ replicated checkpoints (the layout's format 1) are read as before.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import secrets
@@ -33,7 +32,7 @@ import torch
 
 from xlakit.checkpoint import folders, loading, paths, pipeline, replica_plan
 from xlakit.checkpoint.agreement import Coordination, dist
-from xlakit.checkpoint.operation import Operation, Watch, remove_path
+from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.ranks import CoordinatedSave, _rename_shard, shard_digest
 from xlakit.errors import CheckpointFormatError, CheckpointIncompleteError
@@ -92,19 +91,7 @@ class ReplicaSave(CoordinatedSave):
                   "id": self.coord.proposals[writer]["id"], "world": self.world, "writer_rank": writer,
                   "shares": [{"rank": r, **{k: votes[r][k] for k in ("file", "bytes", "checksums")}}
                              for r in range(self.world)]}
-        final = folder / folders.COMMIT_RECORD
-        tmp = op.own(paths.temp_path(final))
-        with open(tmp, "x") as f:
-            json.dump(record, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        op.enter("commit")
-        pipeline.commit_file(op, tmp, final)
-        self.coord.finish({"ok": True})
-        keep = {s["file"] for s in record["shares"]}
-        for name in os.listdir(folder):  # committed, agreed: the old shares can go
-            if _SHARE_NAME.fullmatch(name) and name not in keep:
-                remove_path(folder / name)
+        self.commit_record(op, folder, record, "shares", _SHARE_NAME)
 
 
 def save(obj: Any, path: Path, opts: SaveOptions):

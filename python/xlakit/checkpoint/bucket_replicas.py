@@ -24,7 +24,7 @@ from xlakit.checkpoint.objstore import generations
 from xlakit.checkpoint.objstore.client import Location, store_for
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
-from xlakit.errors import CheckpointError
+from xlakit.errors import CheckpointError, CheckpointFormatError
 
 KIND = "replicated"
 
@@ -72,12 +72,25 @@ def _share(record: dict, rank: int) -> tuple[str, dict]:
     return name, record["objects"][name]
 
 
+def _peek(loc: Location, opts: LoadOptions) -> dict | None:
+    """The newest commit record at `loc`, or None where a plain object (another tool's file) stands
+    there: `bucket_ranks` says so, or reads it with verify=False."""
+    try:
+        return bucket_file.peek(loc, opts)
+    except CheckpointFormatError as e:
+        if getattr(e, "plain_object", None) is None:
+            raise
+        return None
+
+
 def load(url: str, opts: LoadOptions) -> Any:
     """`xlakit.load("gs://...")`: a replica-parallel checkpoint whole; any other kind as before."""
     loc = Location.parse(url)
     if opts.shard is not None or opts.mmap:
         return bucket_ranks.load(url, opts)
-    record = bucket_file.peek(loc, opts)
+    record = _peek(loc, opts)
+    if record is None:
+        return bucket_ranks.load(url, opts)  # a plain object: named as one, or read with verify=False
     if record.get("kind") != KIND:
         if world_size() > 1 or opts.layout == "replicated":
             return bucket_ranks.load(url, opts)
@@ -92,7 +105,7 @@ def load(url: str, opts: LoadOptions) -> Any:
 def restore(url: str, template: Any, opts: LoadOptions) -> Any:
     """`xlakit.restore("gs://...", template)`: a replica-parallel checkpoint loaded whole, then copied
     into the template; any other kind as before."""
-    record = bucket_file.peek(Location.parse(url), opts) if opts.shard is None else None
+    record = _peek(Location.parse(url), opts) if opts.shard is None else None
     if record is None or record.get("kind") != KIND:
         return bucket_ranks.restore(url, template, opts)
     return replicas.restore(url, template, opts, load_whole=load)

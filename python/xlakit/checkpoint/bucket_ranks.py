@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from xlakit.checkpoint import background, loading, pipeline, ranks
@@ -215,8 +216,23 @@ def restore(url: str, template: Any, opts: LoadOptions) -> Any:
 
 def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
     """Every rank loads its part of the generation the first rank names, or every rank raises."""
+    def mine(record: dict, coord: Coordination) -> tuple[str, dict]:
+        sharded = record.get("kind") == SHARDED
+        if sharded:
+            ranks.check_world(loc, record["world"], coord.world)
+        return part_of(loc, record, coord.rank if sharded else None)
+
+    return agreed_load(loc, opts, opts.layout, mine)
+
+
+def agreed_load(loc: Location, opts: LoadOptions, layout: str | None,
+                mine: Callable[[dict, Coordination], tuple[str, dict]], *, kind: str | None = None,
+                then: Callable[[Coordination, Operation, Any], Any] | None = None) -> Any:
+    """An agreed load from a bucket: rank 0 names the newest committed generation (of `kind`), every
+    rank reads and verifies its own object of it (`mine(record, coord)`: its name and entry), all
+    or none; `then(coord, op, value)` runs on every rank after (a broadcast), under the same deadline."""
     store = store_for(loc)
-    coord = Coordination("load", {"path": loc.url, "layout": opts.layout})
+    coord = Coordination("load", {"path": loc.url, "layout": layout})
     op = Operation("load", loc.url, Watch.of(opts), gate=coord.gate, rank=coord.rank,
                    untouched=loading.NOTHING_CHANGED)
     coord.op = op
@@ -226,22 +242,23 @@ def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
         if coord.rank == 0:
             try:
                 op.enter("list")
-                prepared["generation"] = generations.latest_record(store, op, loc)["generation"]
+                prepared["generation"] = generations.latest_record(store, op, loc, kind)["generation"]
             except (CheckpointError, OSError, ValueError) as e:
                 error = e
         coord.agree(op, prepared, error)
 
         def part() -> Any:
             record = generations.read_record(store, op, loc, coord.proposals[0]["generation"])
-            sharded = record.get("kind") == SHARDED
-            if sharded:
-                ranks.check_world(loc, record["world"], coord.world)
-            name, entry = part_of(loc, record, coord.rank if sharded else None)
+            name, entry = mine(record, coord)
             return bucket_file.read_object(op, store, loc, name, entry, opts)
 
-        return coord.all_or_none(op, part)
+        value = coord.all_or_none(op, part)
+        return value if then is None else then(coord, op, value)
 
-    return op.run(work)
+    try:
+        return op.run(work)
+    finally:
+        coord.close()  # a group `then` made for the one operation
 
 
 def verify(url: str, opts: LoadOptions) -> tuple[str, int]:

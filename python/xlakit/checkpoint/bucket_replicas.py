@@ -18,13 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from xlakit.checkpoint import bucket_file, bucket_ranks, loading, pipeline, replica_plan, replicas
+from xlakit.checkpoint import bucket_file, bucket_ranks, pipeline, replica_plan, replicas
 from xlakit.checkpoint.agreement import Coordination, world_size
-from xlakit.checkpoint.objstore import generations
-from xlakit.checkpoint.objstore.client import Location, store_for
-from xlakit.checkpoint.operation import Operation, Watch
+from xlakit.checkpoint.objstore.client import Location
+from xlakit.checkpoint.operation import Operation
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
-from xlakit.errors import CheckpointError, CheckpointFormatError
+from xlakit.errors import CheckpointFormatError
 
 KIND = "replicated"
 
@@ -115,31 +114,9 @@ def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
     """Rank 0 names the generation; each rank reads its share of it once; the owners broadcast."""
     from xlakit.checkpoint.ranks import check_world
 
-    store = store_for(loc)
-    coord = Coordination("load", {"path": loc.url, "layout": replicas.PROPOSED_LAYOUT})
-    op = Operation("load", loc.url, Watch.of(opts), gate=coord.gate, rank=coord.rank,
-                   untouched=loading.NOTHING_CHANGED)
-    coord.op = op
+    def mine(record: dict, coord: Coordination) -> tuple[str, dict]:
+        check_world(loc, record["world"], coord.world)
+        return _share(record, coord.rank)
 
-    def work(op: Operation) -> Any:
-        prepared, error = {}, None
-        if coord.rank == 0:
-            try:
-                op.enter("list")
-                prepared["generation"] = generations.latest_record(store, op, loc, KIND)["generation"]
-            except (CheckpointError, OSError, ValueError) as e:
-                error = e
-        coord.agree(op, prepared, error)
-
-        def part() -> dict:
-            record = generations.read_record(store, op, loc, coord.proposals[0]["generation"])
-            check_world(loc, record["world"], coord.world)
-            name, entry = _share(record, coord.rank)
-            return bucket_file.read_object(op, store, loc, name, entry, opts)
-
-        return replicas.broadcast_all(coord, op, coord.all_or_none(op, part))
-
-    try:
-        return op.run(work)
-    finally:
-        coord.close()
+    return bucket_ranks.agreed_load(loc, opts, replicas.PROPOSED_LAYOUT, mine, kind=KIND,
+                                    then=replicas.broadcast_all)

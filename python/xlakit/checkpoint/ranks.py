@@ -244,14 +244,19 @@ def loading_format_error(folder: Path, record: dict) -> Exception:
 def shard_path(folder: Path, record: dict, shard: int, opts: LoadOptions) -> Path:
     if not 0 <= shard < record["world"]:
         raise ValueError(f"{folder} has shards 0..{record['world'] - 1}, not {shard}")
-    entry = record["shards"][shard]
+    return checked_part(folder, record["shards"][shard], f"shard {shard}", opts)
+
+
+def checked_part(folder: Path, entry: dict, what: str, opts: LoadOptions) -> Path:
+    """A part of a folder checkpoint (a shard, a share), checked against its commit record's entry:
+    present at the size it names, and with the checksums it names when verifying."""
     path = folder / entry["file"]
     if not path.is_file() or path.stat().st_size != entry["bytes"]:
-        raise CheckpointIncompleteError(f"{folder}: shard {shard} ({entry['file']}) is missing or "
-                                        f"not the size the commit record names")
+        raise CheckpointIncompleteError(f"{folder}: {what} ({entry['file']}) is missing or not the size "
+                                        f"the commit record names ({entry['bytes']} bytes)")
     if opts.verify and shard_digest(path) != entry["checksums"]:
-        raise CheckpointIncompleteError(f"{folder}: shard {shard} ({entry['file']}) is not the one "
-                                        f"the commit record names")
+        raise CheckpointIncompleteError(f"{folder}: {what} ({entry['file']}) is not the one the commit "
+                                        f"record names")
     return path
 
 

@@ -34,7 +34,7 @@ from xlakit.checkpoint import folders, loading, paths, pipeline, replica_plan
 from xlakit.checkpoint.agreement import Coordination, dist
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions
-from xlakit.checkpoint.ranks import CoordinatedSave, _rename_shard, shard_digest
+from xlakit.checkpoint.ranks import CoordinatedSave, _rename_shard, checked_part, shard_digest
 from xlakit.errors import CheckpointFormatError, CheckpointIncompleteError
 
 REPLICATED_FORMAT = "xlakit-replicated"
@@ -120,15 +120,7 @@ def read_record(folder: Path) -> dict:
 
 def share_path(folder: Path, record: dict, rank: int, opts: LoadOptions) -> Path:
     """Share `rank`'s file, checked against the commit record (size; digest when verifying)."""
-    entry = record["shares"][rank]
-    path = folder / entry["file"]
-    if not path.is_file() or path.stat().st_size != entry["bytes"]:
-        raise CheckpointIncompleteError(f"{folder}: share {rank} ({entry['file']}) is missing or not "
-                                        f"the size the commit record names ({entry['bytes']} bytes)")
-    if opts.verify and shard_digest(path) != entry["checksums"]:
-        raise CheckpointIncompleteError(f"{folder}: share {rank} ({entry['file']}) is not the one the "
-                                        f"commit record names")
-    return path
+    return checked_part(folder, record["shares"][rank], f"share {rank}", opts)
 
 
 def assemble(shares: dict[int, dict]) -> Any:

@@ -192,6 +192,12 @@ def availability(wrap_status: dict | None = None, device_type: str | None = None
     str | None, ...}` with `why_not` (and `fix`) when it cannot, and for the
     wrapper whether it counts live buffers.
     """
+    if torchtpu.in_use():  # TorchTPU's own allocator statistics, per chip; torch_xla is never imported there
+        stats = torchtpu.memory_stats()
+        if "source" not in stats or "note" in stats:
+            return {"per_device": False, "source": stats.get("source"),
+                    "why_not": stats.get("note") or stats.get("why_not"), "fix": None}
+        return {"per_device": True, "source": stats["source"]}
     if features.has_binding(features.RUNTIME_MEMORY_INFO):
         return {"per_device": True, "source": features.RUNTIME_MEMORY_INFO}
     r = wrap_memory.report(plugin_stats=False)

@@ -26,6 +26,8 @@ LAYERS = [
     ("operation", ["xlakit.checkpoint.options", "xlakit.checkpoint.workers", "xlakit.checkpoint.operation",
                    "xlakit.checkpoint.paths"]),
     ("objstore", ["xlakit.checkpoint.objstore"]),
+    # The compile cache's shared tier: the runtime's cache mirrored to a bucket through the store.
+    ("cache tier", ["xlakit.cache_tier"]),
     ("checkpoint", ["xlakit.checkpoint"]),
     ("integrations", ["xlakit.integrations", "xlakit.lightning"]),
     ("cli", ["xlakit.cli", "xlakit.__main__"]),

@@ -5,7 +5,8 @@ patched binding exists it is used, otherwise the stock path that behaves best.
 """
 
 from xlakit._version import __version__
-from xlakit.runtime.compile_cache import cache_stats, enable_persistent_cache
+from xlakit.cache_tier import enable_persistent_cache
+from xlakit.runtime.compile_cache import cache_stats
 from xlakit.runtime.contract import check_run_contract
 from xlakit.checkpoint.options import LoadOptions, Progress, SaveOptions
 from xlakit.errors import (

@@ -134,11 +134,15 @@ def test_an_empty_path_and_a_url_are_refused_never_taken_for_a_folder(enable_her
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CompileCacheError, match="found an empty path"):
         enable_here("")
-    for url in ("gs://bucket/x", "s3://bucket/x", "file:///tmp/x"):
-        with pytest.raises(CompileCacheError, match="shared compile cache tier on object storage is not available"):
+    # A gs:// or s3:// URL is the shared tier (tests/runtime/test_cache_tier.py), which needs the job's key;
+    # any other scheme is refused as no folder.
+    for url, says in (("gs://bucket/x", "expected XLAKIT_CACHE_KEY for the shared tier"),
+                      ("s3://bucket/x", "expected XLAKIT_CACHE_KEY for the shared tier"),
+                      ("file:///tmp/x", "which is never taken for a local path")):
+        with pytest.raises(CompileCacheError, match=says):
             enable_here(url)
         bad = xlakit_cli("pjrt", "env", url, "--plugin", sys.executable, cwd=tmp_path)
-        assert bad.returncode == 2 and "is not available yet" in bad.stderr, bad.stderr
+        assert bad.returncode == 2 and says in bad.stderr, bad.stderr
     assert list(tmp_path.iterdir()) == [] and enable_here.asked == []
 
 
@@ -323,7 +327,7 @@ def test_before_the_runtime_starts_the_check_says_what_the_wrapper_will_do(monke
     assert "XLAKIT_PJRT_CACHE_READ_ONLY='ture'" in pjrt_wrap.requested_cache_off(idle)[0]
     monkeypatch.delenv("XLAKIT_PJRT_CACHE_READ_ONLY")
     monkeypatch.setenv("XLAKIT_PJRT_CACHE_DIR", "s3://bucket/cache")
-    assert "is not available yet" in pjrt_wrap.requested_cache_off(idle)[0]
+    assert "a gs:// or s3:// URL is the shared tier" in pjrt_wrap.requested_cache_off(idle)[0]
     monkeypatch.setenv("XLAKIT_PJRT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("TPU_LIBRARY_PATH", "/opt/libtpu.so")
     why, fix = pjrt_wrap.requested_cache_off(idle)

@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import asdict
 
-from xlakit import _knobs
+from xlakit import _knobs, cache_tier
 from xlakit.errors import XlakitError
 from xlakit.runtime import cache_files
 
@@ -61,6 +61,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    if cache_tier.is_url(args.dir):
+        if args.max_bytes is None or args.foreign:
+            raise XlakitError(f"{args.dir} is a shared tier: prune it with --max-bytes N (its oldest entries go "
+                              "first); --foreign is for local folders")
+        from xlakit.cache_tier import commands
+
+        commands.prune(args.dir, args.max_bytes, dry_run=args.dry_run)
+        return 0
     folder = cache_files.require_folder(args.dir)
     if args.foreign and not cache_files.made_by_xlakit(folder):
         raise XlakitError(
@@ -130,6 +138,12 @@ def _byte_count(text: str) -> int:
     return int(text)
 
 
+def cmd_publish(args: argparse.Namespace) -> int:
+    from xlakit.cache_tier import commands
+
+    return commands.publish(args.url, local=args.local, device=args.device, follow=args.follow, once=args.follow is None)
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("cache", help="inspect a persistent compilation cache folder")
     sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
@@ -154,3 +168,11 @@ def add_parser(subparsers) -> None:
             q.add_argument("--foreign", action="store_true",
                            help=f"also remove entries without an envelope (only in a folder holding {cache_files.KEY_FILE})")
         q.set_defaults(func=func)
+    q = sub.add_parser("publish", help="send a local folder's new entries to its shared tier (gs://, s3://): once, "
+                                       "or while a process lives (`xlakit pjrt env URL` starts it)")
+    q.add_argument("url", help="the shared tier, gs://BUCKET/PREFIX or s3://BUCKET/PREFIX")
+    q.add_argument("--local", help="the local folder given to the job (default: the one `pjrt env URL` picks)")
+    q.add_argument("--device", default="TPU", help="the PJRT_DEVICE whose pjrt-<device> folder is published")
+    q.add_argument("--follow", type=int, metavar="PID",
+                   help=f"publish every {_knobs.CACHE_TIER_PUBLISH_INTERVAL_S} seconds while PID lives, then once more")
+    q.set_defaults(func=cmd_publish)

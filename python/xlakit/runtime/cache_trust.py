@@ -91,18 +91,21 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def refuse_shared_tier_url(path: str) -> None:
-    """Refuse a URL as a cache folder: the shared (object storage) tier of the compile cache does not exist yet.
+    """Refuse a URL where a local cache folder is expected (the wrapper's folder, `compile_cache`'s path).
 
-    The one place a URL is told apart from a path; a shared tier would start here.
+    The one place a URL is told apart from a path. A `gs://` or `s3://` URL is
+    the shared tier, which `xlakit.enable_persistent_cache` and `xlakit pjrt
+    env` take (`xlakit.cache_tier`: they keep a local folder for the wrapper).
 
     Raises:
         CompileCacheError: `path` is a URL (`gs://...`, `s3://...`, any `scheme://`).
     """
     if _URL.match(path):
         raise CompileCacheError(
-            f"expected a local cache folder, found the URL {path!r}: a shared compile cache tier on object "
-            "storage is not available yet, and a URL is never taken for a local path; pass a local folder "
-            "(e.g. ~/xla-cache), or a folder on a shared file system mounted on every host")
+            f"expected a local cache folder, found the URL {path!r}, which is never taken for a local path: the "
+            "wrapper caches in a local folder, and a gs:// or s3:// URL is the shared tier, given to "
+            "xlakit.enable_persistent_cache(URL) or `xlakit pjrt env URL` (they keep a local folder for the "
+            "wrapper and mirror the bucket into it); other schemes are not supported")
 
 
 def local_folder(path: str | os.PathLike) -> Path:

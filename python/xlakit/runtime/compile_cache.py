@@ -132,7 +132,7 @@ def _write_key_file(where: Path, key: dict[str, Any], mode: int) -> None:
         f.write(json.dumps(key, indent=2, sort_keys=True) + "\n")
 
 
-def _prepare(where: Path, *, readonly: bool, shared: bool, key: dict[str, Any] | None) -> None:
+def prepare(where: Path, *, readonly: bool, shared: bool, key: dict[str, Any] | None = None) -> None:
     """Judge `where`, and unless read-only make it (owner-only) and write the key file, if any."""
     _trusted(where, trust_shared=shared)
     if readonly:
@@ -246,7 +246,7 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
     if through_wrapper():
         pjrt_wrap.library_path()  # a missing wrapper is said before anything is made
         where = pjrt_wrap.cache_folder(root, os.environ[_knobs.PJRT_DEVICE])
-        _prepare(where, readonly=readonly, shared=shared, key=None)
+        prepare(where, readonly=readonly, shared=shared, key=None)
         routed = pjrt_wrap.route(where, readonly=readonly, trust_shared=shared, max_bytes=max_bytes)
         log.info("persistent cache %s through xlakit's PJRT wrapper around %s (%s)", where, routed["plugin"],
                  routed["via"])
@@ -255,7 +255,7 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
         log.warning("max_bytes bounds the PJRT wrapper's cache only; torch_xla's own cache (here) is not bounded")
     key = cache_key(secret)
     where = root / cache_dir_name(key)
-    _prepare(where, readonly=readonly, shared=shared, key=key)
+    prepare(where, readonly=readonly, shared=shared, key=key)
     import torch_xla.runtime as xr
 
     xr.initialize_cache(str(where), readonly=readonly)

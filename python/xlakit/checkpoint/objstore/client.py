@@ -207,6 +207,24 @@ def _own_executor(loop: asyncio.AbstractEventLoop) -> None:
             loop.set_default_executor(_io_executor)
 
 
+def _written(info: dict) -> float:
+    """When a listed object was written, from gcsfs's `timeCreated` / `updated` or s3fs's `LastModified`."""
+    import datetime
+
+    for field in ("timeCreated", "updated", "LastModified", "mtime"):
+        value = info.get(field)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 0.0
+
+
 class Store:
     """One object store's client: fsspec's async filesystem, driven from worker threads."""
 
@@ -304,6 +322,16 @@ class Store:
                                     f"endpoint variables", prefix.url) from e
         return {prefix.relative(p): int(info.get("size") or 0) for p, info in found.items()
                 if info.get("type", "file") == "file" and p.startswith(prefix.path + "/" + starting)}
+
+    def list_dated(self, op: "Operation | None", prefix: Location) -> dict[str, tuple[int, float]]:
+        """Every object under `prefix/` (recursively): its name relative to the prefix, its size and when
+        it was written (seconds since the epoch; 0 where the store does not say)."""
+        async def find() -> dict:
+            return await self.fs._find(prefix.path + "/", detail=True)
+
+        found = self.run(op, f"listing {prefix}/", find)
+        return {prefix.relative(p): (int(info.get("size") or 0), _written(info)) for p, info in found.items()
+                if info.get("type", "file") == "file" and p.startswith(prefix.path + "/")}
 
     def get_many(self, op: "Operation | None", locs: list[Location]) -> list[bytes | None]:
         """Small objects read at once; None for one that is gone."""

@@ -1,0 +1,237 @@
+"""The compile cache's shared tier (issue 24 item 2): stock torch_xla 2.9 on the real xla-cpu-pjrt plugin,
+through xlakit's PJRT wrapper, its entries mirrored to real object-storage servers on 127.0.0.1
+(fake-gcs-server for gs://, moto for s3://).
+
+A recreated VM is simulated by a fresh process whose local cache folder is empty (its own
+`XDG_CACHE_HOME`); hosts of a pod by processes with separate local folders and one bucket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from tests.support import pjrt_job
+from tests.support import REPO
+from xlakit import _C
+from xlakit.cache_tier import objects
+from xlakit.runtime import pjrt_wrap
+
+JOB = Path(pjrt_job.__file__)
+PYTHONPATH = os.pathsep.join([str(Path(pjrt_wrap.__file__).resolve().parents[2]), str(REPO)])
+KEY = "t" * 40
+
+pytestmark = [pytest.mark.pjrt, pytest.mark.slow]
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("XLAKIT_", "TPU_", "XDG_"))}
+    base.update(PYTHONPATH=PYTHONPATH, XDG_CACHE_HOME=str(home), XLAKIT_CACHE_KEY=KEY, **extra)
+    return base
+
+
+def vm(tmp_path: Path, url: str, name: str, **extra: str) -> dict:
+    """A fresh VM: a torch_xla training job with an empty local cache, the shared tier at `url`."""
+    home = tmp_path / name
+    home.mkdir(mode=0o700)
+    run = subprocess.run([sys.executable, str(JOB), "torch_xla", "--enable", url], env=_env(home, **extra),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out["stderr"], out["home"] = run.stderr, home
+    return out
+
+
+def listing(url: str) -> dict[str, int]:
+    from xlakit.checkpoint.objstore import client
+
+    root = client.Location.parse(url)
+    return client.store_for(root).list(None, root)
+
+
+def store_of(url: str):
+    from xlakit.checkpoint.objstore import client
+
+    root = client.Location.parse(url)
+    return client.store_for(root), root
+
+
+def test_a_recreated_vm_hits_every_program_from_the_shared_tier(bucket, tmp_path):
+    url = f"{bucket}/xla-cache"
+    first = vm(tmp_path, url, "vm1")
+    c1 = first["status"]["counts"]
+    assert c1["misses"] == c1["compiles"] == c1["writes"] >= 2 and c1["hits"] == 0
+    published = {n: s for n, s in listing(url).items() if n.startswith("pjrt-xlacpu/")}
+    assert len(published) == c1["writes"], (published, first["stderr"][-3000:])
+    local = first["home"] / "xlakit" / "compile-cache"
+    entry_bytes = sum(p.stat().st_size for p in local.rglob("*") if objects.is_entry_name(p.name))
+    assert sum(published.values()) < entry_bytes / 2  # compressed: it pays for executables
+
+    second = vm(tmp_path, url, "vm2")  # an empty disk: everything comes from the bucket
+    c2 = second["status"]["counts"]
+    assert c2["hits"] == c1["compiles"] and c2["misses"] == c2["writes"] == 0, second["stderr"][-3000:]
+    assert second["results"] == first["results"]  # bit-exact
+    assert listing(url).keys() == published.keys() | listing(url).keys() and len(listing(url)) == len(published)
+
+
+@pytest.mark.parametrize("bucket", ["gs"], indirect=True)  # s3: the tests above
+def test_hosts_publishing_the_same_programs_at_once_leave_one_object_each_and_later_hosts_hit(bucket, tmp_path):
+    url = f"{bucket}/pod"
+    homes = []
+    procs = []
+    for i in range(3):
+        home = tmp_path / f"host{i}"
+        home.mkdir(mode=0o700)
+        homes.append(home)
+        procs.append(subprocess.Popen([sys.executable, str(JOB), "torch_xla", "--enable", url], env=_env(home),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-4000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    names = set(listing(url))
+    writes = [o["status"]["counts"]["writes"] for o in outs]
+    assert len(names) == max(writes) >= 2  # one object per program, whoever won each race
+    assert all(o["results"] == outs[0]["results"] for o in outs)
+    later = vm(tmp_path, url, "host3")
+    assert later["status"]["counts"]["hits"] == len(names) and later["status"]["counts"]["misses"] == 0
+
+
+def test_swapped_renamed_and_tampered_objects_are_refused_misses_with_the_right_answers(bucket, tmp_path):
+    url = f"{bucket}/attacked"
+    first = vm(tmp_path, url, "writer")
+    store, root = store_of(url)
+    names = sorted(listing(url))
+    assert len(names) >= 2
+    a, b = (root.child(n) for n in names[:2])
+    body_a, body_b = store.get(None, a), store.get(None, b)
+    store.put(None, a, body_b)  # swapped: each holds the other program's executable
+    store.put(None, b, body_a)
+    if len(names) > 2:  # tampered: a flipped byte inside the compressed entry
+        c = root.child(names[2])
+        body = bytearray(store.get(None, c))
+        body[len(body) // 2] ^= 0xFF
+        store.put(None, c, bytes(body))
+    victim = vm(tmp_path, url, "victim")
+    counts = victim["status"]["counts"]
+    assert counts["misses"] == len(names) and counts["hits"] == 0, victim["stderr"][-3000:]
+    assert victim["results"] == first["results"]  # never another program's executable
+    assert victim["stderr"].count("compile cache shared tier: refused") == len(names)
+    assert "stores cache key" in victim["stderr"] or "key" in victim["stderr"]
+    local = victim["home"] / "xlakit" / "compile-cache"
+    for n in names:  # refused objects were never written: the job's own compiles replaced them
+        entry = next(local.rglob(n.split("/")[-1])).read_bytes()
+        assert _C.verify_entry(entry, key=KEY.encode(), expected_key=n.split("/")[-1])["ok"]
+
+
+def test_without_a_key_the_shared_tier_is_refused(bucket, tmp_path):
+    home = tmp_path / "nokey"
+    home.mkdir(mode=0o700)
+    env = _env(home)
+    env.pop("XLAKIT_CACHE_KEY")
+    run = subprocess.run([sys.executable, str(JOB), "torch_xla", "--enable", f"{bucket}/k"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "expected XLAKIT_CACHE_KEY for the shared tier" in run.stderr
+    assert "untrusted storage" in run.stderr and listing_or_empty(f"{bucket}/k") == {}
+
+
+def listing_or_empty(url: str) -> dict:
+    try:
+        return listing(url)
+    except FileNotFoundError:
+        return {}
+
+
+def test_an_unreachable_store_leaves_the_job_on_its_local_cache_said_once(tmp_path):
+    from tests.support.objstore_servers import free_port
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    first = vm(tmp_path, "gs://nowhere/cache", "offline", STORAGE_EMULATOR_HOST=closed,
+               XLAKIT_CACHE_TIER_PULL_TIMEOUT_S="5", XLAKIT_CACHE_TIER_EXIT_TIMEOUT_S="5",
+               XLAKIT_OBJECT_REQUEST_TIMEOUT_S="5")
+    assert first["status"]["counts"]["misses"] >= 2
+    said = [ln for ln in first["stderr"].splitlines() if "goes on with its local cache" in ln]
+    assert len(said) == 1, first["stderr"][-3000:]
+
+
+@pytest.mark.parametrize("bucket", ["gs"], indirect=True)  # s3: the tests above
+def test_pjrt_env_with_a_url_pulls_before_the_job_and_publishes_beside_it(bucket, tmp_path):
+    # A TPU job's own route, PJRT_DEVICE=TPU, with xla-cpu-pjrt standing in for libtpu.
+    url = f"{bucket}/env-route"
+    step = ("import torch, torch_xla, json; from xlakit.runtime import pjrt_wrap; "
+            "x = torch.arange(16, dtype=torch.float32, device=torch_xla.device()); "
+            "print(json.dumps({'v': (x * 3 + 1).sum().item(), 'counts': pjrt_wrap.status()['counts']}))")
+
+    def host(name: str) -> dict:
+        home = tmp_path / name
+        home.mkdir(mode=0o700)
+        script = (f'eval "$({shlex.quote(sys.executable)} -m xlakit pjrt env {url} --plugin '
+                  f'{shlex.quote(pjrt_job.xla_cpu_plugin())})" && {shlex.quote(sys.executable)} -c {shlex.quote(step)}')
+        run = subprocess.run(["bash", "-c", script], env=_env(home, PJRT_DEVICE="TPU"), capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-4000:]
+        return {**json.loads(run.stdout.strip().splitlines()[-1]), "stderr": run.stderr, "home": home}
+
+    first = host("a")
+    assert first["counts"]["misses"] >= 1
+    deadline = time.monotonic() + 60  # the publisher follows the shell, and publishes once it ended
+    while time.monotonic() < deadline and len(listing_or_empty(url)) < first["counts"]["writes"]:
+        time.sleep(0.5)
+    assert len(listing_or_empty(url)) == first["counts"]["writes"]
+    assert "published" in next((first["home"] / "xlakit" / "compile-cache").glob("*/xlakit-publish.log")).read_text()
+    second = host("b")
+    assert second["counts"]["hits"] == first["counts"]["writes"] and second["counts"]["misses"] == 0
+    assert second["v"] == first["v"] and "pulled" in second["stderr"]
+
+
+def test_prune_bounds_a_bucket_prefix_oldest_first_and_keeps_what_is_not_an_entry(bucket, tmp_path):
+    url = f"{bucket}/pruned"
+    store, root = store_of(url)
+    names = [f"{i:064x}" for i in range(4)]
+    for name in names:
+        store.put(None, root.child(f"pjrt-tpu/{name}"), b"x" * 100)
+        time.sleep(1.1)  # the stores record seconds
+    store.put(None, root.child("README"), b"mine")
+    store.put(None, root.child(f"pjrt-tpu/{names[0]}.bak"), b"x" * 100)
+    run = subprocess.run([sys.executable, "-m", "xlakit", "cache", "prune", "--max-bytes", "250", url],
+                         env={**os.environ, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    left = set(listing(url))
+    assert left == {"README", f"pjrt-tpu/{names[0]}.bak", f"pjrt-tpu/{names[2]}", f"pjrt-tpu/{names[3]}"}, run.stdout
+
+
+# -- objects, without a server ------------------------------------------------------------------------
+
+def _entry(name: str, payload: bytes, key: bytes = KEY.encode()) -> bytes:
+    return _C.encode_entry(payload, kind="executable", platform_name="cpu", platform_version="1",
+                           torch_xla_revision="", patch_series_id="", key=key, cache_key=name)
+
+
+def test_objects_compress_where_it_pays_and_refuse_what_is_not_a_verified_entry():
+    name, other = "a" * 64, "b" * 64
+    compressible = _entry(name, b"\0" * 100_000)
+    body = objects.object_from_entry(compressible)
+    assert body.startswith(objects.ZLIB) and len(body) < 1000
+    assert objects.entry_from_object(name, body, key=KEY.encode(), limit=1 << 20) == compressible
+    noise = _entry(name, os.urandom(10_000))
+    assert objects.object_from_entry(noise).startswith(objects.RAW)
+    refusals = {
+        "swapped": (other, body, "cache key"),
+        "other key": (name, objects.object_from_entry(_entry(name, b"\0" * 1000, key=b"z" * 40)), "tag"),
+        "no key": (name, objects.object_from_entry(_entry(name, b"\0" * 1000, key=None)), "no tag"),
+        "junk": (name, b"PK\x03\x04whatever", "does not start with an xlakit object header"),
+        "truncated": (name, body[:-10], "truncated"),
+        "bomb": (name, objects.ZLIB + zlib.compress(b"\0" * (3 << 20)), "decompresses to more than"),
+    }
+    for case, (n, b, says) in refusals.items():
+        with pytest.raises(objects.RefusedObject, match=says):
+            objects.entry_from_object(n, b, key=KEY.encode(), limit=1 << 20)

@@ -35,14 +35,16 @@ import measure  # noqa: E402
 LAYERS = int(os.environ.get("BENCH_LAYERS", "60"))  # the jax program's depth (--layers); 60 compiles in ~1.5 s here
 
 
-def jax_program(wrapped: bool) -> dict:
-    from tests import pjrt_job
+def jax_program(wrapped: bool, *, own_cache: bool = False) -> dict:
+    """The jitted chain, through the wrapper or on the plugin alone; `own_cache` leaves JAX's own
+    persistent cache on (bench_cache_tier.py compares entry sizes)."""
+    from tests.support import pjrt_job
     from xlakit.runtime import pjrt_wrap
 
     os.environ["JAX_PLATFORMS"] = "bench"
     import jax
 
-    jax.config.update("jax_enable_compilation_cache", False)
+    jax.config.update("jax_enable_compilation_cache", own_cache)
     from jax._src import xla_bridge
 
     os.environ.setdefault("XLAKIT_PJRT_PLUGIN", pjrt_job.lammps_plugin())
@@ -63,7 +65,7 @@ def jax_program(wrapped: bool) -> dict:
 
 
 def torch_xla_program() -> dict:
-    from tests import pjrt_job
+    from tests.support import pjrt_job
 
     os.environ["PJRT_DEVICE"] = "XLACPU"
     import torch

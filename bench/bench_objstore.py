@@ -65,7 +65,7 @@ def one(method: str, url: str, gib: float) -> dict:
     import torch
 
     warnings.filterwarnings("ignore")
-    from tests.objstore_servers import loopback_only
+    from tests.support.objstore_servers import loopback_only
 
     loopback_only()  # nothing but the local server (the metadata endpoints are closed: Server.env())
     state = _state(gib)
@@ -125,7 +125,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args.one[0], args.one[1], float(args.one[2]))))
         return
-    from tests.objstore_servers import Server
+    from tests.support.objstore_servers import Server
     from xlakit import _knobs
     from xlakit.checkpoint.objstore import upload
 

@@ -92,7 +92,7 @@ def main() -> None:
         lib, url, mib = args.one
         print(json.dumps(one(lib, url, int(mib))))
         return
-    from tests.objstore_servers import Server
+    from tests.support.objstore_servers import Server
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -137,6 +137,7 @@ class SharedTier:
         self.remote: set[str] = set()  # names known to be in the bucket
         self.unpublishable: dict[str, str] = {}  # local entries never to be sent, and why
         self._said: set[str] = set()
+        self.last_pull: Report | None = None  # what this start's pull did (the manifest and the bench read it)
         self._lock = threading.Lock()  # one publish at a time (the thread and the exit hook)
 
     @property
@@ -177,6 +178,7 @@ class SharedTier:
             listed = self._listing(op)
         except Exception as e:  # noqa: BLE001 - any failure of the store leaves the job on its local folder
             report.error = self._say_once("listing", e)
+            self.last_pull = report
             return report
         self.remote.update(listed)
         local = self._local_names()
@@ -206,6 +208,7 @@ class SharedTier:
             report.bytes_moved += body_bytes
             report.entry_bytes += len(entry)
         report.seconds = time.monotonic() - start
+        self.last_pull = report
         return report
 
     def _pull_one(self, op: Operation, name: str, size: int, limit: int) -> tuple[int, bytes] | None:

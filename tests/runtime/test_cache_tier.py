@@ -79,6 +79,7 @@ def test_a_recreated_vm_hits_every_program_from_the_shared_tier(bucket, tmp_path
     c2 = second["status"]["counts"]
     assert c2["hits"] == c1["compiles"] and c2["misses"] == c2["writes"] == 0, second["stderr"][-3000:]
     assert second["results"] == first["results"]  # bit-exact
+    assert f"cache {c2['hits']} hits 0 misses shared {url}" in second["manifest_line"]
     assert listing(url).keys() == published.keys() | listing(url).keys() and len(listing(url)) == len(published)
 
 

@@ -29,7 +29,12 @@ _READERS = {
     _knobs.OBJECT_CHUNK_BYTES: (upload.chunk_bytes, ["100MiB", "0", "-1"]),
     _knobs.OBJECT_REQUEST_TIMEOUT_S: (lambda: _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S), ["nan", "0"]),
     _knobs.MANAGER_LEASE_S: (lambda: _knobs.get_float(_knobs.MANAGER_LEASE_S), ["nan", "-5"]),
+    **{name: (lambda name=name: _knobs.get_float(name), ["nan", "0", "-1", "fast"])  # the shared tier (cache_tier/)
+       for name in (_knobs.CACHE_TIER_PULL_TIMEOUT_S, _knobs.CACHE_TIER_PUBLISH_INTERVAL_S,
+                    _knobs.CACHE_TIER_EXIT_TIMEOUT_S, _knobs.CACHE_TIER_REQUESTS_PER_S)},
 }
+# Set by xlakit itself for the processes of a job (what its manifest reports), any value.
+_SET_BY_XLAKIT = {_knobs.CACHE_TIER_URL}
 
 
 # Read by the PJRT wrapping plugin (C++) alone: a value it cannot use turns its cache off, saying so
@@ -42,7 +47,7 @@ _READ_BY_THE_WRAPPER = {_knobs.PJRT_PLUGIN, _knobs.PJRT_CACHE_DIR, _knobs.PJRT_C
 
 def test_every_xlakit_knob_has_a_reader_here():
     names = {v for k, v in vars(_knobs).items() if k.isupper() and isinstance(v, str) and v.startswith("XLAKIT_")}
-    assert names == set(_READERS) | _READ_BY_THE_WRAPPER
+    assert names == set(_READERS) | _READ_BY_THE_WRAPPER | _SET_BY_XLAKIT
 
 
 @pytest.mark.parametrize("name,value", [(n, v) for n, (_, values) in _READERS.items() for v in values])

@@ -140,6 +140,7 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
     say_pulled(tier, tier.pull())
     _active.clear()
     _active["tier"] = tier
+    os.environ[_knobs.CACHE_TIER_URL] = url
     if not readonly:
         from xlakit.cache_tier.publisher import Publisher
 

@@ -49,7 +49,7 @@ def env_lines(url: str, *, local: str | None = None, plugin: str | None = None, 
     shared = _knobs.get_flag(_knobs.CACHE_TRUST_SHARED)
     where = pjrt_wrap.cache_folder(root, "TPU")
     compile_cache.prepare(where, readonly=readonly, shared=shared)
-    lines = pjrt_wrap.env_lines(root, plugin)
+    lines = pjrt_wrap.env_lines(root, plugin) + [f"export {_knobs.CACHE_TIER_URL}={shlex.quote(url)}"]
     tier = open_tier(url, where, readonly=readonly)
     report = tier.pull()
     if report.error and not report.moved:

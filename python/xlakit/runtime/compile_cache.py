@@ -309,6 +309,8 @@ def folder_report(path: str | os.PathLike | None = None) -> dict[str, Any]:
         if off is not None:  # the cache the environment asks for will not run: a finding, as an untrusted folder is
             out["off"], out["off_fix"] = off
     out["authenticated"] = bool(secret) and (patched or wrapped)
+    if os.environ.get(_knobs.CACHE_TIER_URL):  # set by xlakit where a shared tier mirrors the folder
+        out["shared_tier"] = os.environ[_knobs.CACHE_TIER_URL]
     if secret and not (patched or wrapped):
         out["why_not_authenticated"] = f"{_knobs.CACHE_KEY} is set, but stock torch_xla writes entries without a tag"
     return out

@@ -242,7 +242,9 @@ def manifest_line(m: dict[str, Any] | None = None) -> str:
     wrap = m.get("pjrt_wrap", {})
     if wrap.get("active"):
         counts = wrap["counts"]
+        shared = m.get("cache", {}).get("shared_tier")
         parts.append(f"pjrt-wrap {wrap['plugin_api']} cache {counts['hits']} hits {counts['misses']} misses"
+                     + (f" shared {shared}" if shared else "")
                      if wrap["cache"]["on"] else f"pjrt-wrap {wrap['plugin_api']} cache off")
     if m["contract"]:
         parts.append(f"CONTRACT BROKEN x{len(m['contract'])}")

@@ -126,15 +126,15 @@ _DECIMAL = re.compile(r"\s*\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+
 _WHOLE = re.compile(r"\s*\+?[0-9]+\s*", re.ASCII)
 
 
-def get_float(name: str) -> float:
-    """A positive number of seconds from `name` (its default when unset or empty)."""
+def get_float(name: str, *, unit: str = "seconds") -> float:
+    """A positive number (of `unit`) from `name` (its default when unset or empty)."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return float(DEFAULTS[name])
     # Plain ASCII decimals only: float() also takes "inf", "1_0" and other scripts' digits.
     value = float(raw) if _DECIMAL.fullmatch(raw) else math.nan
     if not math.isfinite(value) or value <= 0:
-        raise _bad(name, raw, "a positive, finite number of seconds (e.g. 600)")
+        raise _bad(name, raw, f"a positive, finite number of {unit} (e.g. {DEFAULTS[name]:g})")
     return value
 
 

@@ -69,7 +69,7 @@ def test_a_recreated_vm_hits_every_program_from_the_shared_tier(bucket, tmp_path
     first = vm(tmp_path, url, "vm1")
     c1 = first["status"]["counts"]
     assert c1["misses"] == c1["compiles"] == c1["writes"] >= 2 and c1["hits"] == 0
-    published = {n: s for n, s in listing(url).items() if n.startswith("pjrt-xlacpu/")}
+    published = {n: s for n, s in listing(url).items() if n.startswith(f"pjrt-xlacpu/{_C.cache_key_id(KEY.encode())}/")}
     assert len(published) == c1["writes"], (published, first["stderr"][-3000:])
     local = first["home"] / "xlakit" / "compile-cache"
     entry_bytes = sum(p.stat().st_size for p in local.rglob("*") if objects.is_entry_name(p.name))
@@ -126,8 +126,8 @@ def test_swapped_renamed_and_tampered_objects_are_refused_misses_with_the_right_
     counts = victim["status"]["counts"]
     assert counts["misses"] == len(names) and counts["hits"] == 0, victim["stderr"][-3000:]
     assert victim["results"] == first["results"]  # never another program's executable
-    assert victim["stderr"].count("compile cache shared tier: refused") == len(names)
-    assert "stores cache key" in victim["stderr"] or "key" in victim["stderr"]
+    said = [ln for ln in victim["stderr"].splitlines() if "compile cache shared tier" in ln and "refused" in ln]
+    assert len(said) == 1 and f"refused {len(names)} objects" in said[0], victim["stderr"][-3000:]
     local = victim["home"] / "xlakit" / "compile-cache"
     for n in names:  # refused objects were never written: the job's own compiles replaced them
         entry = next(local.rglob(n.split("/")[-1])).read_bytes()
@@ -194,20 +194,86 @@ def test_pjrt_env_with_a_url_pulls_before_the_job_and_publishes_beside_it(bucket
     assert second["v"] == first["v"] and "pulled" in second["stderr"]
 
 
-def test_prune_bounds_a_bucket_prefix_oldest_first_and_keeps_what_is_not_an_entry(bucket, tmp_path):
+def test_prune_bounds_a_bucket_prefix_oldest_first_and_deletes_only_what_it_identifies(bucket, tmp_path):
     url = f"{bucket}/pruned"
     store, root = store_of(url)
-    names = [f"{i:064x}" for i in range(4)]
+    kid = _C.cache_key_id(KEY.encode())
+    names = [f"{i:064x}" for i in range(5)]
     for name in names:
-        store.put(None, root.child(f"pjrt-tpu/{name}"), b"x" * 100)
+        body = objects.object_from_entry(_entry(name, os.urandom(100)))
+        if name == names[1]:  # named like an entry, but not an object xlakit published
+            body = b"PK" + os.urandom(len(body) - 2)
+        store.put(None, root.child(f"pjrt-tpu/{kid}/{name}"), body)
         time.sleep(1.1)  # the stores record seconds
-    store.put(None, root.child("README"), b"mine")
-    store.put(None, root.child(f"pjrt-tpu/{names[0]}.bak"), b"x" * 100)
-    run = subprocess.run([sys.executable, "-m", "xlakit", "cache", "prune", "--max-bytes", "250", url],
+    for other in ("README", f"pjrt-tpu/{names[0]}", f"pjrt-tpu/{kid}/{names[0]}.bak", f"other/{kid}/{names[0]}"):
+        store.put(None, root.child(other), b"mine")
+    size = listing(url)[f"pjrt-tpu/{kid}/{names[0]}"]
+    run = subprocess.run([sys.executable, "-m", "xlakit", "cache", "prune", "--max-bytes", str(2 * size + 20), url],
                          env={**os.environ, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     left = set(listing(url))
-    assert left == {"README", f"pjrt-tpu/{names[0]}.bak", f"pjrt-tpu/{names[2]}", f"pjrt-tpu/{names[3]}"}, run.stdout
+    assert left == {"README", f"pjrt-tpu/{names[0]}", f"pjrt-tpu/{kid}/{names[0]}.bak", f"other/{kid}/{names[0]}",
+                    f"pjrt-tpu/{kid}/{names[1]}", f"pjrt-tpu/{kid}/{names[3]}", f"pjrt-tpu/{kid}/{names[4]}"}, run.stdout
+    assert f"kept: pjrt-tpu/{kid}/{names[1]} (named like an entry, but not an object xlakit published; not counted)" in run.stdout
+    bare = subprocess.run([sys.executable, "-m", "xlakit", "cache", "prune", "--max-bytes", "0", bucket],
+                          env={**os.environ, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 2 and "name a bucket and a folder in it" in bare.stderr, bare.stderr
+
+
+def _tier(url: str, folder: Path, **kw):
+    from xlakit.cache_tier.tier import SharedTier
+
+    folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+    return SharedTier(url, folder, key=KEY.encode(), **kw)
+
+
+def test_a_pull_skips_what_it_refused_before_and_stays_within_its_bounds(bucket, tmp_path, monkeypatch):
+    # In-process, no runtime: the tier's own pull against a real server.
+    url = f"{bucket}/bounds"
+    writer = _tier(url, tmp_path / "w" / "pjrt-tpu")
+    names = [f"{i:064x}" for i in range(6)]
+    for name in names[:4]:
+        (writer.folder / name).write_bytes(_entry(name, os.urandom(50_000)))
+    assert writer.publish(60).moved == 4
+    bomb = objects.ZLIB + zlib.compress(b"\0" * (300 << 20))  # 300 MiB of zeros in about 300 KB
+    writer.store.put(None, writer.prefix.child(names[4]), bomb)
+    writer.store.put(None, writer.prefix.child(names[5]), objects.object_from_entry(_entry(names[0], b"x" * 999)))
+    reader = _tier(url, tmp_path / "r" / "pjrt-tpu")
+    first = reader.pull(60)
+    assert first.moved == 4 and set(first.refused) == set(names[4:]), first
+    assert "decompression bomb" in first.refused[names[4]] and "cache key" in first.refused[names[5]]
+    assert not [p for p in reader.folder.iterdir() if p.name.startswith(_C.TEMP_PREFIX)]
+    again = _tier(url, tmp_path / "r2" / "pjrt-tpu")
+    (again.folder.parent / "xlakit-tier-refused.json").write_bytes(
+        (reader.folder.parent / "xlakit-tier-refused.json").read_bytes())
+    got, real_get = [], again.store.get
+    monkeypatch.setattr(again.store, "get", lambda op, loc, *a: got.append(loc.key.rsplit("/", 1)[1])
+                        or real_get(op, loc, *a))
+    second = again.pull(60)
+    assert second.moved == 4 and not second.refused and not set(got) & set(names[4:])  # never downloaded again
+    small = _tier(url, tmp_path / "s" / "pjrt-tpu", max_bytes=120_000)
+    bounded = small.pull(60)
+    assert bounded.moved == 2 and sum(p.stat().st_size for p in small.folder.iterdir()) <= 120_000
+
+
+def test_a_wrong_setting_or_url_is_refused_before_anything_is_changed(bucket, tmp_path):
+    home = tmp_path / "h"
+    home.mkdir(mode=0o700)
+    cases = {
+        ("XLAKIT_CACHE_TIER_PUBLISH_INTERVAL_S", "abc"): "XLAKIT_CACHE_TIER_PUBLISH_INTERVAL_S='abc'",
+        ("XLAKIT_CACHE_TIER_REQUESTS_PER_S", "0"): "number of requests a second",
+        ("XLAKIT_PJRT_CACHE_MAX_ENTRY_BYTES", "lots"): "XLAKIT_PJRT_CACHE_MAX_ENTRY_BYTES='lots'",
+    }
+    for (name, value), says in cases.items():
+        run = subprocess.run([sys.executable, "-m", "xlakit", "pjrt", "env", f"{bucket}/x", "--plugin",
+                              pjrt_job.xla_cpu_plugin()], env=_env(home, **{name: value}), capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 2 and says in run.stderr and not run.stdout, (name, run.stderr)
+    for url in (bucket, bucket.split("://")[0] + ":///x"):
+        run = subprocess.run([sys.executable, "-m", "xlakit", "pjrt", "env", url, "--plugin",
+                              pjrt_job.xla_cpu_plugin()], env=_env(home), capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and "name a bucket and a folder in it" in run.stderr, run.stderr
+    assert list(home.iterdir()) == []  # no folder made
 
 
 # -- objects, without a server ------------------------------------------------------------------------

@@ -56,6 +56,21 @@ def default_local(url: str) -> Path:
     return base / "xlakit" / "compile-cache" / f"{bucket}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
 
 
+def check_url(url: str) -> None:
+    """Refuse a URL that names no bucket and prefix, before anything is changed.
+
+    Raises:
+        CompileCacheError: no bucket, no prefix, or an empty or `..` part.
+    """
+    from xlakit.checkpoint.objstore.client import Location
+
+    try:
+        Location.parse(url)
+    except ValueError:
+        raise CompileCacheError(f"expected a shared tier as gs://BUCKET/PREFIX or s3://BUCKET/PREFIX, found {url!r}: "
+                                "name a bucket and a folder in it (e.g. gs://my-bucket/xla-cache)") from None
+
+
 def require_key(url: str) -> bytes:
     """The job's cache key, which a shared tier needs: a bucket is untrusted storage.
 
@@ -83,11 +98,8 @@ def open_tier(url: str, folder: Path, *, readonly: bool, max_bytes: int | None =
     """
     from xlakit.cache_tier.tier import SharedTier
 
-    key = require_key(url)
-    try:
-        return SharedTier(url, folder, key=key, readonly=readonly, max_bytes=max_bytes)
-    except ValueError as e:
-        raise CompileCacheError(f"expected a shared tier URL gs://BUCKET/PREFIX or s3://BUCKET/PREFIX: {e}") from None
+    check_url(url)
+    return SharedTier(url, folder, key=require_key(url), readonly=readonly, max_bytes=max_bytes)
 
 
 def say_pulled(tier, report) -> None:
@@ -116,6 +128,8 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
         CompileCacheError: as `compile_cache.enable_persistent_cache`; with a
             URL also no key, a runtime the wrapper does not serve, or `local`
             given with a local path.
+        ConfigurationError: with a URL, a shared-tier variable holds a value it
+            cannot use (named, before anything is changed).
     """
     if not is_url(path):
         if local is not None:
@@ -124,10 +138,14 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
         return compile_cache.enable_persistent_cache(path, readonly=readonly, trust_shared=trust_shared,
                                                      max_bytes=max_bytes)
     url = os.fsdecode(path)
+    check_url(url)
     if torchtpu.in_use():
         raise CompileCacheError(f"the shared tier ({url}) serves xlakit's PJRT wrapper under stock torch_xla; on "
                                 "TorchTPU pass a local folder (its own tier-3 cache)")
     require_key(url)
+    from xlakit.cache_tier.tier import settings
+
+    settings()  # every knob checked before anything is changed
     if not compile_cache.through_wrapper():
         raise CompileCacheError(
             f"the shared tier ({url}) serves xlakit's PJRT wrapper, which this process does not go through "
@@ -138,6 +156,8 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
                                                   trust_shared=trust_shared, max_bytes=max_bytes)
     tier = open_tier(url, where, readonly=readonly, max_bytes=max_bytes)
     say_pulled(tier, tier.pull())
+    if "publisher" in _active:  # enabled again: the earlier publisher's folder is published a last time
+        _active["publisher"].close()
     _active.clear()
     _active["tier"] = tier
     os.environ[_knobs.CACHE_TIER_URL] = url

@@ -18,18 +18,20 @@ folder under the prefix.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import shlex
 import sys
 from pathlib import Path
 
 from xlakit import _knobs
-from xlakit.cache_tier import default_local, is_url, open_tier, require_key
+from xlakit.cache_tier import check_url, default_local, open_tier, require_key
 from xlakit.errors import CompileCacheError
 from xlakit.runtime import cache_trust, compile_cache, pjrt_wrap
 
 PUBLISH_LOG = "xlakit-publish.log"
-_ENTRY_OBJECT = re.compile(r"pjrt-[a-z0-9_-]+/([0-9a-f]{64})")
+_ENTRY_OBJECT = re.compile(r"pjrt-[a-z0-9_-]+/[0-9a-f]{16}/[0-9a-f]{64}")
 
 
 def _folder(url: str, local: str | None, device: str) -> Path:
@@ -41,25 +43,32 @@ def env_lines(url: str, *, local: str | None = None, plugin: str | None = None, 
     """Pull `url` into the local folder, then the lines `eval` runs: the wrapper's exports and the publisher.
 
     Raises:
-        CompileCacheError, CacheFolderTrustError: as `pjrt_wrap.env_lines`, and no `XLAKIT_CACHE_KEY`.
+        CompileCacheError, CacheFolderTrustError: as `pjrt_wrap.env_lines`; no `XLAKIT_CACHE_KEY`; a URL
+            without a bucket and prefix.
+        ConfigurationError: a variable the shared tier reads holds a value it cannot use.
     """
+    from xlakit.cache_tier.tier import settings
+
+    check_url(url)
     require_key(url)
+    settings()
     root = cache_trust.local_folder(local) if local else default_local(url)
-    readonly = _knobs.get_flag(_knobs.PJRT_CACHE_READ_ONLY)
-    shared = _knobs.get_flag(_knobs.CACHE_TRUST_SHARED)
+    readonly = compile_cache._default_readonly()
     where = pjrt_wrap.cache_folder(root, "TPU")
-    compile_cache.prepare(where, readonly=readonly, shared=shared)
     lines = pjrt_wrap.env_lines(root, plugin) + [f"export {_knobs.CACHE_TIER_URL}={shlex.quote(url)}"]
+    compile_cache.prepare(where, readonly=readonly, shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
     tier = open_tier(url, where, readonly=readonly)
     report = tier.pull()
     if report.error and not report.moved:
-        say(f"the shared tier {tier.url} could not be read ({report.error}); the job starts on its local cache "
-            f"{where}")
+        say(f"the shared tier {tier.url} could not be read: the job starts on its local cache {where}")
     else:
         say(f"pulled {report.moved} entries ({report.bytes_moved} bytes) from {tier.url} into {where} in "
             f"{report.seconds:.1f} s; {report.already} were here already"
-            + (f"; refused {len(report.refused)}: {', '.join(sorted(report.refused))[:300]}" if report.refused else ""))
-    if not readonly:
+            + (f"; refused {len(report.refused)} (see the log line above)" if report.refused else ""))
+    if readonly:
+        say("read-only (XLAKIT_PJRT_CACHE_READ_ONLY or XLA_PERSISTENT_CACHE_READ_ONLY): nothing is published")
+        lines.append(f"export {_knobs.PJRT_CACHE_READ_ONLY}=1")
+    else:
         command = [sys.executable, "-m", "xlakit", "cache", "publish", url, "--local", str(root)]
         log = shlex.quote(str(root / PUBLISH_LOG))
         lines.append(f"( exec {shlex.join(command)} --follow $$ </dev/null >>{log} 2>&1 & )")
@@ -77,7 +86,10 @@ def publish(url: str, *, local: str | None, device: str, follow: int | None, onc
                                 "folder the job was given (its pjrt-<device> folder holds the entries)")
     cache_trust.require(where, trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
     tier = open_tier(url, where, readonly=False)
-    report = tier.publish(_knobs.get_float(_knobs.CACHE_TIER_EXIT_TIMEOUT_S)) if once else follow_loop(tier, follow)
+    if follow is not None and not _only_publisher(where.parent, follow):
+        print(f"another `xlakit cache publish` already follows process {follow} for {where}; nothing to do")
+        return 0
+    report = tier.publish(tier.settings.exit_timeout_s) if once else follow_loop(tier, follow)
     print(f"published {report.moved} entries ({report.bytes_moved} bytes) to {tier.url}; {report.already} were "
           f"there already" + (f"; refused {len(report.refused)}" if report.refused else "")
           + (f"; store: {report.error}" if report.error else ""))
@@ -86,29 +98,57 @@ def publish(url: str, *, local: str | None, device: str, follow: int | None, onc
     return 1 if report.error or report.refused or report.skipped else 0
 
 
+_held: list[int] = []  # the lock files this process holds until it exits
+
+
+def _only_publisher(root: Path, pid: int) -> bool:
+    """Whether this is the one publisher following `pid` for the folder `root` (a shell that evaluated
+    `pjrt env` twice starts two): an exclusive lock on `<root>/xlakit-publish.<pid>.lock`, held until exit."""
+    fd = os.open(root / f"xlakit-publish.{pid}.lock", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _held.append(fd)
+    return True
+
+
 def prune(url: str, max_bytes: int, *, dry_run: bool) -> int:
-    """Delete the oldest entries under `url` until the rest hold at most `max_bytes`; how many went."""
+    """Delete the oldest entries under `url` until the rest hold at most `max_bytes`; how many went.
+
+    Only objects positively identified as entries are counted or deleted: named
+    `pjrt-<device>/<key id>/<entry name>` under the prefix, and (read before
+    deleting) starting as an object xlakit published.
+
+    Raises:
+        CompileCacheError: `url` names no bucket and prefix.
+    """
+    from xlakit.cache_tier import objects
     from xlakit.checkpoint.objstore import client
 
-    if not is_url(url):
-        raise CompileCacheError(f"expected a gs:// or s3:// URL, found {url!r}")
+    check_url(url)
     root = client.Location.parse(url)
     store = client.store_for(root)
     listed = store.list_dated(None, root)
     entries = sorted(((when, name, size) for name, (size, when) in listed.items() if _ENTRY_OBJECT.fullmatch(name)),
                      key=lambda e: (e[0], e[1]))
     total = sum(size for _, _, size in entries)
-    print(f"{root.url}: {len(entries)} entries, {total} bytes (objects not named as entries are left alone: "
-          f"{len(listed) - len(entries)})")
+    print(f"{root.url}: {len(entries)} entries, {total} bytes; {len(listed) - len(entries)} other objects, left alone")
+    if not entries and any(_ENTRY_OBJECT.fullmatch(f"pjrt-x/{n}") for n in listed):
+        print(f"(these look like one device's folder: pass the prefix the job was given, {root.url.rsplit('/', 1)[0]})")
     gone = 0
     for when, name, size in entries:
         if total <= max_bytes:
             break
+        if not objects.is_object_start(store.get(None, root.child(name), 0, 64)):
+            print(f"kept: {name} (named like an entry, but not an object xlakit published; not counted)")
+            total -= size
+            continue
         if not dry_run:
             store.delete(None, [root.child(name)])
         total -= size
         gone += 1
-        print(f"{'would remove' if dry_run else 'removed'}: {name} (oldest; {total} of {max_bytes} bytes left)")
+        print(f"{'would remove' if dry_run else 'removed'}: {name} (oldest written; {total} of {max_bytes} bytes left)")
     print(f"{gone} of {len(entries)} entries {'to remove' if dry_run else 'removed'}")
     return gone
-

@@ -40,7 +40,7 @@ def _said(tier: SharedTier, report: Report, when: str) -> None:
     if report.skipped and when == "at exit":
         log.warning("compile cache shared tier %s: %d entries were not published before the exit bound "
                     "(%s s, %s): the next run publishes them", tier.url, report.skipped,
-                    _knobs.get_float(_knobs.CACHE_TIER_EXIT_TIMEOUT_S), _knobs.CACHE_TIER_EXIT_TIMEOUT_S)
+                    tier.settings.exit_timeout_s, _knobs.CACHE_TIER_EXIT_TIMEOUT_S)
 
 
 class Publisher:
@@ -48,7 +48,7 @@ class Publisher:
 
     def __init__(self, tier: SharedTier, interval_s: float | None = None):
         self.tier = tier
-        self.interval_s = interval_s or _knobs.get_float(_knobs.CACHE_TIER_PUBLISH_INTERVAL_S)
+        self.interval_s = interval_s or tier.settings.publish_interval_s
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="xlakit-cache-publisher", daemon=True)
 
@@ -67,9 +67,9 @@ class Publisher:
     def close(self) -> Report:
         """Stop the thread and publish what is left, bounded by `XLAKIT_CACHE_TIER_EXIT_TIMEOUT_S`."""
         self.stopping.set()
+        self.thread.join(timeout=self.tier.settings.exit_timeout_s)  # a publish under way ends first
         try:
-            bound = _knobs.get_float(_knobs.CACHE_TIER_EXIT_TIMEOUT_S)
-            report = self.tier.publish(bound)
+            report = self.tier.publish(self.tier.settings.exit_timeout_s)
             _said(self.tier, report, "at exit")
             return report
         except Exception as e:  # noqa: BLE001 - an exit hook never raises
@@ -92,7 +92,7 @@ def _alive(pid: int) -> bool:
 def follow(tier: SharedTier, pid: int | None, interval_s: float | None = None) -> Report:
     """Publish every interval while process `pid` lives (until SIGTERM/SIGINT without one), then once more,
     bounded; the last publish's report. What `xlakit cache publish` runs."""
-    interval_s = interval_s or _knobs.get_float(_knobs.CACHE_TIER_PUBLISH_INTERVAL_S)
+    interval_s = interval_s or tier.settings.publish_interval_s
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
@@ -102,6 +102,6 @@ def follow(tier: SharedTier, pid: int | None, interval_s: float | None = None) -
             _said(tier, tier.publish(interval_s), "")
             next_at = time.monotonic() + interval_s
         stop.wait(min(1.0, interval_s))
-    report = tier.publish(_knobs.get_float(_knobs.CACHE_TIER_EXIT_TIMEOUT_S))
+    report = tier.publish(tier.settings.exit_timeout_s)
     _said(tier, report, "at exit")
     return report

@@ -154,7 +154,8 @@ def add_parser(subparsers) -> None:
         ("prune", cmd_prune, "delete rejected entries and abandoned temporary files, nothing else"),
     ):
         q = sub.add_parser(name, help=help_text)
-        q.add_argument("dir", help="the cache folder (XLA_PERSISTENT_CACHE_PATH)")
+        q.add_argument("dir", help="the cache folder (XLA_PERSISTENT_CACHE_PATH, or the wrapper's pjrt-<device> "
+                       "folder)" + ("; or a shared tier's gs:// or s3:// URL, with --max-bytes" if name == "prune" else ""))
         q.add_argument("--json", action="store_true", help="print the folder's trust state and the entries as JSON")
         q.add_argument("--platform-name", help="check entries against this runtime (with the next two)")
         q.add_argument("--platform-version")
@@ -164,15 +165,21 @@ def add_parser(subparsers) -> None:
         if name == "prune":
             q.add_argument("--dry-run", action="store_true", help="list what would be removed")
             q.add_argument("--max-bytes", type=_byte_count, metavar="N",
-                           help="then remove the least recently used entries until the rest hold at most N bytes")
+                           help="then remove the least recently used entries until the rest hold at most N bytes "
+                                "(of a URL: the oldest written, since a bucket records no reads)")
             q.add_argument("--foreign", action="store_true",
                            help=f"also remove entries without an envelope (only in a folder holding {cache_files.KEY_FILE})")
         q.set_defaults(func=func)
     q = sub.add_parser("publish", help="send a local folder's new entries to its shared tier (gs://, s3://): once, "
-                                       "or while a process lives (`xlakit pjrt env URL` starts it)")
+                                       "or while a process lives (`xlakit pjrt env URL` starts it)",
+                       description="Send the entries of the wrapper's local folder that the shared tier lacks, each "
+                                   "checked under XLAKIT_CACHE_KEY first, create-only. Exit 0: everything it had "
+                                   "was published (or was there); 1: the store failed, the time ran out, or entries "
+                                   "were not publishable (listed); 2: a wrong argument or setting.")
     q.add_argument("url", help="the shared tier, gs://BUCKET/PREFIX or s3://BUCKET/PREFIX")
     q.add_argument("--local", help="the local folder given to the job (default: the one `pjrt env URL` picks)")
-    q.add_argument("--device", default="TPU", help="the PJRT_DEVICE whose pjrt-<device> folder is published")
+    q.add_argument("--device", default="TPU", help="the PJRT_DEVICE whose pjrt-<device> folder is published "
+                                                   "(default TPU)")
     q.add_argument("--follow", type=int, metavar="PID",
                    help=f"publish every {_knobs.CACHE_TIER_PUBLISH_INTERVAL_S} seconds while PID lives, then once more")
     q.set_defaults(func=cmd_publish)

@@ -227,6 +227,8 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
       digest + " " + std::to_string(real->pjrt_api_version.major_version) +
       "." + std::to_string(real->pjrt_api_version.minor_version);
   cache->flags_ = KeyedEnvironment(*crypto);
+  cache->flag_parts_ = KeyedFlags(*crypto);
+  cache->codegen_env_ = KeyedCodegenEnvironment();
   state->on = true;
   state->authenticated = !cfg.key.empty();
   return cache;
@@ -312,6 +314,56 @@ std::string CompileCache::KeyFor(const ClientInfo& info,
   return sha.Hex();
 }
 
+KeyRecord CompileCache::RecordFor(const ClientInfo& info,
+                                  const PJRT_Client_Compile_Args& args) {
+  KeyRecord r;
+  const PJRT_Program* program = args.program;
+  if (program == nullptr || program->code == nullptr) return r;
+  auto hash = [this](std::string_view text) {
+    Sha256 sha(crypto_);
+    sha.Update(text);
+    return sha.Hex().substr(0, 32);
+  };
+  std::string_view format(program->format ? program->format : "",
+                          program->format ? program->format_size : 0);
+  std::string_view code(program->code, program->code_size);
+  r.program_format = std::string(format);
+  r.module = ModuleName(format, code);
+  r.parts.emplace_back(
+      "program", hash(r.program_format + '\0' + CanonicalProgram(format, code)));
+  std::string bare = ProgramWithoutConstants(format, code);
+  if (!bare.empty()) {
+    r.parts.emplace_back("program_without_constants", hash(bare));
+  }
+  r.parts.emplace_back(
+      "compile_options",
+      hash(CanonicalCompileOptions(std::string_view(
+          args.compile_options ? args.compile_options : "",
+          args.compile_options ? args.compile_options_size : 0))));
+  for (const auto& [name, flags] : flag_parts_) {
+    r.parts.emplace_back(name, hash(flags));
+    // LIBTPU_INIT_ARGS may carry secrets (credentials of a TPU service):
+    // hashed only.
+    if (name != "LIBTPU_INIT_ARGS") r.details.emplace_back(name, flags);
+  }
+  std::string codegen = codegen_env_;
+  std::replace(codegen.begin(), codegen.end(), '\n', ';');
+  if (!codegen.empty()) codegen.pop_back();
+  r.parts.emplace_back("codegen_env", hash(codegen_env_));
+  r.details.emplace_back("codegen_env", codegen);
+  r.parts.emplace_back("plugin_build", hash(plugin_build_));
+  r.details.emplace_back("plugin_build", plugin_build_);
+  r.parts.emplace_back("platform", hash(info.self.platform_name + '\n' +
+                                        info.self.platform_version));
+  r.details.emplace_back("platform", info.self.platform_name + " " +
+                                        info.self.platform_version);
+  r.parts.emplace_back("topology", hash(info.topology));
+  r.details.emplace_back("topology", info.topology_source);
+  r.parts.emplace_back("wrapper_version", kWrapperVersion);
+  r.parts.emplace_back("key_id", key_id_.empty() ? "none" : key_id_);
+  return r;
+}
+
 bool CompileCache::TryLoad(const ClientInfo& info, const std::string& key,
                            const std::string& path,
                            PJRT_Client_Compile_Args* args) {
@@ -381,7 +433,8 @@ bool CompileCache::TryLoad(const ClientInfo& info, const std::string& key,
 
 void CompileCache::Store(const ClientInfo& info, const std::string& key,
                          const std::string& path,
-                         PJRT_LoadedExecutable* executable) {
+                         PJRT_LoadedExecutable* executable,
+                         const KeyRecord& record) {
   Counters& counters = GlobalCounters();
   std::string serialized;
   std::string error;
@@ -421,6 +474,11 @@ void CompileCache::Store(const ClientInfo& info, const std::string& key,
     return;
   }
   ++counters.writes;
+  // Its key's parts, after it (a record never names a missing entry for
+  // long); a failure costs explanations, never the entry.
+  if (!record.parts.empty()) {
+    WriteFileAtomic(path + kPartsSuffix, KeyRecordJson(record, key));
+  }
   if (cfg_.max_bytes > 0) Evict(key);
 }
 
@@ -472,6 +530,7 @@ void CompileCache::Evict(const std::string& keep) {
     if (total <= cfg_.max_bytes) break;
     if (e.name == keep) continue;
     if (unlinkat(dirfd(dir), e.name.c_str(), 0) == 0) {
+      unlinkat(dirfd(dir), (e.name + kPartsSuffix).c_str(), 0);
       total -= e.bytes;
       ++GlobalCounters().evictions;
     }
@@ -538,6 +597,15 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
     return nullptr;
   }
   ++counters.misses;
+  KeyRecord record;
+  if (cfg_.explain || !cfg_.read_only) {
+    try {
+      record = RecordFor(info, *args);
+      if (cfg_.explain) Log(ExplainMiss(record, cfg_.dir, key));
+    } catch (...) {
+      record = KeyRecord();
+    }
+  }
   Clock::time_point start = Clock::now();
   PJRT_Error* error = real_->PJRT_Client_Compile(args);
   const uint64_t compile_us = MicrosSince(start);
@@ -548,7 +616,7 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
   } else if (error == nullptr && args->executable != nullptr &&
              !cfg_.read_only) {
     try {
-      Store(info, key, path, args->executable);
+      Store(info, key, path, args->executable, record);
     } catch (...) {
       ++counters.write_failures;
     }

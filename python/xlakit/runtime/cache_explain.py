@@ -223,7 +223,8 @@ def explain(records: list[tuple[str, dict]], *, entry: str | None = None) -> lis
     Raises:
         ValueError: `entry` names no record, or several.
     """
-    records = [(n, r) for n, r in records if isinstance(r, dict) and isinstance(r.get("parts"), dict)]
+    records = [(n, {**r, "written_unix_s": r.get("written_unix_s") if isinstance(r.get("written_unix_s"), (int, float))
+                    else 0}) for n, r in records if isinstance(r, dict) and isinstance(r.get("parts"), dict)]
     groups: dict[str, list[tuple[str, dict]]] = {}
     for name, record in records:
         groups.setdefault(record.get("module", "unknown"), []).append((name, record))

@@ -70,10 +70,13 @@ def test_each_entry_records_its_key_parts_and_no_secret(tmp_path):
         assert "LIBTPU_INIT_ARGS" not in r["details"]
     text = "".join(p.read_text() for p in folder.iterdir() if p.name.endswith(SUFFIX))
     assert secret not in text and key not in text
-    # Recorded, not keyed: the same job hits every entry (the key did not change with the records).
+    # Recorded, not keyed: the same job hits every entry (the key did not change with the records). A mistyped
+    # XLAKIT_PJRT_CACHE_EXPLAIN is said and leaves the cache on.
     again = job("jax", folder, LIBTPU_INIT_ARGS=f"--xla_tpu_secret_arg={secret}", XLAKIT_CACHE_KEY=key,
-                XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+                XLA_FLAGS="--xla_cpu_enable_fast_math=false", XLAKIT_PJRT_CACHE_EXPLAIN="maybe")
     assert counts(again)["hits"] == counts(again)["compiles"] and again["results"] == out["results"]
+    assert "XLAKIT_PJRT_CACHE_EXPLAIN='maybe': expected 1 or 0" in again["stderr"]
+    assert "misses go unexplained" in again["stderr"]
 
 
 # -- a changed flag ----------------------------------------------------------------------------------------

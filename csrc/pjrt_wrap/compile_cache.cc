@@ -316,52 +316,16 @@ std::string CompileCache::KeyFor(const ClientInfo& info,
 
 KeyRecord CompileCache::RecordFor(const ClientInfo& info,
                                   const PJRT_Client_Compile_Args& args) {
-  KeyRecord r;
-  const PJRT_Program* program = args.program;
-  if (program == nullptr || program->code == nullptr) return r;
-  auto hash = [this](std::string_view text) {
-    Sha256 sha(crypto_);
-    sha.Update(text);
-    return sha.Hex().substr(0, 32);
-  };
-  std::string_view format(program->format ? program->format : "",
-                          program->format ? program->format_size : 0);
-  std::string_view code(program->code, program->code_size);
-  r.program_format = std::string(format);
-  r.module = ModuleName(format, code);
-  r.parts.emplace_back(
-      "program", hash(r.program_format + '\0' + CanonicalProgram(format, code)));
-  std::string bare = ProgramWithoutConstants(format, code);
-  if (!bare.empty()) {
-    r.parts.emplace_back("program_without_constants", hash(bare));
-  }
-  r.parts.emplace_back(
-      "compile_options",
-      hash(CanonicalCompileOptions(std::string_view(
-          args.compile_options ? args.compile_options : "",
-          args.compile_options ? args.compile_options_size : 0))));
-  for (const auto& [name, flags] : flag_parts_) {
-    r.parts.emplace_back(name, hash(flags));
-    // LIBTPU_INIT_ARGS may carry secrets (credentials of a TPU service):
-    // hashed only.
-    if (name != "LIBTPU_INIT_ARGS") r.details.emplace_back(name, flags);
-  }
-  std::string codegen = codegen_env_;
-  std::replace(codegen.begin(), codegen.end(), '\n', ';');
-  if (!codegen.empty()) codegen.pop_back();
-  r.parts.emplace_back("codegen_env", hash(codegen_env_));
-  r.details.emplace_back("codegen_env", codegen);
-  r.parts.emplace_back("plugin_build", hash(plugin_build_));
-  r.details.emplace_back("plugin_build", plugin_build_);
-  r.parts.emplace_back("platform", hash(info.self.platform_name + '\n' +
-                                        info.self.platform_version));
-  r.details.emplace_back("platform", info.self.platform_name + " " +
-                                        info.self.platform_version);
-  r.parts.emplace_back("topology", hash(info.topology));
-  r.details.emplace_back("topology", info.topology_source);
-  r.parts.emplace_back("wrapper_version", kWrapperVersion);
-  r.parts.emplace_back("key_id", key_id_.empty() ? "none" : key_id_);
-  return r;
+  KeyRecordInputs in;
+  in.plugin_build = plugin_build_;
+  in.flags = &flag_parts_;
+  in.codegen_env = codegen_env_;
+  in.platform_name = info.self.platform_name;
+  in.platform_version = info.self.platform_version;
+  in.topology = info.topology;
+  in.topology_source = info.topology_source;
+  in.key_id = key_id_;
+  return MakeKeyRecord(crypto_, in, args);
 }
 
 bool CompileCache::TryLoad(const ClientInfo& info, const std::string& key,

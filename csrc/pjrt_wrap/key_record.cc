@@ -14,7 +14,9 @@
 #include <set>
 #include <sstream>
 
+#include "pjrt_wrap/compile_cache.h"
 #include "pjrt_wrap/counters.h"
+#include "pjrt_wrap/proto_canon.h"
 
 namespace xlakit {
 namespace pjrt_wrap {
@@ -124,6 +126,56 @@ std::string KeyRecord::Part(const std::string& name) const {
 
 std::string KeyRecord::Detail(const std::string& name) const {
   return Find(details, name);
+}
+
+KeyRecord MakeKeyRecord(const Libcrypto& crypto, const KeyRecordInputs& in,
+                        const PJRT_Client_Compile_Args& args) {
+  KeyRecord r;
+  const PJRT_Program* program = args.program;
+  if (program == nullptr || program->code == nullptr) return r;
+  auto hash = [&crypto](std::string_view text) {
+    Sha256 sha(crypto);
+    sha.Update(text);
+    return sha.Hex().substr(0, 32);
+  };
+  std::string_view format(program->format ? program->format : "",
+                          program->format ? program->format_size : 0);
+  std::string_view code(program->code, program->code_size);
+  r.program_format = std::string(format);
+  r.module = ModuleName(format, code);
+  r.parts.emplace_back(
+      "program", hash(r.program_format + '\0' + CanonicalProgram(format, code)));
+  std::string bare = ProgramWithoutConstants(format, code);
+  if (!bare.empty()) {
+    r.parts.emplace_back("program_without_constants", hash(bare));
+  }
+  r.parts.emplace_back(
+      "compile_options",
+      hash(CanonicalCompileOptions(std::string_view(
+          args.compile_options ? args.compile_options : "",
+          args.compile_options ? args.compile_options_size : 0))));
+  for (const auto& [name, flags] : *in.flags) {
+    r.parts.emplace_back(name, hash(flags));
+    // LIBTPU_INIT_ARGS may carry secrets (credentials of a TPU service):
+    // hashed only.
+    if (name != "LIBTPU_INIT_ARGS") r.details.emplace_back(name, flags);
+  }
+  std::string codegen = in.codegen_env;
+  std::replace(codegen.begin(), codegen.end(), '\n', ';');
+  if (!codegen.empty()) codegen.pop_back();
+  r.parts.emplace_back("codegen_env", hash(in.codegen_env));
+  r.details.emplace_back("codegen_env", codegen);
+  r.parts.emplace_back("plugin_build", hash(in.plugin_build));
+  r.details.emplace_back("plugin_build", in.plugin_build);
+  r.parts.emplace_back("platform", hash(in.platform_name + '\n' +
+                                        in.platform_version));
+  r.details.emplace_back("platform", in.platform_name + " " +
+                                        in.platform_version);
+  r.parts.emplace_back("topology", hash(in.topology));
+  r.details.emplace_back("topology", in.topology_source);
+  r.parts.emplace_back("wrapper_version", kWrapperVersion);
+  r.parts.emplace_back("key_id", in.key_id.empty() ? "none" : in.key_id);
+  return r;
 }
 
 std::string KeyRecordJson(const KeyRecord& r, const std::string& entry) {

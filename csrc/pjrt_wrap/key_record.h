@@ -29,6 +29,12 @@
 #include <utility>
 #include <vector>
 
+#include "pjrt_wrap/libcrypto.h"
+
+// xla/pjrt/c/pjrt_c_api.h, which only the plugin is built with (xlakit._C
+// reads this header's names).
+struct PJRT_Client_Compile_Args;
+
 namespace xlakit {
 namespace pjrt_wrap {
 
@@ -50,6 +56,25 @@ struct KeyRecord {
   std::string Part(const std::string& name) const;
   std::string Detail(const std::string& name) const;
 };
+
+// What a record covers besides the compile's arguments: the process's and the
+// client's parts of the key (compile_cache.h).
+struct KeyRecordInputs {
+  std::string plugin_build;
+  const std::vector<std::pair<std::string, std::string>>* flags = nullptr;
+  std::string codegen_env;  // key_parts.h KeyedCodegenEnvironment
+  std::string platform_name;
+  std::string platform_version;
+  std::string topology;
+  std::string topology_source;
+  std::string key_id;  // "" without a key
+};
+
+// The record of a compile's key: hashes the program (canonical, and without
+// its constants for HLO) and the compile options again, so it is made only at
+// a miss.
+KeyRecord MakeKeyRecord(const Libcrypto& crypto, const KeyRecordInputs& in,
+                        const PJRT_Client_Compile_Args& args);
 
 // The sidecar's contents for the entry named `entry`.
 std::string KeyRecordJson(const KeyRecord& record, const std::string& entry);

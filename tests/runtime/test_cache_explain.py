@@ -226,7 +226,12 @@ def test_explain_never_crashes_on_junk_missing_or_lonely_records(tmp_path):
     assert "1 entries have no key record" in notes
     assert cli("explain", str(folder)).returncode == 0
     listing = cli("ls", str(folder)).stdout
-    assert "stale_parts" in listing and "corrupt" not in listing
+    assert "stale_parts" in listing and "corrupt" not in listing and "named like a key record, but not JSON" in listing
+    # Prune removes the records of entries no longer there, and nothing that is not a record.
+    assert cli("prune", str(folder)).returncode == 0
+    left = {p.name for p in folder.iterdir()}
+    assert a + SUFFIX not in left and b + SUFFIX not in left
+    assert {n + SUFFIX for n in (c, d, e, "0" * 64, "1" * 64)} | {"README", "f" * 64} == left
     # An empty folder, and an entry asked for by a name nothing has.
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -95,7 +95,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
         print(f"{verb}: {r.name} ({r.status})")
         if verb == "removed" and cache_files.remove_parts(path):
             print(f"removed: {cache_files.parts_of(path).name} (its key record)")
-        gone.add(path.name)
+        if verb in ("removed", "would remove"):
+            gone.add(path.name)
     if args.max_bytes is not None:
         removed += _evict(folder, args.max_bytes, dry_run=args.dry_run, gone=gone)
     for path, st in cache_files.stale_parts(folder, gone=gone if args.dry_run else set()):

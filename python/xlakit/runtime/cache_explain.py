@@ -87,6 +87,21 @@ def parse_record(name: str, data: bytes) -> tuple[dict | None, str]:
     return record, ""
 
 
+def read_record(path: Path) -> tuple[dict | None, str]:
+    """The key record in the file at `path` (a plain file, links not followed, at most MAX_PARTS_BYTES), or None
+    and why it is not one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_PARTS_BYTES:
+                return None, f"not a plain file of at most {MAX_PARTS_BYTES} bytes"
+            data = f.read(MAX_PARTS_BYTES + 1)
+    except OSError as e:
+        return None, f"cannot read it ({e})"
+    return parse_record(path.name, data)
+
+
 def read_folder(directory: str | os.PathLike) -> tuple[list[tuple[str, dict]], list[str]]:
     """Every key record of a cache folder as (entry name, record), and notes on what could not be used."""
     folder = Path(directory)
@@ -107,14 +122,7 @@ def read_folder(directory: str | os.PathLike) -> tuple[list[tuple[str, dict]], l
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_PARTS_BYTES:
             notes.append(f"ignored {name}: not a plain file of at most {MAX_PARTS_BYTES} bytes")
             continue
-        try:
-            fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as f:
-                data = f.read(MAX_PARTS_BYTES + 1)
-        except OSError as e:
-            notes.append(f"ignored {name}: cannot read it ({e})")
-            continue
-        record, why = parse_record(name, data)
+        record, why = read_record(folder / name)
         if record is None:
             notes.append(f"ignored {name}: {why}")
             continue

@@ -126,6 +126,9 @@ def classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str, 
                           f"it may still be written (kept until it is {TEMP_MIN_AGE_S} s old)")
         return _plain(name, st, TEMPORARY, "left by a writer that did not finish (killed)")
     if cache_explain.PARTS_NAME.fullmatch(name):
+        record, why = cache_explain.read_record(path)
+        if record is None:
+            return _plain(name, st, OTHER, f"named like a key record, but {why}; left alone")
         if (path.parent / name[:64]).exists():
             return _plain(name, st, PARTS, f"the key record of entry {name[:16]}… (read by `xlakit cache explain`, "
                           "never loaded)")
@@ -277,19 +280,18 @@ def unchanged_since(path: Path, st: os.stat_result) -> bool:
                                                                       st.st_mtime_ns)
 
 
-
-
 def parts_of(entry: Path) -> Path:
     """Where the PJRT wrapper records the key's parts of `entry` (cache_explain)."""
     return entry.with_name(entry.name + cache_explain.PARTS_SUFFIX)
 
 
 def remove_parts(entry: Path) -> bool:
-    """Removes the key record of an entry just removed; True if there was one (a plain file, never a link)."""
+    """Removes the key record of an entry just removed; True if there was one (a plain file holding a record;
+    anything else under its name is left alone)."""
     record = parts_of(entry)
+    if cache_explain.read_record(record)[0] is None:
+        return False
     try:
-        if not stat.S_ISREG(record.lstat().st_mode):
-            return False
         record.unlink()
         return True
     except FileNotFoundError:
@@ -297,8 +299,9 @@ def remove_parts(entry: Path) -> bool:
 
 
 def stale_parts(directory: Path, *, gone: set[str] = frozenset()) -> list[tuple[Path, os.stat_result]]:
-    """The key records (plain files) whose entry is missing, or in `gone` (entries a dry run would remove)."""
+    """The key records whose entry is missing, or in `gone` (entries a dry run would remove): plain files that
+    hold a record, nothing else named like one."""
     files = regular_files(directory)
     names = {p.name for p, _ in files}
     return [(p, st) for p, st in files if cache_explain.PARTS_NAME.fullmatch(p.name)
-            and (p.name[:64] not in names or p.name[:64] in gone)]
+            and (p.name[:64] not in names or p.name[:64] in gone) and cache_explain.read_record(p)[0] is not None]

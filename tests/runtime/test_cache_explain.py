@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_cache_keys import JOB, PYTHONPATH, counts, job, run
-from tests.support import REPO, pjrt_job
+from tests.runtime.test_cache_keys import PYTHONPATH, counts, job, run
+from tests.support import pjrt_job
 from xlakit.runtime import cache_explain, pjrt_wrap
 from xlakit.runtime.compile_cache import key_id
 
@@ -70,6 +71,9 @@ def test_each_entry_records_its_key_parts_and_no_secret(tmp_path):
         assert "LIBTPU_INIT_ARGS" not in r["details"]
     text = "".join(p.read_text() for p in folder.iterdir() if p.name.endswith(SUFFIX))
     assert secret not in text and key not in text
+    # The layout the wrapper's own reader (csrc/pjrt_wrap/key_record.cc ParseKeyRecord) relies on: one field a line.
+    layout = re.compile(r'[{}]|  \}|  \},|  "\w+": \{|  ( {2})?"\w+": ("[^"\\]*"|[0-9.]+),?')
+    assert all(layout.fullmatch(line) for line in text.splitlines()), text[:2000]
     # Recorded, not keyed: the same job hits every entry (the key did not change with the records). A mistyped
     # XLAKIT_PJRT_CACHE_EXPLAIN is said and leaves the cache on.
     again = job("jax", folder, LIBTPU_INIT_ARGS=f"--xla_tpu_secret_arg={secret}", XLAKIT_CACHE_KEY=key,
@@ -183,7 +187,8 @@ def test_prune_removes_records_with_their_entries_and_verify_passes(tmp_path):
     dropped.unlink()  # by hand: its record stays behind, stale
     assert f"{dropped.name}{SUFFIX}" in cli("ls", str(folder)).stdout
     dry = cli("prune", str(folder), "--dry-run")
-    assert f"would remove: {dropped.name}{SUFFIX}" in dry.stdout and f"would remove: {corrupt.name}{SUFFIX}" in dry.stdout
+    assert f"would remove: {dropped.name}{SUFFIX}" in dry.stdout
+    assert f"would remove: {corrupt.name}{SUFFIX}" in dry.stdout
     assert (folder / (dropped.name + SUFFIX)).exists()
     prune = cli("prune", str(folder))
     assert prune.returncode == 0, prune.stderr
@@ -237,7 +242,8 @@ def test_explain_never_crashes_on_junk_missing_or_lonely_records(tmp_path):
     empty.mkdir()
     assert "no key records to compare" in cli("explain", str(empty)).stdout
     missing = cli("explain", str(folder), "--entry", "9" * 10)
-    assert missing.returncode == 2 and "expected one entry named" in missing.stderr and "Traceback" not in missing.stderr
+    assert missing.returncode == 2 and "expected one entry named" in missing.stderr
+    assert "Traceback" not in missing.stderr
     # The reading takes records from anywhere (a bucket's listing, later): a list of (name, record) pairs.
     record, why = cache_explain.parse_record(a + SUFFIX, _record(a, "m", 1.0).encode())
     assert why == "" and cache_explain.explain([(a, record)])[0].nearest is None

@@ -148,7 +148,8 @@ def _flag_change(part: str, mine: str, theirs: str) -> str:
     only_b = [w for w in b if w not in a]
     if not only_a and not only_b:
         return f"{part}: the same flags in another order (kept as written, since they are not all plain)"
-    return f"{part}: this entry has {' '.join(only_a) or 'nothing more'}; the other has {' '.join(only_b) or 'nothing more'}"
+    mine_only, theirs_only = " ".join(only_a) or "nothing more", " ".join(only_b) or "nothing more"
+    return f"{part}: this entry has {mine_only}; the other has {theirs_only}"
 
 
 def differences(mine: dict, other: dict) -> list[Difference]:

@@ -4,6 +4,7 @@
 
 #include "bindings.h"
 #include "pjrt_wrap/env.h"
+#include "pjrt_wrap/key_record.h"
 
 namespace xlakit {
 
@@ -15,6 +16,9 @@ void BindPjrtWrap(pybind11::module_& m) {
   m.attr("CACHE_TRUST_SHARED_ENV") = pjrt_wrap::kTrustSharedEnv;
   m.attr("PJRT_CACHE_MAX_ENTRY_BYTES_ENV") = pjrt_wrap::kCacheMaxEntryBytesEnv;
   m.attr("PJRT_CACHE_MAX_BYTES_ENV") = pjrt_wrap::kCacheMaxBytesEnv;
+  m.attr("PJRT_CACHE_EXPLAIN_ENV") = pjrt_wrap::kCacheExplainEnv;
+  m.attr("PJRT_PARTS_SUFFIX") = pjrt_wrap::kPartsSuffix;
+  m.attr("PJRT_PARTS_FORMAT") = pjrt_wrap::kPartsFormat;
   m.attr("PJRT_DEFAULT_MAX_ENTRY_BYTES") = pjrt_wrap::kDefaultMaxEntryBytes;
 }
 

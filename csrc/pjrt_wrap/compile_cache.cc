@@ -227,6 +227,8 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
       digest + " " + std::to_string(real->pjrt_api_version.major_version) +
       "." + std::to_string(real->pjrt_api_version.minor_version);
   cache->flags_ = KeyedEnvironment(*crypto);
+  cache->flag_parts_ = KeyedFlags(*crypto);
+  cache->codegen_env_ = KeyedCodegenEnvironment();
   state->on = true;
   state->authenticated = !cfg.key.empty();
   return cache;
@@ -312,6 +314,20 @@ std::string CompileCache::KeyFor(const ClientInfo& info,
   return sha.Hex();
 }
 
+KeyRecord CompileCache::RecordFor(const ClientInfo& info,
+                                  const PJRT_Client_Compile_Args& args) {
+  KeyRecordInputs in;
+  in.plugin_build = plugin_build_;
+  in.flags = &flag_parts_;
+  in.codegen_env = codegen_env_;
+  in.platform_name = info.self.platform_name;
+  in.platform_version = info.self.platform_version;
+  in.topology = info.topology;
+  in.topology_source = info.topology_source;
+  in.key_id = key_id_;
+  return MakeKeyRecord(crypto_, in, args);
+}
+
 bool CompileCache::TryLoad(const ClientInfo& info, const std::string& key,
                            const std::string& path,
                            PJRT_Client_Compile_Args* args) {
@@ -381,7 +397,8 @@ bool CompileCache::TryLoad(const ClientInfo& info, const std::string& key,
 
 void CompileCache::Store(const ClientInfo& info, const std::string& key,
                          const std::string& path,
-                         PJRT_LoadedExecutable* executable) {
+                         PJRT_LoadedExecutable* executable,
+                         const KeyRecord& record) {
   Counters& counters = GlobalCounters();
   std::string serialized;
   std::string error;
@@ -421,6 +438,11 @@ void CompileCache::Store(const ClientInfo& info, const std::string& key,
     return;
   }
   ++counters.writes;
+  // Its key's parts, after it (a record never names a missing entry for
+  // long); a failure costs explanations, never the entry.
+  if (!record.parts.empty()) {
+    WriteFileAtomic(path + kPartsSuffix, KeyRecordJson(record, key));
+  }
   if (cfg_.max_bytes > 0) Evict(key);
 }
 
@@ -472,6 +494,7 @@ void CompileCache::Evict(const std::string& keep) {
     if (total <= cfg_.max_bytes) break;
     if (e.name == keep) continue;
     if (unlinkat(dirfd(dir), e.name.c_str(), 0) == 0) {
+      unlinkat(dirfd(dir), (e.name + kPartsSuffix).c_str(), 0);
       total -= e.bytes;
       ++GlobalCounters().evictions;
     }
@@ -538,6 +561,15 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
     return nullptr;
   }
   ++counters.misses;
+  KeyRecord record;
+  if (cfg_.explain || !cfg_.read_only) {
+    try {
+      record = RecordFor(info, *args);
+      if (cfg_.explain) Log(ExplainMiss(record, cfg_.dir, key));
+    } catch (...) {
+      record = KeyRecord();
+    }
+  }
   Clock::time_point start = Clock::now();
   PJRT_Error* error = real_->PJRT_Client_Compile(args);
   const uint64_t compile_us = MicrosSince(start);
@@ -548,7 +580,7 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
   } else if (error == nullptr && args->executable != nullptr &&
              !cfg_.read_only) {
     try {
-      Store(info, key, path, args->executable);
+      Store(info, key, path, args->executable, record);
     } catch (...) {
       ++counters.write_failures;
     }

@@ -20,7 +20,10 @@
 // into a folder core/folder_trust.h accepts.
 //
 // A hit loads with PJRT_Executable_DeserializeAndLoad and never calls the real
-// compile. Anything else (no entry; corrupt, truncated, foreign, other
+// compile. Beside each entry it writes goes a record of its key's parts
+// (key_record.h), which explains later misses; with kCacheExplainEnv set, each
+// miss logs what differed from the nearest entry of the same module. Anything
+// else (no entry; corrupt, truncated, foreign, other
 // platform, bad or missing tag; a plugin that cannot deserialize or serialize;
 // an unwritable or full disk) is counted and falls back to the real compile,
 // whose result replaces a refused entry. Nothing here fails a compile, throws
@@ -35,10 +38,13 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/envelope.h"
 #include "core/folder_trust.h"
 #include "pjrt_wrap/env.h"
+#include "pjrt_wrap/key_record.h"
 #include "pjrt_wrap/libcrypto.h"
 #include "xla/pjrt/c/pjrt_c_api.h"
 
@@ -62,6 +68,8 @@ struct CacheConfig {
   // Compiles faster than this are not written (env.h
   // kCacheMinCompileSecondsEnv).
   uint64_t min_compile_us = 0;
+  // Log why each miss missed (env.h kCacheExplainEnv).
+  bool explain = false;
   // A variable the cache reads holds a value it cannot use (a mistyped flag):
   // what is wrong, naming the variable and its value; the cache then stays off.
   std::string env_problem;
@@ -106,6 +114,9 @@ class CompileCache {
   ClientInfo Info(PJRT_Client* client);
   std::string KeyFor(const ClientInfo& info,
                      const PJRT_Client_Compile_Args& args);
+  // What the key of this compile was made of (key_record.h): only at a miss.
+  KeyRecord RecordFor(const ClientInfo& info,
+                      const PJRT_Client_Compile_Args& args);
   std::unique_ptr<EntryMac> NewMac() const;
   // Removes the least recently used entries but `keep` until the folder's
   // entries hold at most cfg_.max_bytes, and the temporaries of writers
@@ -115,7 +126,8 @@ class CompileCache {
   bool TryLoad(const ClientInfo& info, const std::string& key,
                const std::string& path, PJRT_Client_Compile_Args* args);
   void Store(const ClientInfo& info, const std::string& key,
-             const std::string& path, PJRT_LoadedExecutable* executable);
+             const std::string& path, PJRT_LoadedExecutable* executable,
+             const KeyRecord& record);
 
   const PJRT_Api* real_;
   const CacheConfig cfg_;
@@ -126,6 +138,9 @@ class CompileCache {
   // flags it reads from the environment.
   std::string plugin_build_;
   std::string flags_;
+  // The same environment by variable, for key records.
+  std::vector<std::pair<std::string, std::string>> flag_parts_;
+  std::string codegen_env_;
   std::mutex mu_;
   std::map<PJRT_Client*, ClientInfo> clients_;
   // Single flight: the keys a thread of this process is looking up or

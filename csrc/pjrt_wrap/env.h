@@ -39,6 +39,11 @@ inline constexpr char kCacheMaxBytesEnv[] = "XLAKIT_PJRT_CACHE_MAX_BYTES";
 // seconds (0 or more), else the cache stays off.
 inline constexpr char kCacheMinCompileSecondsEnv[] =
     "XLAKIT_PJRT_CACHE_MIN_COMPILE_S";
+// At each miss, log one line naming the module and what differed from the
+// nearest recorded entry of it in the folder (key_record.h); it reads every
+// record of the folder, so only when asked. A flag (1/0); a mistyped value is
+// logged and leaves it off.
+inline constexpr char kCacheExplainEnv[] = "XLAKIT_PJRT_CACHE_EXPLAIN";
 // 2 GiB: serialized executables are protocol buffers, which cannot be larger.
 inline constexpr uint64_t kDefaultMaxEntryBytes = uint64_t{2} << 30;
 // Account live buffers per device (memory_accounting.h); 0 turns it off

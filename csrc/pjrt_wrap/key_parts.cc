@@ -81,21 +81,34 @@ std::string NormalizedFlags(const Libcrypto& crypto, const std::string& value,
   return out;
 }
 
-std::string KeyedEnvironment(const Libcrypto& crypto) {
-  std::string out;
+std::vector<std::pair<std::string, std::string>> KeyedFlags(
+    const Libcrypto& crypto) {
+  std::vector<std::pair<std::string, std::string>> out;
   for (const char* name : kKeyedFlagEnvs) {
     const char* value = std::getenv(name);
-    out += std::string(name) + "=" +
-           NormalizedFlags(crypto, value ? value : "",
-                           std::strcmp(name, "LIBTPU_INIT_ARGS") == 0) +
-           "\n";
+    out.emplace_back(name, NormalizedFlags(crypto, value ? value : "",
+                                           std::strcmp(name,
+                                                       "LIBTPU_INIT_ARGS") == 0));
   }
+  return out;
+}
+
+std::string KeyedCodegenEnvironment() {
+  std::string out;
   for (const char* name : kKeyedCodegenEnvs) {
     const char* value = std::getenv(name);
     out += std::string(name) + (value ? "=" + std::string(value) : " unset") +
            "\n";
   }
   return out;
+}
+
+std::string KeyedEnvironment(const Libcrypto& crypto) {
+  std::string out;
+  for (const auto& [name, flags] : KeyedFlags(crypto)) {
+    out += name + "=" + flags + "\n";
+  }
+  return out + KeyedCodegenEnvironment();
 }
 
 }  // namespace pjrt_wrap

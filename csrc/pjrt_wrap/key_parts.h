@@ -17,6 +17,8 @@
 #define XLAKIT_PJRT_WRAP_KEY_PARTS_H_
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "pjrt_wrap/libcrypto.h"
 
@@ -27,7 +29,16 @@ namespace pjrt_wrap {
 std::string NormalizedFlags(const Libcrypto& crypto, const std::string& value,
                             bool absl_style);
 
-// The text every key of this process hashes for its environment.
+// Each variable of env.h kKeyedFlagEnvs with its normalised flags.
+std::vector<std::pair<std::string, std::string>> KeyedFlags(
+    const Libcrypto& crypto);
+
+// The variables of env.h kKeyedCodegenEnvs, one `NAME=value` (or
+// `NAME unset`) line each.
+std::string KeyedCodegenEnvironment();
+
+// The text every key of this process hashes for its environment: the two
+// above, in that order.
 std::string KeyedEnvironment(const Libcrypto& crypto);
 
 }  // namespace pjrt_wrap

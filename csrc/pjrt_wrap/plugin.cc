@@ -257,6 +257,9 @@ const PJRT_Api* Activate() {
     cfg.max_bytes = Bytes(kCacheMaxBytesEnv, kDefaultMaxEntryBytes,
                           &cfg.env_problem);
   }
+  std::string explain_problem;  // a diagnostic: a mistyped value leaves it off
+  cfg.explain = Flag(kCacheExplainEnv, &explain_problem);
+  if (!explain_problem.empty()) Log(explain_problem + "; misses go unexplained");
   w.cache = CompileCache::Open(w.real, cfg, &w.cache_state);
   const size_t size = w.real->struct_size;
   w.table.reset(new char[size]);

@@ -160,34 +160,44 @@ const Schema& CompileOptionsSchema() {
   return *schema;
 }
 
+// The HLO module schema; `without_constants` also drops each instruction's
+// literal (field 8, present only on constants), for ProgramWithoutConstants.
+const Schema* MakeHloModuleSchema(bool without_constants) {
+  auto* frontend_attributes = new Schema();
+  frontend_attributes->maps = {{1, true}};  // map
+  // OpMetadata: where the op came from in the user's source (a blank line
+  // added above it changes them); its other fields stay.
+  auto* op_metadata = new Schema();
+  op_metadata->drop = {3,    // source_file
+                       4,    // source_line
+                       15,   // stack_frame_id (into stack_frame_index)
+                       17,   // source_end_line
+                       18,   // source_column
+                       19};  // source_end_column
+  auto* instruction = new Schema();
+  instruction->messages = {{7, op_metadata},  // metadata
+                           {68, frontend_attributes}};
+  if (without_constants) instruction->drop = {8};  // literal
+  auto* computation = new Schema();
+  computation->messages = {{2, instruction}};  // instructions
+  auto* schedule = new Schema();
+  schedule->maps = {{1, true}};  // sequences
+  auto* module = new Schema();
+  module->messages = {{3, computation},            // computations
+                      {7, schedule},               // schedule
+                      {19, frontend_attributes}};  // frontend_attributes
+  module->drop = {17};  // stack_frame_index: the source files, lines and
+                        // functions the stack_frame_ids above point to
+  return module;
+}
+
 const Schema& HloModuleSchema() {
-  static const Schema* schema = [] {
-    auto* frontend_attributes = new Schema();
-    frontend_attributes->maps = {{1, true}};  // map
-    // OpMetadata: where the op came from in the user's source (a blank line
-    // added above it changes them); its other fields stay.
-    auto* op_metadata = new Schema();
-    op_metadata->drop = {3,    // source_file
-                         4,    // source_line
-                         15,   // stack_frame_id (into stack_frame_index)
-                         17,   // source_end_line
-                         18,   // source_column
-                         19};  // source_end_column
-    auto* instruction = new Schema();
-    instruction->messages = {{7, op_metadata},  // metadata
-                             {68, frontend_attributes}};
-    auto* computation = new Schema();
-    computation->messages = {{2, instruction}};  // instructions
-    auto* schedule = new Schema();
-    schedule->maps = {{1, true}};  // sequences
-    auto* module = new Schema();
-    module->messages = {{3, computation},            // computations
-                        {7, schedule},               // schedule
-                        {19, frontend_attributes}};  // frontend_attributes
-    module->drop = {17};  // stack_frame_index: the source files, lines and
-                          // functions the stack_frame_ids above point to
-    return module;
-  }();
+  static const Schema* schema = MakeHloModuleSchema(false);
+  return *schema;
+}
+
+const Schema& HloModuleWithoutConstantsSchema() {
+  static const Schema* schema = MakeHloModuleSchema(true);
   return *schema;
 }
 
@@ -202,6 +212,55 @@ std::string CanonicalProgram(std::string_view format, std::string_view bytes) {
   if (format != "hlo") return std::string(bytes);
   std::optional<std::string> out = Canon(bytes, HloModuleSchema());
   return out ? *out : std::string(bytes);
+}
+
+std::string ProgramWithoutConstants(std::string_view format,
+                                    std::string_view bytes) {
+  if (format != "hlo") return "";
+  std::optional<std::string> out =
+      Canon(bytes, HloModuleWithoutConstantsSchema());
+  return out ? *out : "";
+}
+
+std::string ModuleName(std::string_view format, std::string_view bytes) {
+  if (format == "hlo") {
+    Field field;
+    for (size_t pos = 0; pos < bytes.size();) {
+      if (!NextField(bytes, &pos, &field)) break;
+      if (field.number == 1 && field.delimited) {  // HloModuleProto.name
+        std::string name(field.payload.substr(0, 200));
+        for (char& c : name) {
+          if (c < 0x20 || c > 0x7e) c = '?';  // printable in a log line
+        }
+        return name.empty() ? "unknown" : name;
+      }
+    }
+    return "unknown";
+  }
+  if (format != "mlir") return "unknown";
+  // Text: `module @name`. Bytecode keeps its strings NUL-terminated in one
+  // table; jax names its modules jit_<function> (pjit_ before 0.4.14), so the
+  // first such string is the module's sym_name: a cheap guess, never parsed.
+  auto plain = [](std::string_view s) {
+    return !s.empty() && s.size() <= 200 &&
+           s.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRST"
+                               "UVWXYZ0123456789_.$-") == std::string_view::npos;
+  };
+  size_t at = bytes.find("module @");
+  if (bytes.rfind("ML\xefR", 0) != 0 && at != std::string_view::npos) {
+    std::string_view rest = bytes.substr(at + 8);
+    std::string_view name = rest.substr(0, rest.find_first_of(" {\n"));
+    if (plain(name)) return std::string(name);
+  }
+  for (std::string_view prefix : {std::string_view("\0jit_", 5),
+                                   std::string_view("\0pjit_", 6)}) {
+    size_t start = bytes.find(prefix);
+    if (start == std::string_view::npos) continue;
+    std::string_view rest = bytes.substr(start + 1);
+    std::string_view name = rest.substr(0, rest.find('\0'));
+    if (name.size() < rest.size() && plain(name)) return std::string(name);
+  }
+  return "unknown";
 }
 
 }  // namespace pjrt_wrap

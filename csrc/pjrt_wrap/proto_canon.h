@@ -35,6 +35,19 @@ std::string CanonicalCompileOptions(std::string_view bytes);
 // bytecode, are deterministic and returned as they are).
 std::string CanonicalProgram(std::string_view format, std::string_view bytes);
 
+// What the canonical HLO program would be with every constant's literal
+// cleared (the instructions stay): equal for two programs that differ only in
+// the values of their constants, such as a Python number baked into a graph.
+// Recorded beside an entry to explain misses (key_record.h), never keyed.
+// "" for other formats, or HLO that does not parse.
+std::string ProgramWithoutConstants(std::string_view format,
+                                    std::string_view bytes);
+
+// The program's module name, printable: an HLO module's name; for MLIR, the
+// `module @name` of text or, in bytecode, the first string named like jax's
+// modules (jit_...), a cheap guess; else "unknown".
+std::string ModuleName(std::string_view format, std::string_view bytes);
+
 }  // namespace pjrt_wrap
 }  // namespace xlakit
 

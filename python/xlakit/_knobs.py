@@ -225,3 +225,8 @@ def get_flag(name: str) -> bool:
         raise ConfigurationError(f"environment variable {name}={raw!r}: expected 1/true/yes/on or 0/false/no/off "
                          f"(fix or unset {name})")
     return value
+
+
+# 1: at each compile-cache miss the PJRT wrapper logs what differed from the nearest recorded entry of the
+# same module (csrc/pjrt_wrap/env.h kCacheExplainEnv; docs/runtime.md "Why did it miss?").
+PJRT_CACHE_EXPLAIN = _C.PJRT_CACHE_EXPLAIN_ENV

@@ -20,7 +20,7 @@ import pytest
 
 from tests.support import REPO, pjrt_job
 from xlakit import _C
-from xlakit.runtime import pjrt_wrap
+from xlakit.runtime import cache_explain, cache_files, pjrt_wrap
 
 JOB = Path(pjrt_job.__file__)
 # The xlakit under test first (a worktree's), then the repository for `tests`.
@@ -276,7 +276,7 @@ def test_the_plugins_digest_is_remembered_per_host_until_the_file_changes(tmp_pa
 def test_prune_max_bytes_evicts_the_least_recently_used_and_a_hit_is_a_use(tmp_path):
     folder = tmp_path / "cache"
     job("jax", folder)
-    first = {p.name: p for p in folder.iterdir()}
+    first = {p.name: p for p in _entries(folder)}
     old = time.time() - 3600
     for p in first.values():
         os.utime(p, (old, old))
@@ -284,13 +284,14 @@ def test_prune_max_bytes_evicts_the_least_recently_used_and_a_hit_is_a_use(tmp_p
     assert 0 < counts(other)["hits"] < counts(other)["compiles"]
     unused = {name for name, p in first.items() if p.stat().st_mtime < old + 1}
     assert unused and len(unused) < len(first)  # a hit touched its entry
-    sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
+    sizes = {p.name: p.stat().st_size for p in _entries(folder)}
     budget = sum(sizes.values()) - sum(sizes[n] for n in unused)
     prune = subprocess.run([sys.executable, "-m", "xlakit", "cache", "prune", str(folder), "--max-bytes",
                             str(budget)], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert prune.returncode == 0, prune.stderr
-    assert {p.name for p in folder.iterdir()} == set(sizes) - unused, prune.stdout
+    assert {p.name for p in _entries(folder)} == set(sizes) - unused, prune.stdout
+    assert _with_records(set(sizes) - unused) == {p.name for p in folder.iterdir()}  # records went with entries
     assert all_hits(run([str(JOB), "jax", "--variant", "1"], folder))
 
 
@@ -309,8 +310,9 @@ def test_the_wrapper_keeps_its_folder_under_max_bytes(tmp_path):
     assert not killed.exists() and live.exists()
     live.unlink()
     c = counts(first)
-    kept = list(folder.iterdir())
+    kept = _entries(folder)
     assert c["writes"] == c["compiles"] and c["evictions"] == c["writes"] - len(kept) >= 1
+    assert {p.name for p in folder.iterdir()} == _with_records({p.name for p in kept})  # evicted with its entry
     assert sum(p.stat().st_size for p in kept) <= budget
     assert counts(job("jax", folder))["hits"] == len(kept)  # what is left is loadable, and hit
     bad = run([str(JOB), "jax"], folder, XLAKIT_PJRT_CACHE_MAX_BYTES="lots")
@@ -319,7 +321,16 @@ def test_the_wrapper_keeps_its_folder_under_max_bytes(tmp_path):
 
 def _written(folder: Path) -> list[Path]:
     job("jax", folder)
-    return list(folder.iterdir())
+    return _entries(folder)
+
+
+def _entries(folder: Path) -> list[Path]:
+    """The wrapper's entries, without the key records beside them (cache_explain)."""
+    return [p for p in folder.iterdir() if cache_files.is_entry_name(p.name)]
+
+
+def _with_records(names: set[str]) -> set[str]:
+    return names | {n + cache_explain.PARTS_SUFFIX for n in names}
 
 
 def test_programs_compiled_faster_than_the_minimum_are_not_written(tmp_path):

@@ -39,10 +39,11 @@ _SET_BY_XLAKIT = {_knobs.CACHE_TIER_URL}
 
 # Read by the PJRT wrapping plugin (C++) alone: a value it cannot use turns its cache off, saying so
 # (tests/runtime/test_pjrt_wrap.py, tests/runtime/test_cache_integrity.py), or leaves its memory accounting
-# on, saying so (tests/runtime/test_memory_wrapper.py).
+# on, saying so (tests/runtime/test_memory_wrapper.py), or leaves misses unexplained, saying so
+# (tests/runtime/test_cache_explain.py).
 _READ_BY_THE_WRAPPER = {_knobs.PJRT_PLUGIN, _knobs.PJRT_CACHE_DIR, _knobs.PJRT_CACHE_READ_ONLY,
                         _knobs.PJRT_CACHE_MAX_ENTRY_BYTES, _knobs.PJRT_MEMORY_ACCOUNTING,
-                        _knobs.PJRT_CACHE_MAX_BYTES}
+                        _knobs.PJRT_CACHE_MAX_BYTES, _knobs.PJRT_CACHE_EXPLAIN}
 
 
 def test_every_xlakit_knob_has_a_reader_here():

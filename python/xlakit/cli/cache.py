@@ -1,9 +1,10 @@
-"""`xlakit cache ls|verify|prune DIR`: a persistent compilation cache folder on the command line.
+"""`xlakit cache ls|verify|prune|explain DIR`: a persistent compilation cache folder on the command line.
 
 What each entry is, and what may be deleted, is decided in
 `xlakit.runtime.cache_files` (through the same C++ the runtime loads entries
 with); here the arguments are read, the findings printed and prune carried out,
-re-checking each file just before it is removed.
+re-checking each file just before it is removed. `explain` reads the PJRT
+wrapper's key records (`xlakit.runtime.cache_explain`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import asdict
 
 from xlakit import _knobs, cache_tier
 from xlakit.errors import XlakitError
-from xlakit.runtime import cache_files
+from xlakit.runtime import cache_explain, cache_files
 
 
 def _identity(args: argparse.Namespace) -> dict[str, str] | None:
@@ -80,6 +81,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     now = time.time()
     files = cache_files.regular_files(folder)
     removed = 0
+    gone: set[str] = set()  # entries removed (or, in a dry run, to remove)
     for path, st in files:
         r = cache_files.classify(path, st, full=True, identity=identity, key=key, now=now)
         if not cache_files.removable(r, foreign=args.foreign, tag_faults=tag_faults):
@@ -99,13 +101,24 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 verb = "already gone"
         removed += verb in ("removed", "would remove")
         print(f"{verb}: {r.name} ({r.status})")
+        if verb == "removed" and cache_files.remove_parts(path):
+            print(f"removed: {cache_files.parts_of(path).name} (its key record)")
+        if verb in ("removed", "would remove"):
+            gone.add(path.name)
     if args.max_bytes is not None:
-        removed += _evict(folder, args.max_bytes, dry_run=args.dry_run)
+        removed += _evict(folder, args.max_bytes, dry_run=args.dry_run, gone=gone)
+    for path, st in cache_files.stale_parts(folder, gone=gone if args.dry_run else set()):
+        if not args.dry_run:
+            if not cache_files.unchanged_since(path, st):
+                continue  # rewritten since it was listed: its entry may be back
+            path.unlink(missing_ok=True)
+        print(f"{'would remove' if args.dry_run else 'removed'}: {path.name} (the key record of an entry no "
+              "longer there)")
     print(f"{removed} of {len(files)} files {'to remove' if args.dry_run else 'removed'}")
     return 0
 
 
-def _evict(folder, max_bytes: int, *, dry_run: bool) -> int:
+def _evict(folder, max_bytes: int, *, dry_run: bool, gone: set[str]) -> int:
     """Removes the least recently used entries until the folder's entries hold at most `max_bytes`.
 
     A wrapper hit touches its entry, so the oldest modification time is the entry used least recently.
@@ -126,10 +139,26 @@ def _evict(folder, max_bytes: int, *, dry_run: bool) -> int:
                 verb = "removed"
             except FileNotFoundError:
                 verb = "already gone"
+            cache_files.remove_parts(path)
+        gone.add(path.name)
         total -= st.st_size
         removed += verb != "already gone"
         print(f"{verb}: {path.name} (least recently used; {total} of {max_bytes} bytes left)")
     return removed
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    folder = cache_files.require_folder(args.dir)
+    records, notes = cache_explain.read_folder(folder)
+    try:
+        findings = cache_explain.explain(records, entry=args.entry)
+    except ValueError as e:
+        raise XlakitError(str(e)) from None
+    if args.json:
+        print(json.dumps(cache_explain.to_json(findings, notes), indent=2))
+    else:
+        print(cache_explain.render(findings, notes))
+    return 0
 
 
 def _byte_count(text: str) -> int:
@@ -183,3 +212,9 @@ def add_parser(subparsers) -> None:
     q.add_argument("--follow", type=int, metavar="PID",
                    help=f"publish every {_knobs.CACHE_TIER_PUBLISH_INTERVAL_S} seconds while PID lives, then once more")
     q.set_defaults(func=cmd_publish)
+    q = sub.add_parser("explain", help="why programs missed: each module's newest entry against its nearest "
+                                       "other entry (from the PJRT wrapper's key records)")
+    q.add_argument("dir", help="the PJRT wrapper's cache folder (XLAKIT_PJRT_CACHE_DIR)")
+    q.add_argument("--entry", metavar="KEY", help="explain this entry (its name, or the start of it)")
+    q.add_argument("--json", action="store_true", help="print the findings as JSON")
+    q.set_defaults(func=cmd_explain)

@@ -14,6 +14,10 @@ of the atomic writer old enough that no writer is still on them. Entries
 without an envelope (a stock torch_xla's) are `foreign` and removed only on
 request (`--foreign`), and only in a folder `xlakit.enable_persistent_cache`
 made (it holds its key file), since a stock runtime may still be using them.
+Beside each of its entries the PJRT wrapper writes the key's parts,
+`KEY.parts.json` (a diagnostic for `xlakit cache explain`, never loaded; see
+cache_explain): listed as `parts`, never an entry (so never called corrupt);
+prune removes it with its entry, and once its entry is gone (`stale_parts`).
 Everything else in the folder (a README, a lock file, `__init__.py`, a
 subfolder, a link) is listed as `other` and never touched.
 
@@ -38,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from xlakit import _C, _knobs
-from xlakit.runtime import cache_trust
+from xlakit.runtime import cache_explain, cache_trust
 from xlakit.runtime.compile_cache import KEY_FILE, key_id
 from xlakit.errors import XlakitError
 
@@ -54,6 +58,7 @@ _MAGICS = (_C.ENVELOPE_MAGIC, _C.AUTH_MAGIC)
 LOADABLE = "ok"
 TEMPORARY, IN_PROGRESS = "temporary", "in_progress"
 FOREIGN, UNREADABLE, KEY, OTHER = "foreign", "unreadable", "key", "other"
+PARTS, STALE_PARTS = "parts", "stale_parts"  # a wrapper entry's key record (cache_explain), its entry gone
 KEY_MISMATCH = "key_mismatch"  # the runtime's name for it (csrc/core/envelope.cc EntryStatusName)
 
 
@@ -76,7 +81,7 @@ class EntryReport:
     @property
     def is_entry(self) -> bool:
         """A cache entry (loadable or not), as opposed to a temporary, the key file or a stranger."""
-        return self.status not in (TEMPORARY, IN_PROGRESS, KEY, OTHER)
+        return self.status not in (TEMPORARY, IN_PROGRESS, KEY, OTHER, PARTS, STALE_PARTS)
 
 
 def _is_entry_name(name: str) -> bool:
@@ -91,8 +96,10 @@ def is_entry_name(name: str) -> bool:
 
 
 def _is_temporary(name: str) -> bool:
-    """A temporary of the atomic writer for an entry (its name format is the C++ writer's, csrc/core/atomic_file.h)."""
-    return _is_entry_name(_C.temp_file_target(name) or "")
+    """A temporary of the atomic writer for an entry or its key record (its name format is the C++ writer's,
+    csrc/core/atomic_file.h)."""
+    target = _C.temp_file_target(name) or ""
+    return _is_entry_name(target) or cache_explain.PARTS_NAME.fullmatch(target) is not None
 
 
 def _plain(name: str, st: os.stat_result, status: str, message: str) -> EntryReport:
@@ -118,6 +125,14 @@ def classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str, 
             return _plain(name, st, IN_PROGRESS, f"a writer's temporary file, modified {age:.0f} s ago: "
                           f"it may still be written (kept until it is {TEMP_MIN_AGE_S} s old)")
         return _plain(name, st, TEMPORARY, "left by a writer that did not finish (killed)")
+    if cache_explain.PARTS_NAME.fullmatch(name):
+        record, why = cache_explain.read_record(path)
+        if record is None:
+            return _plain(name, st, OTHER, f"named like a key record, but {why}; left alone")
+        if (path.parent / name[:64]).exists():
+            return _plain(name, st, PARTS, f"the key record of entry {name[:16]}… (read by `xlakit cache explain`, "
+                          "never loaded)")
+        return _plain(name, st, STALE_PARTS, "a key record whose entry is gone: prune removes it")
     if not _is_entry_name(name):
         return _plain(name, st, OTHER, "not a cache file (torch_xla names entries by a decimal hash, xlakit's PJRT "
                       "wrapper by a SHA-256 in hex); left alone")
@@ -216,8 +231,9 @@ def summary(reports: list[EntryReport]) -> str:
     bad = sum(not r.valid for r in entries)
     temporary = sum(r.status in (TEMPORARY, IN_PROGRESS) for r in reports)
     other = sum(r.status == OTHER for r in reports)
+    records = sum(r.status in (PARTS, STALE_PARTS) for r in reports)
     return (f"{len(reports)} files, {sum(r.size_bytes for r in reports)} bytes: {len(entries)} entries "
-            f"({bad} not loadable), {temporary} temporary, {other} not cache files")
+            f"({bad} not loadable), {records} key records, {temporary} temporary, {other} not cache files")
 
 
 def folder_trust(directory: str | os.PathLike) -> cache_trust.FolderTrust:
@@ -264,3 +280,28 @@ def unchanged_since(path: Path, st: os.stat_result) -> bool:
                                                                       st.st_mtime_ns)
 
 
+def parts_of(entry: Path) -> Path:
+    """Where the PJRT wrapper records the key's parts of `entry` (cache_explain)."""
+    return entry.with_name(entry.name + cache_explain.PARTS_SUFFIX)
+
+
+def remove_parts(entry: Path) -> bool:
+    """Removes the key record of an entry just removed; True if there was one (a plain file holding a record;
+    anything else under its name is left alone)."""
+    record = parts_of(entry)
+    if cache_explain.read_record(record)[0] is None:
+        return False
+    try:
+        record.unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def stale_parts(directory: Path, *, gone: set[str] = frozenset()) -> list[tuple[Path, os.stat_result]]:
+    """The key records whose entry is missing, or in `gone` (entries a dry run would remove): plain files that
+    hold a record, nothing else named like one."""
+    files = regular_files(directory)
+    names = {p.name for p, _ in files}
+    return [(p, st) for p, st in files if cache_explain.PARTS_NAME.fullmatch(p.name)
+            and (p.name[:64] not in names or p.name[:64] in gone) and cache_explain.read_record(p)[0] is not None]

@@ -8,9 +8,9 @@ with its name, size and xxh3-64; the writing rank creates the commit record
 agreed commit point. One abort means no record: the previous generation stays
 the checkpoint.
 
-Loads: inside the job the ranks agree on the generation, each reads and
-verifies its own share once and the owners broadcast them (`replicas.
-broadcast_share`); outside it every share is read here. Every other kind of
+Loads: inside the job the ranks agree on the generation, each share is read
+and verified once (`replicas.readers`: any world size) and its reader broadcasts
+it (`replicas.broadcast_share`); outside it every share is read here. Every other kind of
 checkpoint at a URL goes on to `bucket_ranks.load` as before.
 """
 
@@ -111,12 +111,14 @@ def restore(url: str, template: Any, opts: LoadOptions) -> Any:
 
 
 def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
-    """Rank 0 names the generation; each rank reads its share of it once; the owners broadcast."""
-    from xlakit.checkpoint.ranks import check_world
+    """Rank 0 names the generation; each share of it is read once (`replicas.readers`: by rank
+    s % world, whatever the saving job's world size); the readers broadcast them."""
+    of: list = []
 
-    def mine(record: dict, coord: Coordination) -> tuple[str, dict]:
-        check_world(loc, record["world"], coord.world)
-        return _share(record, coord.rank)
+    def mine(record: dict, coord: Coordination) -> dict[int, tuple[str, dict]]:
+        of[:] = [record["generation"], record["world"]]
+        return {s: _share(record, s) for s, reader in replicas.readers(record["world"], coord.world).items()
+                if reader == coord.rank}
 
     return bucket_ranks.agreed_load(loc, opts, replicas.PROPOSED_LAYOUT, mine, kind=KIND,
-                                    then=replicas.broadcast_all)
+                                    then=lambda coord, op, parts: replicas.broadcast_all(coord, op, of, parts))

@@ -101,6 +101,11 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"(id {kind.record['id']})"]
         for e, shard in zip(kind.record["shards"], shards):
             text += [f" shard {e['rank']}: {_file_heading(shard)}"] + _tensor_table(shard["tensors"])
+    elif kind.kind == describe.REPLICATED:
+        data = describe.describe_replicated(kind.path, kind.record)
+        text = [f"{kind.path}: {_replicated_heading(data)}, committed (id {data['id']})"]
+        text += [f" share {e['rank']}: {e['file']}, {size(e['bytes'])}" for e in data["shares"]]
+        text += _tensor_table(data["tensors"]) + _values(data["values"])
     else:
         data = describe.describe_dcp(kind.path, kind.record)
         text = [f"{kind.path}: torch.distributed.checkpoint folder, committed, {len(kind.record['files'])} "
@@ -111,6 +116,12 @@ def _inspect(args: argparse.Namespace) -> int:
         text.insert(0, f"step {step_record['step']} ({step_record['layout']}), metrics {step_record['metrics']}")
     emit(args, data, text)
     return OK
+
+
+def _replicated_heading(d: dict) -> str:
+    """What a replica-parallel checkpoint is (local or on a bucket: `d` has format, version, world)."""
+    return (f"replica-parallel replicated checkpoint (format {d['format']!r}, version {d['version']}), "
+            f"{d['world']} share(s), {size(d['bytes'])}, commit record by rank {d['writer_rank']}")
 
 
 def _file_heading(d: dict) -> str:

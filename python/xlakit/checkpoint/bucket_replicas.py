@@ -96,9 +96,30 @@ def load(url: str, opts: LoadOptions) -> Any:
         return bucket_file.load_file(loc, opts, lambda r: bucket_ranks.part_of(loc, r, None), record)
     if world_size() > 1:
         return _load_agreed(loc, opts)
+    return load_all(loc, record, opts)
+
+
+def load_all(loc: Location, record: dict, opts: LoadOptions) -> Any:
+    """Outside the job: every share of the commit `record` at `loc`, read and verified here, as the
+    whole state."""
     shares = {r: bucket_file.load_file(loc, opts, lambda rec, r=r: _share(rec, r), record)
               for r in range(record["world"])}
     return replicas.assemble(shares)
+
+
+def verify(url: str, opts: LoadOptions) -> tuple[str, int]:
+    """`xlakit ckpt verify` of the newest checkpoint at `url`: a replica-parallel one's every share read
+    and its records verified, then every share whole against the size and xxh3-64 its commit record
+    names; any other kind as `bucket_ranks.verify`. Its kind and the bytes checked."""
+    from xlakit.checkpoint import bucket_dcp
+
+    loc = Location.parse(url)
+    record = bucket_file.peek(loc, opts)
+    if record.get("kind") != KIND:
+        return bucket_ranks.verify(url, opts)
+    load_all(loc, record, opts)
+    bucket_dcp.verify(loc, record, opts)
+    return KIND, sum(e["nbytes"] for e in record["objects"].values())
 
 
 def restore(url: str, template: Any, opts: LoadOptions) -> Any:

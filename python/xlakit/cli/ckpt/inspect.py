@@ -48,6 +48,17 @@ def _inspect_url(args: argparse.Namespace) -> int:
         for shard in shards:
             text += [f" shard {shard['rank']}: {shard['object']}, {size(shard['bytes'])}"]
             text += _tensor_table(shard["tensors"]) + _values(shard["values"])
+    elif found.kind == bucket_describe.REPLICATED:
+        rec = found.record
+        tensors, values = _flat_infos(bucket_describe.read_state(found.url)[0])
+        shares = [{"rank": rec["objects"][n]["rank"], "object": n, "bytes": rec["objects"][n]["nbytes"]}
+                  for n in rec["shares"]]
+        data = {"commit": rec, "format": rec["kind"], "version": rec["layout_version"], "world": rec["world"],
+                "writer_rank": rec["writer_rank"], "shares": shares, "bytes": sum(e["bytes"] for e in shares),
+                "tensors": tensors, "values": values}
+        text = [heading.format(_replicated_heading(data)) + ", every checksum verified"]
+        text += [f" share {e['rank']}: {e['object']}, {size(e['bytes'])}" for e in shares]
+        text += _tensor_table(tensors) + _values(values)
     else:
         from xlakit.checkpoint import describe
 

@@ -84,3 +84,15 @@ def test_a_job_of_another_world_size_loads_a_replica_parallel_checkpoint_from_a_
         assert r.get("digest") == r.get("expected"), (rank, r)
         assert r["restored_digest"] == r["expected"], (rank, r)
         assert len(r["read"]) == (2 if rank == 0 else 1), (rank, r["read"])  # shares 0 and 3; 1; 2
+
+
+def test_ranks_holding_different_tensors_write_no_share_and_are_named(tmp_path):
+    """A replica-parallel save needs the same tensors on every rank: the ranks agree on the plan first."""
+    results = run_ranks("1-differs", tmp_path)
+    for rank, r in results.items():
+        assert r.get("error") == "CheckpointPeerError" and r.get("rank_named") == 1, (rank, r)
+        assert "replicated_tensors" in r["message"] and "rank 1: '52 tensors" in r["message"], r["message"]
+    record = json.loads((tmp_path / "ckpt" / "xlakit-commit.json").read_text())
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted(
+        ["xlakit-commit.json"] + [s["file"] for s in record["shares"]])  # nothing of the refused save
+    assert replica_state.digest(xlakit.load(tmp_path / "ckpt")) == replica_state.digest(replica_state.state(1))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import xlakit  # noqa: E402
@@ -122,6 +123,16 @@ def run(scenario: str, folder: Path) -> dict:
         xlakit.save(replica_state.state(3), old, layout="replicated", timeout_s=60)
         out["digest"] = replica_state.digest(xlakit.load(old, layout="replicated"))
         out["expected"] = replica_state.digest(replica_state.state(3))
+        return out
+    if scenario == "1-differs":  # rank 1 holds one more tensor than the others: no share is written
+        second = replica_state.state(2)
+        if RANK == 1:
+            second["model"]["local"] = torch.zeros(3)
+        try:
+            xlakit.save(second, target, layout="replicated", replica_parallel=True, timeout_s=30)
+            out["saved"] = True
+        except xlakit.CheckpointError as e:
+            out.update({"error": type(e).__name__, "message": str(e), "rank_named": getattr(e, "rank", None)})
         return out
     # "<victim rank>-dies[-writing]": the victim dies in the second save's transfer, or after
     # writing the first batch of its share (a partial temporary file is left behind)

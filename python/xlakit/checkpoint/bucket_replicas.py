@@ -38,8 +38,10 @@ class ShareObjectSave(bucket_ranks.ObjectSave):
     def __init__(self, obj: Any, url: str, opts: SaveOptions):
         super().__init__(obj, url, opts)
         self.coord.proposal["layout"] = replicas.PROPOSED_LAYOUT
+        self.coord.agreed += (replica_plan.AGREED_FIELD,)
 
     def _prepare(self, obj: Any) -> pipeline.FileSave:
+        self.coord.proposal[replica_plan.AGREED_FIELD] = replica_plan.digest(obj, self.world)
         mine = replica_plan.share(obj, self.rank, self.world, self.opts.writer_rank)
         return pipeline.prepare(mine, self.url, self.opts, check_target=False)
 

@@ -55,6 +55,7 @@ class ReplicaSave(CoordinatedSave):
     def __init__(self, obj: Any, path: Path, opts: SaveOptions):
         super().__init__(obj, path, opts)
         self.coord.proposal["layout"] = PROPOSED_LAYOUT
+        self.coord.agreed += (replica_plan.AGREED_FIELD,)
 
     def _prepare(self, obj: Any) -> pipeline.FileSave:
         folder = self.target
@@ -69,6 +70,7 @@ class ReplicaSave(CoordinatedSave):
             except OSError as e:
                 raise paths.write_error(e, folder, stage="mkdir") from e
             self.prepared["id"] = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
+        self.coord.proposal[replica_plan.AGREED_FIELD] = replica_plan.digest(obj, self.world)
         mine = replica_plan.share(obj, self.rank, self.world, self.opts.writer_rank)
         return pipeline.prepare(mine, folder / "share.pt", self.opts, check_target=False)
 

@@ -49,6 +49,28 @@ def test_the_manager_saves_replica_parallel_steps_and_restores_them_by_broadcast
     assert replica_state.digest(reader.restore()) == replica_state.digest(replica_state.state(3))
 
 
+def test_a_rank_killed_in_a_replica_parallel_step_leaves_the_previous_steps(tmp_path):
+    run = tmp_path / "run"
+    results = run_ranks("manager-2-dies", tmp_path, env={"XLAKIT_TEST_TARGET": str(run)})
+    assert results[2]["exit"] == 17
+    for rank in (0, 1, 3):
+        r = results[rank]
+        assert r.get("error") in ("CheckpointTimeoutError", "CheckpointPeerError"), (rank, r)
+        assert r.get("rank_named") == 2 and r["steps"] == [1, 2], (rank, r)
+    reader = xlakit.ReadOnlyCheckpointManager(run)
+    assert reader.all_steps() == [1, 2]
+    assert replica_state.digest(reader.restore()) == replica_state.digest(replica_state.state(2))
+    with pytest.raises(xlakit.CheckpointIncompleteError, match="never committed"):
+        reader.restore(3)  # its step record was written, its shares never committed
+
+
+def test_replica_parallel_is_the_replicated_layout_s_and_the_manager_s_to_set(tmp_path):
+    with pytest.raises(ValueError, match="replica_parallel=True applies to layout='replicated' only"):
+        xlakit.CheckpointManager(tmp_path, replica_parallel=True)
+    with pytest.raises(ValueError, match="options.layout is the manager's to set"):
+        xlakit.CheckpointManager(tmp_path, options=xlakit.SaveOptions(layout="replicated", replica_parallel=True))
+
+
 @pytest.mark.slow
 def test_the_manager_saves_replica_parallel_steps_on_a_bucket_and_restores_them(bucket, tmp_path):
     url = f"{bucket}/run"

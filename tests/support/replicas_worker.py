@@ -76,6 +76,27 @@ def manager(target: str) -> dict:
     return out
 
 
+def manager_rank_dies(target: str) -> dict:
+    """Steps 1 and 2 saved replica-parallel by a manager; rank 2 dies in the transfer of step 3."""
+    out: dict = {"rank": RANK}
+    mgr = xlakit.CheckpointManager(target, layout="replicated", replica_parallel=True, max_to_keep=2,
+                                   options=xlakit.SaveOptions(timeout_s=15))
+    for step in (1, 2):
+        mgr.save(step, replica_state.state(step))
+    dist.barrier()
+    if RANK == 2:
+        from xlakit.checkpoint import transfer
+
+        transfer.backend_for = lambda device_type, sample, **_: _Dies()
+    try:
+        mgr.save(3, replica_state.state(3))
+        out["saved"] = True
+    except xlakit.CheckpointError as e:
+        out.update({"error": type(e).__name__, "message": str(e), "rank_named": getattr(e, "rank", None)})
+    out["steps"] = mgr.all_steps()
+    return out
+
+
 def load_only(target: str) -> dict:
     """A checkpoint another job saved (of state 2, with another world size), loaded by this job."""
     read = _count_reads()
@@ -92,6 +113,8 @@ def run(scenario: str, folder: Path) -> dict:
     target = os.environ.get("XLAKIT_TEST_TARGET") or str(folder / "ckpt")
     if scenario == "manager":
         return manager(target)
+    if scenario == "manager-2-dies":
+        return manager_rank_dies(target)
     if scenario == "load-only":
         return load_only(target)
     first = replica_state.state(1)

@@ -15,8 +15,9 @@ A load inside the job reads each byte once: every rank reads and verifies the
 shares `readers` gives it (its own, when the job has the saving job's world
 size; with fewer ranks some read several, with more some read none), then each
 share's reader broadcasts its storages to the others over a fresh gloo group
-(`Coordination.group`), and every rank rebuilds the whole state. Outside the job `xlakit.load(folder)` reads every share. Single-file
-replicated checkpoints (the layout's format 1) are read as before.
+(`Coordination.group`), and every rank rebuilds the whole state. Outside the
+job `xlakit.load(folder)` reads every share. Single-file replicated
+checkpoints (the layout's format 1) are read as before.
 """
 
 from __future__ import annotations

@@ -82,9 +82,9 @@ def record_fields(layout: str, replica_parallel: bool = False) -> dict:
     """A new step record's version, layout and checkpoint name.
 
     A replica-parallel replicated step is a folder of shares (`replicas.py`); its record is
-    version 2, so an older xlakit (which reads version 1 and would take a `ckpt/` folder of a
-    replicated step for an interrupted save, and clean it up) calls the step damaged and never
-    touches it. Every other step stays version 1, readable by older xlakit as before.
+    version 2, so an older xlakit (which reads version 1, and knows no `ckpt/` of a replicated
+    step) calls the step damaged, saying a newer xlakit wrote it, and never deletes or reuses it.
+    Every other step stays version 1, readable by older xlakit as before.
     """
     return {"version": 2 if replica_parallel else 1, "layout": layout,
             "checkpoint": checkpoint_name(layout, replica_parallel)}

@@ -74,6 +74,7 @@ else
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_compile.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_cache_tier.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_objstore.py
+	$(VPY) bench/bench_replicated.py
 	$(VPY) bench/bench_memory.py
 endif
 

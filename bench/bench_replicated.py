@@ -129,8 +129,14 @@ def _report(results: list[dict], args) -> None:
     print(f"job time (slowest rank): save rank 0 writes all {slowest['save_rank0']:.2f} s, replica-parallel "
           f"{slowest['save_shares']:.2f} s ({slowest['save_rank0'] / slowest['save_shares']:.2f}x); load every "
           f"rank reads all {slowest['load_each_reads_all']:.2f} s, broadcast {slowest['load_broadcast']:.2f} s")
+    most = max(max(results[0]["share_bytes"]), max(r["save_shares_wchar"] for r in results)) / state
+    limit = 1 / args.ranks + 0.05
+    print(f"bytes each rank writes, replica-parallel: at most {100 * most:.1f}% of the state (share or "
+          f"wchar, whichever is more; the limit 1/R + 5% is {100 * limit:.1f}%): "
+          f"{'within' if most <= limit else 'OVER'}")
     print(f"bit-exact after the broadcast load on every rank: {all(r['bit_exact'] for r in results)}")
-    print(json.dumps({"ranks": args.ranks, "mib": args.mib, "slowest_s": slowest, "per_rank": results}))
+    print(json.dumps({"ranks": args.ranks, "mib": args.mib, "slowest_s": slowest, "most_written_fraction": most,
+                      "per_rank": results}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """One rank of a replica-parallel test: runs a named scenario, prints one JSON line.
 
-Started by tests/multirank/test_replica_parallel.py with RANK, WORLD_SIZE, MASTER_ADDR
+Started by tests/multirank/test_replica_parallel*.py with RANK, WORLD_SIZE, MASTER_ADDR
 and MASTER_PORT set; torch.distributed runs on gloo over loopback. The target is a
 folder path, or a bucket URL given in XLAKIT_TEST_TARGET.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import xlakit  # noqa: E402
@@ -56,9 +57,66 @@ def _count_reads() -> list[str]:
     return read
 
 
+def manager(target: str) -> dict:
+    """Steps 1-3 saved replica-parallel by a manager keeping 2; the latest restored (each share read
+    once, broadcast), and step 2 into a template."""
+    out: dict = {"rank": RANK}
+    with xlakit.CheckpointManager(target, layout="replicated", replica_parallel=True, max_to_keep=2,
+                                  options=xlakit.SaveOptions(timeout_s=60)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, replica_state.state(step))
+        out["steps"] = mgr.all_steps()
+        read = _count_reads()
+        loaded = mgr.restore()
+        out["read"] = list(read)
+        out["digest"], out["expected"] = replica_state.digest(loaded), replica_state.digest(replica_state.state(3))
+        restored = mgr.restore(2, template=replica_state.zeroed(replica_state.state(2)))
+        out["restored_digest"] = replica_state.digest(restored)
+        out["restored_expected"] = replica_state.digest(replica_state.state(2))
+    return out
+
+
+def manager_rank_dies(target: str) -> dict:
+    """Steps 1 and 2 saved replica-parallel by a manager; rank 2 dies in the transfer of step 3."""
+    out: dict = {"rank": RANK}
+    mgr = xlakit.CheckpointManager(target, layout="replicated", replica_parallel=True, max_to_keep=2,
+                                   options=xlakit.SaveOptions(timeout_s=15))
+    for step in (1, 2):
+        mgr.save(step, replica_state.state(step))
+    dist.barrier()
+    if RANK == 2:
+        from xlakit.checkpoint import transfer
+
+        transfer.backend_for = lambda device_type, sample, **_: _Dies()
+    try:
+        mgr.save(3, replica_state.state(3))
+        out["saved"] = True
+    except xlakit.CheckpointError as e:
+        out.update({"error": type(e).__name__, "message": str(e), "rank_named": getattr(e, "rank", None)})
+    out["steps"] = mgr.all_steps()
+    return out
+
+
+def load_only(target: str) -> dict:
+    """A checkpoint another job saved (of state 2, with another world size), loaded by this job."""
+    read = _count_reads()
+    loaded = xlakit.load(target)
+    first_read = list(read)
+    restored = xlakit.restore(target, replica_state.zeroed(replica_state.state(2)))
+    return {"rank": RANK, "read": first_read, "digest": replica_state.digest(loaded),
+            "restored_digest": replica_state.digest(restored),
+            "expected": replica_state.digest(replica_state.state(2))}
+
+
 def run(scenario: str, folder: Path) -> dict:
     out: dict = {"rank": RANK}
     target = os.environ.get("XLAKIT_TEST_TARGET") or str(folder / "ckpt")
+    if scenario == "manager":
+        return manager(target)
+    if scenario == "manager-2-dies":
+        return manager_rank_dies(target)
+    if scenario == "load-only":
+        return load_only(target)
     first = replica_state.state(1)
     dist.barrier()
     written = _wchar()
@@ -88,6 +146,16 @@ def run(scenario: str, folder: Path) -> dict:
         xlakit.save(replica_state.state(3), old, layout="replicated", timeout_s=60)
         out["digest"] = replica_state.digest(xlakit.load(old, layout="replicated"))
         out["expected"] = replica_state.digest(replica_state.state(3))
+        return out
+    if scenario == "1-differs":  # rank 1 holds one more tensor than the others: no share is written
+        second = replica_state.state(2)
+        if RANK == 1:
+            second["model"]["local"] = torch.zeros(3)
+        try:
+            xlakit.save(second, target, layout="replicated", replica_parallel=True, timeout_s=30)
+            out["saved"] = True
+        except xlakit.CheckpointError as e:
+            out.update({"error": type(e).__name__, "message": str(e), "rank_named": getattr(e, "rank", None)})
         return out
     # "<victim rank>-dies[-writing]": the victim dies in the second save's transfer, or after
     # writing the first batch of its share (a partial temporary file is left behind)

@@ -5,7 +5,8 @@ The object-storage sibling of `describe.py` (and of `tensors.read_state`); `xlak
 
 A URL is one of:
 
-* a checkpoint: its newest commit record says which kind (`file`, `sharded`, `dcp`);
+* a checkpoint: its newest commit record says which kind (`file`, `sharded`, `replicated`
+  (replica-parallel), `dcp`);
 * a manager's step (`M/<step>`): its step record, and its checkpoint's URL inside
   (`M/<step>/ckpt.pt` or `M/<step>/ckpt`);
 * a manager URL: it holds steps, interrupted steps, steps being deleted, or the lease.
@@ -25,18 +26,19 @@ from xlakit.checkpoint import loading, step_folders, steps
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.checkpoint.options import LoadOptions
 from xlakit.checkpoint.objstore import generations
-from xlakit.checkpoint import bucket_dcp, bucket_file, bucket_ranks
+from xlakit.checkpoint import bucket_dcp, bucket_file, bucket_ranks, bucket_replicas
 from xlakit.checkpoint.objstore.client import Location, store_for
 from xlakit.checkpoint.objstore.lease import is_lease
 from xlakit.checkpoint.bucket_steps import DELETING
 from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
 
 FILE, SHARDED, DCP, MANAGER = bucket_file.KIND, bucket_ranks.SHARDED, bucket_dcp.KIND, "manager"
+REPLICATED = bucket_replicas.KIND
 
 
 @dataclass(frozen=True)
 class UrlKind:
-    """`kind`: FILE, SHARDED, DCP or MANAGER. `url`: the checkpoint's URL (a step's checkpoint when
+    """`kind`: FILE, SHARDED, REPLICATED, DCP or MANAGER. `url`: the checkpoint's URL (a step's checkpoint when
     the URL named a step); `record` its newest commit record (empty for a manager); `step` the step
     record, for a step."""
 
@@ -107,7 +109,8 @@ def refuse_manager(url: str) -> CheckpointFormatError:
 
 def read_state(url: str) -> tuple[Any, UrlKind]:
     """The state the checkpoint (or step) at `url` holds, verified; a sharded one as
-    `{"shard0": ..., "shard1": ...}`, a DCP one flat by name (as `tensors.read_state` on disk)."""
+    `{"shard0": ..., "shard1": ...}`, a replica-parallel one whole, a DCP one flat by name (as
+    `tensors.read_state` on disk)."""
     found = kind_of(url)
     if found.kind == MANAGER:
         raise refuse_manager(found.url)
@@ -116,6 +119,8 @@ def read_state(url: str) -> tuple[Any, UrlKind]:
         return bucket_file.load_file(loc, opts, lambda r: bucket_ranks.part_of(loc, r, None), record), found
     if found.kind == SHARDED:
         return {f"shard{rank}": read_shard(loc, record, rank) for rank in range(record["world"])}, found
+    if found.kind == REPLICATED:
+        return bucket_replicas.load_all(loc, record, opts), found
     if found.kind == DCP:
         from xlakit.checkpoint import tensors
 

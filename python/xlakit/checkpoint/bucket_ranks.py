@@ -229,8 +229,9 @@ def agreed_load(loc: Location, opts: LoadOptions, layout: str | None,
                 mine: Callable[[dict, Coordination], tuple[str, dict]], *, kind: str | None = None,
                 then: Callable[[Coordination, Operation, Any], Any] | None = None) -> Any:
     """An agreed load from a bucket: rank 0 names the newest committed generation (of `kind`), every
-    rank reads and verifies its own object of it (`mine(record, coord)`: its name and entry), all
-    or none; `then(coord, op, value)` runs on every rank after (a broadcast), under the same deadline."""
+    rank reads and verifies its own object of it (`mine(record, coord)`: its name and entry, or a
+    dict of several by key), all or none; `then(coord, op, value)` runs on every rank after (a
+    broadcast), under the same deadline."""
     store = store_for(loc)
     coord = Coordination("load", {"path": loc.url, "layout": layout})
     op = Operation("load", loc.url, Watch.of(opts), gate=coord.gate, rank=coord.rank,
@@ -249,7 +250,10 @@ def agreed_load(loc: Location, opts: LoadOptions, layout: str | None,
 
         def part() -> Any:
             record = generations.read_record(store, op, loc, coord.proposals[0]["generation"])
-            name, entry = mine(record, coord)
+            named = mine(record, coord)
+            if isinstance(named, dict):  # several objects, by key (the shares a rank reads)
+                return {k: bucket_file.read_object(op, store, loc, n, e, opts) for k, (n, e) in named.items()}
+            name, entry = named
             return bucket_file.read_object(op, store, loc, name, entry, opts)
 
         value = coord.all_or_none(op, part)

@@ -8,9 +8,9 @@ with its name, size and xxh3-64; the writing rank creates the commit record
 agreed commit point. One abort means no record: the previous generation stays
 the checkpoint.
 
-Loads: inside the job the ranks agree on the generation, each reads and
-verifies its own share once and the owners broadcast them (`replicas.
-broadcast_share`); outside it every share is read here. Every other kind of
+Loads: inside the job the ranks agree on the generation, each share is read
+and verified once (`replicas.readers`: any world size) and its reader broadcasts
+it (`replicas.broadcast_share`); outside it every share is read here. Every other kind of
 checkpoint at a URL goes on to `bucket_ranks.load` as before.
 """
 
@@ -38,8 +38,10 @@ class ShareObjectSave(bucket_ranks.ObjectSave):
     def __init__(self, obj: Any, url: str, opts: SaveOptions):
         super().__init__(obj, url, opts)
         self.coord.proposal["layout"] = replicas.PROPOSED_LAYOUT
+        self.coord.agreed += (replica_plan.AGREED_FIELD,)
 
     def _prepare(self, obj: Any) -> pipeline.FileSave:
+        self.coord.proposal[replica_plan.AGREED_FIELD] = replica_plan.digest(obj, self.world)
         mine = replica_plan.share(obj, self.rank, self.world, self.opts.writer_rank)
         return pipeline.prepare(mine, self.url, self.opts, check_target=False)
 
@@ -96,9 +98,30 @@ def load(url: str, opts: LoadOptions) -> Any:
         return bucket_file.load_file(loc, opts, lambda r: bucket_ranks.part_of(loc, r, None), record)
     if world_size() > 1:
         return _load_agreed(loc, opts)
+    return load_all(loc, record, opts)
+
+
+def load_all(loc: Location, record: dict, opts: LoadOptions) -> Any:
+    """Outside the job: every share of the commit `record` at `loc`, read and verified here, as the
+    whole state."""
     shares = {r: bucket_file.load_file(loc, opts, lambda rec, r=r: _share(rec, r), record)
               for r in range(record["world"])}
     return replicas.assemble(shares)
+
+
+def verify(url: str, opts: LoadOptions) -> tuple[str, int]:
+    """`xlakit ckpt verify` of the newest checkpoint at `url`: a replica-parallel one's every share read
+    and its records verified, then every share whole against the size and xxh3-64 its commit record
+    names; any other kind as `bucket_ranks.verify`. Its kind and the bytes checked."""
+    from xlakit.checkpoint import bucket_dcp
+
+    loc = Location.parse(url)
+    record = bucket_file.peek(loc, opts)
+    if record.get("kind") != KIND:
+        return bucket_ranks.verify(url, opts)
+    load_all(loc, record, opts)
+    bucket_dcp.verify(loc, record, opts)
+    return KIND, sum(e["nbytes"] for e in record["objects"].values())
 
 
 def restore(url: str, template: Any, opts: LoadOptions) -> Any:
@@ -111,12 +134,14 @@ def restore(url: str, template: Any, opts: LoadOptions) -> Any:
 
 
 def _load_agreed(loc: Location, opts: LoadOptions) -> Any:
-    """Rank 0 names the generation; each rank reads its share of it once; the owners broadcast."""
-    from xlakit.checkpoint.ranks import check_world
+    """Rank 0 names the generation; each share of it is read once (`replicas.readers`: by rank
+    s % world, whatever the saving job's world size); the readers broadcast them."""
+    of: list = []
 
-    def mine(record: dict, coord: Coordination) -> tuple[str, dict]:
-        check_world(loc, record["world"], coord.world)
-        return _share(record, coord.rank)
+    def mine(record: dict, coord: Coordination) -> dict[int, tuple[str, dict]]:
+        of[:] = [record["generation"], record["world"]]
+        return {s: _share(record, s) for s, reader in replicas.readers(record["world"], coord.world).items()
+                if reader == coord.rank}
 
     return bucket_ranks.agreed_load(loc, opts, replicas.PROPOSED_LAYOUT, mine, kind=KIND,
-                                    then=replicas.broadcast_all)
+                                    then=lambda coord, op, parts: replicas.broadcast_all(coord, op, of, parts))

@@ -1,8 +1,8 @@
 """What a checkpoint path is and what it holds, from metadata only (no tensor data is read).
 
 `kind_of` tells the kinds apart: an xlakit file (a torch zip with xlakit's
-checksum record), a plain `torch.save` file, a sharded or DCP folder (by the
-format of its commit record), a manager step folder, a manager folder. The
+checksum record), a plain `torch.save` file, a sharded, replica-parallel or DCP
+folder (by the format of its commit record), a manager step folder, a manager folder. The
 tensor listing of a file comes from torch's weights-only unpickler over a
 memory map (`mmap=True`): shapes, dtypes and storages, without touching the
 data; for a DCP folder from DCP's metadata file.
@@ -28,10 +28,11 @@ from typing import Any
 from xlakit.checkpoint import archive, folders, steps
 from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError, XlakitError
 
-XLAKIT_FILE, TORCH_FILE, SHARDED, DCP, STEP, MANAGER, FOLDER = (
-    "xlakit-file", "torch-file", "sharded", "dcp", "step", "manager", "folder")
+XLAKIT_FILE, TORCH_FILE, SHARDED, REPLICATED, DCP, STEP, MANAGER, FOLDER = (
+    "xlakit-file", "torch-file", "sharded", "replicated", "dcp", "step", "manager", "folder")
 KIND_NAMES = {XLAKIT_FILE: "an xlakit checkpoint file", TORCH_FILE: "a torch.save file",
               SHARDED: "a sharded checkpoint folder", DCP: "a torch.distributed.checkpoint folder",
+              REPLICATED: "a replica-parallel replicated checkpoint folder",
               STEP: "one step of a manager folder", MANAGER: "a manager folder",
               FOLDER: "a folder holding no checkpoint"}
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -85,8 +86,11 @@ def kind_of(path: Path) -> Kind:
             return Kind(SHARDED, path, record)
         if record.get("format") == folders.DCP_FORMAT:
             return Kind(DCP, path, record)
+        if record.get("format") == folders.REPLICATED_FORMAT:
+            return Kind(REPLICATED, path, record)
         raise CheckpointFormatError(f"{path / folders.COMMIT_RECORD} has format {record.get('format')!r}; "
-                                    f"this xlakit knows {folders.SHARDED_FORMAT!r} and {folders.DCP_FORMAT!r}")
+                                    f"this xlakit knows {folders.SHARDED_FORMAT!r}, {folders.REPLICATED_FORMAT!r} "
+                                    f"and {folders.DCP_FORMAT!r}")
     try:
         step = steps.read_record(path)
     except CheckpointCorruptError as e:
@@ -101,8 +105,8 @@ def kind_of(path: Path) -> Kind:
 
 
 def _holds_save_files(folder: Path) -> bool:
-    """Whether a folder without a commit record holds what a DCP or sharded save writes."""
-    return any(p.name == ".metadata" or p.suffix == ".distcp" or p.name.startswith("shard-")
+    """Whether a folder without a commit record holds what a DCP, sharded or replica-parallel save writes."""
+    return any(p.name == ".metadata" or p.suffix == ".distcp" or p.name.startswith(("shard-", "share-"))
                for p in folder.iterdir())
 
 
@@ -263,6 +267,24 @@ def describe_file(path: Path, kind: Kind) -> dict:
             "checksum_count": _checksum_count(meta), "note": kind.note,
             "tensors": [asdict(t) for t in tensor_infos(tensors)],
             "values": {k: jsonable(v) for k, v in values.items()}}
+
+
+def replicated_state(path: Path, record: dict, load: Callable[[Path], Any] = load_mapped) -> Any:
+    """The whole state of a replica-parallel folder: every share its commit `record` names, read by
+    `load` (mapped, by default: no data read) and put back together."""
+    from xlakit.checkpoint import replicas
+
+    return replicas.assemble({e["rank"]: load(path / e["file"]) for e in record["shares"]})
+
+
+def describe_replicated(path: Path, record: dict) -> dict:
+    """A replica-parallel folder: its format and version, each share (rank, file, bytes), the whole state."""
+    tensors, values = flatten(replicated_state(path, record))
+    shares = [{"rank": e["rank"], "file": e["file"], "bytes": e["bytes"]} for e in record["shares"]]
+    return {"path": str(path), "kind": REPLICATED, "format": record["format"], "version": record["version"],
+            "world": record["world"], "writer_rank": record["writer_rank"], "id": record["id"],
+            "commit": record, "shares": shares, "bytes": sum(e["bytes"] for e in shares),
+            "tensors": [asdict(t) for t in tensor_infos(tensors)], "values": {k: jsonable(v) for k, v in values.items()}}
 
 
 def _checksum_count(meta: dict | None) -> int:

@@ -27,6 +27,7 @@ from xlakit.errors import (CheckpointCorruptError, CheckpointFormatError, Checkp
 COMMIT_RECORD = "xlakit-commit.json"
 DCP_FORMAT = "xlakit-dcp"
 SHARDED_FORMAT = "xlakit-sharded"
+REPLICATED_FORMAT = "xlakit-replicated"  # a replica-parallel folder of shares (replicas.py)
 FORMAT_VERSION = 1  # what DCP and sharded records are written with
 # The newest record this xlakit reads; 2: replicated checkpoints as a folder of shares (replicas.py).
 NEWEST_VERSION = 2

@@ -9,9 +9,9 @@ at one buffer whatever the checkpoint's size. The first range whose digest
 differs is named (the tensor, or the file of a DCP folder).
 
 What it covers: an xlakit file (its zip structure, as torch's reader uses it,
-then its pickle, its structure record and every storage), a sharded
-folder (every shard named by the commit record, then each shard's own
-checksums), a DCP folder (every file the commit record lists), a manager's
+then its pickle, its structure record and every storage), a sharded or
+replica-parallel folder (every shard or share named by the commit record,
+against its record's size and checksum record, then its own checksums), a DCP folder (every file the commit record lists), a manager's
 step folder or every committed step of a manager folder. A plain
 `torch.save` file has no checksums: `NothingToVerify`.
 """
@@ -64,6 +64,8 @@ def _ranges(kind: describe.Kind, prefix: str) -> list[Range]:
                               f"verify. `xlakit ckpt inspect` lists what it holds.")
     if kind.kind == describe.SHARDED:
         return _sharded_ranges(kind, prefix)
+    if kind.kind == describe.REPLICATED:
+        return _sharded_ranges(kind, prefix, "shares", "share")
     if kind.kind == describe.DCP:
         return _dcp_ranges(kind, prefix)
     if kind.kind == describe.STEP:
@@ -116,13 +118,15 @@ def file_ranges(path: Path, prefix: str = "") -> list[Range]:
     return out
 
 
-def _sharded_ranges(kind: describe.Kind, prefix: str) -> list[Range]:
+def _sharded_ranges(kind: describe.Kind, prefix: str, key: str = "shards", what: str = "shard") -> list[Range]:
+    """Every shard (or replica-parallel share) the commit record names: there, of the size and with the
+    checksum record it names, then each one's own checksums."""
     from xlakit.checkpoint.ranks import shard_digest
 
     out = []
-    for entry in kind.record["shards"]:
+    for entry in kind.record[key]:
         shard = kind.path / entry["file"]
-        where = f"{kind.path}: shard {entry['rank']} ({entry['file']})"
+        where = f"{kind.path}: {what} {entry['rank']} ({entry['file']})"
         if not shard.is_file():
             raise CheckpointIncompleteError(f"{where} is named by the commit record but missing")
         if shard.stat().st_size != entry["bytes"]:
@@ -130,8 +134,8 @@ def _sharded_ranges(kind: describe.Kind, prefix: str) -> list[Range]:
                                          f"says {entry['bytes']}")
         if shard_digest(shard) != entry["checksums"]:
             raise CheckpointCorruptError(f"{where}: its checksum record is not the one the commit "
-                                         f"record names; the shard was replaced or altered")
-        out += file_ranges(shard, f"{prefix}shard {entry['rank']}: ")
+                                         f"record names; the {what} was replaced or altered")
+        out += file_ranges(shard, f"{prefix}{what} {entry['rank']}: ")
     return out
 
 

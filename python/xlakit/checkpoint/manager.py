@@ -40,7 +40,7 @@ from typing import Any
 from xlakit import _knobs
 from xlakit.checkpoint import agreement, decisions, readonly, retention, rollback, steps
 from xlakit.checkpoint.operation import Watch
-from xlakit.checkpoint.options import LoadOptions, SaveOptions, _bool, _count, _seconds, resolve
+from xlakit.checkpoint.options import LoadOptions, SaveOptions, _bool, _count, _seconds, manager_options
 from xlakit.checkpoint.preemption import Preemption
 from xlakit.checkpoint.step_folders import folder_at
 from xlakit.errors import CheckpointTimeoutError
@@ -65,6 +65,8 @@ class CheckpointManager:
         layout: "single" (one process), "replicated", "sharded" (`xlakit.save` layouts) or
             "dcp" (`xlakit.dcp_save`; restores need a template).
         asynchronous: saves return once the state is on the host (not with "dcp").
+        replica_parallel: (layout "replicated") each rank writes a share of every step, and a
+            restore reads each share once and broadcasts it (`xlakit.save`'s option, docs/manager.md).
         options: `SaveOptions` for every save (timeout_s, ...); layout and asynchronous
             are the manager's.
 
@@ -80,7 +82,7 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, save_interval_steps: int = 1,
                  best_metric: str | None = None, best_mode: str = "min", layout: str = "single",
-                 asynchronous: bool = False, options: SaveOptions | None = None):
+                 asynchronous: bool = False, replica_parallel: bool = False, options: SaveOptions | None = None):
         self.policy = retention.Retention(max_to_keep, keep_every_n_steps, best_metric, best_mode)
         _count("save_interval_steps", save_interval_steps, minimum=1)
         if layout not in steps.LAYOUTS:
@@ -89,7 +91,7 @@ class CheckpointManager:
         self._folder = folder_at(directory)
         self.directory, self.layout, self.asynchronous = self._folder.directory, layout, asynchronous
         self.save_interval_steps = save_interval_steps
-        self._options = _save_options(options, layout, asynchronous)
+        self._options = manager_options(options, layout, asynchronous, replica_parallel)
         self._world = agreement.world_size()
         if layout in ("replicated", "sharded") or self._world > 1:
             self._rank = agreement.dist().get_rank()  # refuses a coordinated layout outside a job
@@ -110,6 +112,7 @@ class CheckpointManager:
         self._preempt_saved = False
         self._closed = False
         config = {"layout": layout, "asynchronous": asynchronous, "interval": save_interval_steps,
+                  "replica_parallel": replica_parallel,
                   **dataclasses.asdict(self.policy)}
         try:
             decisions.decide("manager start", self._path(), {"config": config, "latest": self._last,
@@ -192,8 +195,7 @@ class CheckpointManager:
                     f"{self._preemption.grace_s:g} s after SIGTERM ran out first; nothing was written",
                     stage="preemption")
             opts = dataclasses.replace(opts, timeout_s=min(opts.timeout_s, left))
-        record = {"format": steps.STEP_FORMAT, "version": steps.STEP_VERSION, "step": step,
-                  "layout": self.layout, "checkpoint": steps.checkpoint_name(self.layout),
+        record = {"format": steps.STEP_FORMAT, "step": step, **steps.record_fields(self.layout, opts.replica_parallel),
                   "metrics": metrics, "best_metric": self.policy.best_metric,
                   "best_mode": self.policy.best_mode, "world": self._world, "time_unix": time.time()}
 
@@ -436,15 +438,3 @@ def _finish_at_exit() -> None:
         except BaseException as e:  # noqa: BLE001 - nobody is left to raise it to
             log.error("xlakit: closing the checkpoint manager of %s at exit failed: %s: %s", manager.directory,
                       type(e).__name__, e)
-
-
-def _save_options(options: SaveOptions | None, layout: str, asynchronous: bool) -> SaveOptions:
-    opts: SaveOptions = resolve(SaveOptions, options, {})
-    for name, given in (("layout", opts.layout != "single"), ("asynchronous", opts.asynchronous)):
-        if given:
-            raise ValueError(f"options.{name} is the manager's to set: pass CheckpointManager({name}=...) "
-                             f"and leave it out of options")
-    if layout == "dcp" and (asynchronous or opts.compute_crc32):
-        raise ValueError("layout='dcp' saves with xlakit.dcp_save, which is synchronous and has no "
-                         "zip CRC32; drop asynchronous/compute_crc32 or use another layout")
-    return dataclasses.replace(opts, layout=layout) if layout in ("replicated", "sharded") else opts

@@ -210,3 +210,25 @@ def resolve(cls: type, options: Any, overrides: dict[str, Any]) -> Any:
     if not isinstance(options, cls):
         raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
     return dataclasses.replace(options, **overrides) if overrides else options
+
+
+def manager_options(options: SaveOptions | None, layout: str, asynchronous: bool,
+                    replica_parallel: bool = False) -> SaveOptions:
+    """The `SaveOptions` of a `CheckpointManager`'s saves: the caller's, with the manager's layout,
+    and `replica_parallel` (checked as `SaveOptions` checks it: layout "replicated" only)."""
+    opts: SaveOptions = resolve(SaveOptions, options, {})
+    for name, given in (("layout", opts.layout != "single"), ("asynchronous", opts.asynchronous),
+                        ("replica_parallel", opts.replica_parallel)):
+        if given:
+            raise ValueError(f"options.{name} is the manager's to set: pass CheckpointManager({name}=...) "
+                             f"and leave it out of options")
+    _bool("replica_parallel", replica_parallel)
+    if layout == "dcp" and (asynchronous or opts.compute_crc32):
+        raise ValueError("layout='dcp' saves with xlakit.dcp_save, which is synchronous and has no "
+                         "zip CRC32; drop asynchronous/compute_crc32 or use another layout")
+    if layout not in ("replicated", "sharded"):
+        if replica_parallel:
+            raise ValueError(f"replica_parallel=True applies to layout='replicated' only (layout is "
+                             f"{layout!r}); drop it or use layout='replicated'")
+        return opts
+    return dataclasses.replace(opts, layout=layout, replica_parallel=replica_parallel)

@@ -9,7 +9,8 @@ storage, so with many storages each rank writes about 1/R of the bytes.
 
 A share is a plain dict of tensors keyed by slot number; the writing rank's
 share also holds the *skeleton* (the state with every tensor replaced by None)
-and the slots' paths, which `assemble` fills back in. Only dicts, OrderedDicts,
+and the slots' paths, which `assemble` fills back in. Every rank must hold the same tensors: the save agrees on
+`digest` first. Only dicts, OrderedDicts,
 lists and tuples are walked (what a weights-only load rebuilds); anything else
 stays in the skeleton as it is.
 """
@@ -20,7 +21,9 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+import xxhash
 
+AGREED_FIELD = "replicated_tensors"  # every rank's `digest` must match: the same tensors, the same plan
 SKELETON = "skeleton"
 PATHS = "paths"
 TENSORS = "tensors"
@@ -102,3 +105,19 @@ def share(state: Any, rank: int, world: int, writer: int) -> dict:
     if rank == writer:
         mine[SKELETON], mine[PATHS] = skeleton, [list(p) for p in paths]
     return mine
+
+
+def digest(state: Any, world: int) -> str:
+    """The plan's fingerprint: each tensor slot's path, dtype, shape and writing rank (no data read).
+
+    Every rank of a replica-parallel save proposes it, and the save goes on only when they are all
+    equal: a rank whose state has other tensors (a rank-local entry, another shape) would deal the
+    slots differently, and the shares would not make one state. Values are not compared (that
+    would read every byte); ranks must hold the same values, as for any replicated save.
+    """
+    _, paths, tensors = flatten(state)
+    owner = deal(tensors, world)
+    h = xxhash.xxh3_64()
+    for path, t, rank in zip(paths, tensors, owner):
+        h.update(repr((path, str(t.dtype), tuple(t.shape), rank)).encode())
+    return f"{len(tensors)} tensors, {h.hexdigest()}"

@@ -11,11 +11,13 @@ the one decision every rank's abort can pre-empt. A rank killed mid-save
 leaves the previous commit record, and so the previous checkpoint, in place;
 shares no commit names are removed after the next commit.
 
-A load inside the job reads each byte once: every rank reads and verifies its
-own share, then each share's owner broadcasts its storages to the others over a
-fresh gloo group (`Coordination.group`), and every rank rebuilds the whole
-state. Outside the job `xlakit.load(folder)` reads every share. Single-file
-replicated checkpoints (the layout's format 1) are read as before.
+A load inside the job reads each byte once: every rank reads and verifies the
+shares `readers` gives it (its own, when the job has the saving job's world
+size; with fewer ranks some read several, with more some read none), then each
+share's reader broadcasts its storages to the others over a fresh gloo group
+(`Coordination.group`), and every rank rebuilds the whole state. Outside the
+job `xlakit.load(folder)` reads every share. Single-file replicated
+checkpoints (the layout's format 1) are read as before.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from xlakit.checkpoint.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.ranks import CoordinatedSave, _rename_shard, checked_part, shard_digest
 from xlakit.errors import CheckpointFormatError, CheckpointIncompleteError
 
-REPLICATED_FORMAT = "xlakit-replicated"
+REPLICATED_FORMAT = folders.REPLICATED_FORMAT
 VERSION = 2  # of the replicated layout: 1 was one archive file, 2 a folder of shares
 SHARE_PREFIX = "share-"
 _SHARE_NAME = re.compile(r"share-\d{5}-of-\d{5}\.\d{8}T\d{6}-[0-9a-f]{6}\.pt")
@@ -54,6 +56,7 @@ class ReplicaSave(CoordinatedSave):
     def __init__(self, obj: Any, path: Path, opts: SaveOptions):
         super().__init__(obj, path, opts)
         self.coord.proposal["layout"] = PROPOSED_LAYOUT
+        self.coord.agreed += (replica_plan.AGREED_FIELD,)
 
     def _prepare(self, obj: Any) -> pipeline.FileSave:
         folder = self.target
@@ -68,6 +71,7 @@ class ReplicaSave(CoordinatedSave):
             except OSError as e:
                 raise paths.write_error(e, folder, stage="mkdir") from e
             self.prepared["id"] = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
+        self.coord.proposal[replica_plan.AGREED_FIELD] = replica_plan.digest(obj, self.world)
         mine = replica_plan.share(obj, self.rank, self.world, self.opts.writer_rank)
         return pipeline.prepare(mine, folder / "share.pt", self.opts, check_target=False)
 
@@ -140,23 +144,29 @@ def load_all(folder: Path, opts: LoadOptions) -> Any:
                       for r in range(record["world"])})
 
 
-def load(folder: Path, opts: LoadOptions) -> Any:
-    """Inside the job: each rank reads its share once; the owners broadcast them; all get the state."""
-    from xlakit.checkpoint.ranks import check_world
+def readers(shares: int, world: int) -> dict[int, int]:
+    """The rank of a job of `world` ranks that reads each of `shares` shares: share s is read by rank
+    s % world. The saving job's world size does not matter: with fewer ranks some read several
+    shares, with more some read none; every share is read once, by someone."""
+    return {s: s % world for s in range(shares)}
 
+
+def load(folder: Path, opts: LoadOptions) -> Any:
+    """Inside the job: each share is read once (by `readers`); its reader broadcasts it; all get the state."""
     coord = Coordination("load", {"path": os.path.abspath(folder), "layout": PROPOSED_LAYOUT})
     op = Operation("load", folder, Watch.of(opts), gate=coord.gate, rank=coord.rank,
                    untouched=loading.NOTHING_CHANGED)
     coord.op = op
 
-    def part() -> dict:
+    def part() -> tuple[tuple, dict]:
         record = read_record(folder)
-        check_world(folder, record["world"], coord.world)
-        return loading.read_file(op, share_path(folder, record, coord.rank, opts), opts)
+        return (record["id"], record["world"]), {
+            s: loading.read_file(op, share_path(folder, record, s, opts), opts)
+            for s, reader in readers(record["world"], coord.world).items() if reader == coord.rank}
 
     def work(op: Operation) -> Any:
         coord.agree(op)
-        return broadcast_all(coord, op, coord.all_or_none(op, part))
+        return broadcast_all(coord, op, *coord.all_or_none(op, part))
 
     try:
         return op.run(work)
@@ -187,15 +197,24 @@ def restore(folder: Path, template: Any, opts: LoadOptions, load_whole: Any = No
     return op.run(work)
 
 
-def broadcast_all(coord: Coordination, op: Operation, mine: dict) -> Any:
-    """(Every rank, its share read and verified, every rank agreed.) The whole state, each share
-    broadcast by its owner over a fresh gloo group; then every rank votes it has it."""
+def broadcast_all(coord: Coordination, op: Operation, of: tuple, mine: dict[int, dict]) -> Any:
+    """(Every rank, the shares it reads read and verified, every rank agreed.) The whole state, each
+    share broadcast by its reader (`readers`) over a fresh gloo group; then every rank votes it has it.
+    `of` is (the commit's id or generation, its share count) as this rank read it: every rank must
+    have read the same commit (a save that committed between their reads is refused, on every rank)."""
     with coord.giving_up(op, waiting=lambda e: op.stage == "broadcast"):
         group = coord.group(op)
         op.enter("broadcast")
+        seen = [None] * coord.world
+        dist().all_gather_object(seen, list(of), group=group)
+        if any(s != seen[0] for s in seen):
+            raise CheckpointIncompleteError(
+                f"the ranks read different commits of {op.path} (commit id or generation and share count, "
+                f"by rank: {seen}), expected one: a save committed there while this load ran; load again "
+                f"once no save is writing to it")
         shares = {}
-        for owner in range(coord.world):
-            shares[owner] = broadcast_share(mine if owner == coord.rank else None, owner, group)
+        for s, reader in readers(of[1], coord.world).items():
+            shares[s] = broadcast_share(mine[s] if reader == coord.rank else None, reader, group)
         state = assemble(shares)
     coord.vote({}, "read")
     coord.votes(op, "read")

@@ -4,7 +4,8 @@
       100/                      a step: the manager's record, then the checkpoint
         xlakit-step.json        step, layout, metrics (written first, atomically)
         ckpt.pt                 layouts "single" and "replicated": committed by its rename
-        ckpt/                   layouts "sharded" and "dcp": committed by its xlakit-commit.json
+        ckpt/                   layouts "sharded" and "dcp", and "replicated" saved replica-parallel
+                                (step record version 2): committed by its xlakit-commit.json
       .60.1f2e3d4c.xlakit-trash a step retention gave up, being deleted
 
 There is no index to keep in sync: a step exists when its folder holds a
@@ -49,9 +50,9 @@ from xlakit.errors import CheckpointBusyError, CheckpointCorruptError, Checkpoin
 
 STEP_RECORD = "xlakit-step.json"
 STEP_FORMAT = "xlakit-step"
-STEP_VERSION = 1
+STEP_VERSION = 2  # the newest read; 2 only for a replica-parallel step (see `record_fields`), else 1
 CHECKPOINT_FILE = "ckpt.pt"  # layouts single and replicated
-CHECKPOINT_FOLDER = "ckpt"  # layouts sharded and dcp
+CHECKPOINT_FOLDER = "ckpt"  # layouts sharded and dcp, and replicated saved replica-parallel (a folder of shares)
 LAYOUTS = ("single", "replicated", "sharded", "dcp")
 TRASH_SUFFIX = ".xlakit-trash"
 LOCK_FILE = ".xlakit-manager.lock"
@@ -73,8 +74,20 @@ def check_step(step: object) -> int:
     return step
 
 
-def checkpoint_name(layout: str) -> str:
-    return CHECKPOINT_FILE if layout in ("single", "replicated") else CHECKPOINT_FOLDER
+def checkpoint_name(layout: str, replica_parallel: bool = False) -> str:
+    return CHECKPOINT_FILE if layout in ("single", "replicated") and not replica_parallel else CHECKPOINT_FOLDER
+
+
+def record_fields(layout: str, replica_parallel: bool = False) -> dict:
+    """A new step record's version, layout and checkpoint name.
+
+    A replica-parallel replicated step is a folder of shares (`replicas.py`); its record is
+    version 2, so an older xlakit (which reads version 1, and knows no `ckpt/` of a replicated
+    step) calls the step damaged, saying a newer xlakit wrote it, and never deletes or reuses it.
+    Every other step stays version 1, readable by older xlakit as before.
+    """
+    return {"version": 2 if replica_parallel else 1, "layout": layout,
+            "checkpoint": checkpoint_name(layout, replica_parallel)}
 
 
 @dataclass(frozen=True)
@@ -182,7 +195,8 @@ def check_record(text: str | bytes, name: str) -> dict:
     if not isinstance(version, int) or version > STEP_VERSION:
         raise ValueError(f"version {version!r}; this xlakit reads version {STEP_VERSION} (a newer "
                          f"xlakit wrote it?)")
-    if (record.get("layout") not in LAYOUTS or record.get("checkpoint") != checkpoint_name(record["layout"])
+    shares = record.get("layout") == "replicated" and version >= 2 and record.get("checkpoint") == CHECKPOINT_FOLDER
+    if (record.get("layout") not in LAYOUTS or record.get("checkpoint") != checkpoint_name(record["layout"], shares)
             or not isinstance(record.get("metrics", {}), dict)):
         raise ValueError(f"layout {record.get('layout')!r} with checkpoint {record.get('checkpoint')!r}")
     if str(record.get("step")) != name:
@@ -194,7 +208,7 @@ def check_record(text: str | bytes, name: str) -> dict:
 def commit_problem(folder: Path, record: dict) -> str | None:
     """Why the checkpoint of a step folder is not committed; None when it is."""
     target = folder / record["checkpoint"]
-    if record["layout"] in ("single", "replicated"):
+    if record["checkpoint"] == CHECKPOINT_FILE:
         return None if target.is_file() else f"{target.name} was never committed (an interrupted save)"
     try:
         commit = folders.read_json_record(target) if target.is_dir() else None
@@ -202,7 +216,8 @@ def commit_problem(folder: Path, record: dict) -> str | None:
         return f"its commit record is unreadable ({e})"
     if commit is None:
         return f"{target.name}/ has no {folders.COMMIT_RECORD} (an interrupted save)"
-    want = folders.SHARDED_FORMAT if record["layout"] == "sharded" else folders.DCP_FORMAT
+    want = {"sharded": folders.SHARDED_FORMAT, "dcp": folders.DCP_FORMAT,
+            "replicated": folders.REPLICATED_FORMAT}[record["layout"]]
     if commit.get("format") != want:
         return f"{target.name}/ is committed as {commit.get('format')!r}, its record says {want!r}"
     return None

@@ -52,6 +52,8 @@ def read_state(path: Path) -> tuple[Any, describe.Kind]:
     if kind.kind == describe.SHARDED:
         return {f"shard{e['rank']}": describe.load_mapped(kind.path / e["file"])
                 for e in kind.record["shards"]}, kind
+    if kind.kind == describe.REPLICATED:  # the whole state, as xlakit.load gives it
+        return describe.replicated_state(kind.path, kind.record), kind
     from xlakit.checkpoint import dcp_metadata
 
     return read_dcp(dcp_metadata.folder_reader(kind.path), str(kind.path)), kind

@@ -48,6 +48,17 @@ def _inspect_url(args: argparse.Namespace) -> int:
         for shard in shards:
             text += [f" shard {shard['rank']}: {shard['object']}, {size(shard['bytes'])}"]
             text += _tensor_table(shard["tensors"]) + _values(shard["values"])
+    elif found.kind == bucket_describe.REPLICATED:
+        rec = found.record
+        tensors, values = _flat_infos(bucket_describe.read_state(found.url)[0])
+        shares = [{"rank": rec["objects"][n]["rank"], "object": n, "bytes": rec["objects"][n]["nbytes"]}
+                  for n in rec["shares"]]
+        data = {"commit": rec, "format": rec["kind"], "version": rec["layout_version"], "world": rec["world"],
+                "writer_rank": rec["writer_rank"], "shares": shares, "bytes": sum(e["bytes"] for e in shares),
+                "tensors": tensors, "values": values}
+        text = [heading.format(_replicated_heading(data)) + ", every checksum verified"]
+        text += [f" share {e['rank']}: {e['object']}, {size(e['bytes'])}" for e in shares]
+        text += _tensor_table(tensors) + _values(values)
     else:
         from xlakit.checkpoint import describe
 
@@ -101,6 +112,11 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"(id {kind.record['id']})"]
         for e, shard in zip(kind.record["shards"], shards):
             text += [f" shard {e['rank']}: {_file_heading(shard)}"] + _tensor_table(shard["tensors"])
+    elif kind.kind == describe.REPLICATED:
+        data = describe.describe_replicated(kind.path, kind.record)
+        text = [f"{kind.path}: {_replicated_heading(data)}, committed (id {data['id']})"]
+        text += [f" share {e['rank']}: {e['file']}, {size(e['bytes'])}" for e in data["shares"]]
+        text += _tensor_table(data["tensors"]) + _values(data["values"])
     else:
         data = describe.describe_dcp(kind.path, kind.record)
         text = [f"{kind.path}: torch.distributed.checkpoint folder, committed, {len(kind.record['files'])} "
@@ -111,6 +127,12 @@ def _inspect(args: argparse.Namespace) -> int:
         text.insert(0, f"step {step_record['step']} ({step_record['layout']}), metrics {step_record['metrics']}")
     emit(args, data, text)
     return OK
+
+
+def _replicated_heading(d: dict) -> str:
+    """What a replica-parallel checkpoint is (local or on a bucket: `d` has format, version, world)."""
+    return (f"replica-parallel replicated checkpoint (format {d['format']!r}, version {d['version']}), "
+            f"{d['world']} share(s), {size(d['bytes'])}, commit record by rank {d['writer_rank']}")
 
 
 def _file_heading(d: dict) -> str:

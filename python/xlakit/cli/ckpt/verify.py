@@ -63,14 +63,14 @@ def _verify_url(args: argparse.Namespace) -> int:
     """A checkpoint on object storage: every object of its newest committed generation read whole and
     verified (a file's and each shard's records as `xlakit.load` reads them; DCP files against the
     commit record); a step's checkpoint; every committed step of a manager URL."""
-    from xlakit.checkpoint import bucket_describe, bucket_ranks, step_folders
+    from xlakit.checkpoint import bucket_describe, bucket_replicas, step_folders
     from xlakit.checkpoint.options import LoadOptions
 
     try:
         found = bucket_describe.kind_of(args.path)
         if found.kind == bucket_describe.MANAGER:
             return _verify_manager_url(args, step_folders.folder_at(args.path).scan())
-        kind, checked = bucket_ranks.verify(found.url, LoadOptions())
+        kind, checked = bucket_replicas.verify(found.url, LoadOptions())
     except CheckpointCorruptError as e:
         emit(args, {"path": args.path, "status": "damaged", "tensor": getattr(e, "tensor", None),
                      "message": str(e)}, [f"DAMAGED: {e}"])
@@ -86,7 +86,7 @@ def _verify_manager_url(args: argparse.Namespace, found) -> int:
     and a URL with no committed step has nothing to verify (never "OK")."""
     from xlakit.checkpoint import steps
     from xlakit.checkpoint.options import LoadOptions
-    from xlakit.checkpoint import bucket_ranks
+    from xlakit.checkpoint import bucket_replicas
 
     url = args.path.rstrip("/")
     if found.damaged:
@@ -104,7 +104,7 @@ def _verify_manager_url(args: argparse.Namespace, found) -> int:
     total = 0
     for step, chosen in sorted(found.committed.items()):
         try:
-            _, checked = bucket_ranks.verify(str(chosen.checkpoint), LoadOptions())
+            _, checked = bucket_replicas.verify(str(chosen.checkpoint), LoadOptions())
         except CheckpointCorruptError as e:
             emit(args, {"path": url, "status": "damaged", "step": step, "tensor": getattr(e, "tensor", None),
                          "message": str(e)}, [f"DAMAGED: step {step}: {e}"])

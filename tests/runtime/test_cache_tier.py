@@ -57,6 +57,11 @@ def listing(url: str) -> dict[str, int]:
     return client.store_for(root).list(None, root)
 
 
+def entry_listing(url: str) -> dict[str, int]:
+    """The objects that are entries (their key records, `.parts.json`, travel beside them)."""
+    return {n: s for n, s in listing(url).items() if not n.endswith(".parts.json")}
+
+
 def store_of(url: str):
     from xlakit.checkpoint.objstore import client
 
@@ -69,7 +74,7 @@ def test_a_recreated_vm_hits_every_program_from_the_shared_tier(bucket, tmp_path
     first = vm(tmp_path, url, "vm1")
     c1 = first["status"]["counts"]
     assert c1["misses"] == c1["compiles"] == c1["writes"] >= 2 and c1["hits"] == 0
-    published = {n: s for n, s in listing(url).items() if n.startswith(f"pjrt-xlacpu/{_C.cache_key_id(KEY.encode())}/")}
+    published = {n: s for n, s in entry_listing(url).items() if n.startswith(f"pjrt-xlacpu/{_C.cache_key_id(KEY.encode())}/")}
     assert len(published) == c1["writes"], (published, first["stderr"][-3000:])
     local = first["home"] / "xlakit" / "compile-cache"
     entry_bytes = sum(p.stat().st_size for p in local.rglob("*") if objects.is_entry_name(p.name))
@@ -80,7 +85,26 @@ def test_a_recreated_vm_hits_every_program_from_the_shared_tier(bucket, tmp_path
     assert c2["hits"] == c1["compiles"] and c2["misses"] == c2["writes"] == 0, second["stderr"][-3000:]
     assert second["results"] == first["results"]  # bit-exact
     assert f"cache {c2['hits']} hits 0 misses shared {url}" in second["manifest_line"]
-    assert listing(url).keys() == published.keys() | listing(url).keys() and len(listing(url)) == len(published)
+    assert entry_listing(url).keys() == published.keys()
+
+
+@pytest.mark.parametrize("bucket", ["gs"], indirect=True)  # s3: the tests above
+def test_explain_reads_a_bucket_and_a_recreated_vm_can_explain_its_misses(bucket, tmp_path):
+    # Key records travel with their entries: `cache explain URL` names a flag another host's job changed.
+    url = f"{bucket}/explained"
+    first = vm(tmp_path, url, "vm1", XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+    second = vm(tmp_path, url, "vm2", XLA_FLAGS="--xla_cpu_enable_fast_math=true")
+    assert second["status"]["counts"]["hits"] == 0 and first["status"]["counts"]["writes"] >= 2
+    names = listing(url)
+    records = [n for n in names if n.endswith(".parts.json")]
+    assert len(records) == len(names) - len(records) == 2 * first["status"]["counts"]["writes"]
+    run = subprocess.run([sys.executable, "-m", "xlakit", "cache", "explain", url], env={**os.environ,
+                         "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "XLA_FLAGS: this entry has --xla_cpu_enable_fast_math=true" in run.stdout, \
+        run.stdout + run.stderr
+    # The recreated VM pulled the first job's records with its entries: its folder explains its own misses.
+    local = next((second["home"] / "xlakit" / "compile-cache").glob("*/pjrt-xlacpu"))
+    assert len(list(local.glob("*.parts.json"))) == 2 * first["status"]["counts"]["writes"]
 
 
 @pytest.mark.parametrize("bucket", ["gs"], indirect=True)  # s3: the tests above
@@ -99,7 +123,7 @@ def test_hosts_publishing_the_same_programs_at_once_leave_one_object_each_and_la
         stdout, stderr = p.communicate(timeout=300)
         assert p.returncode == 0, stderr[-4000:]
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
-    names = set(listing(url))
+    names = set(entry_listing(url))
     writes = [o["status"]["counts"]["writes"] for o in outs]
     assert len(names) == max(writes) >= 2  # one object per program, whoever won each race
     assert all(o["results"] == outs[0]["results"] for o in outs)
@@ -111,7 +135,7 @@ def test_swapped_renamed_and_tampered_objects_are_refused_misses_with_the_right_
     url = f"{bucket}/attacked"
     first = vm(tmp_path, url, "writer")
     store, root = store_of(url)
-    names = sorted(listing(url))
+    names = sorted(entry_listing(url))
     assert len(names) >= 2
     a, b = (root.child(n) for n in names[:2])
     body_a, body_b = store.get(None, a), store.get(None, b)
@@ -187,9 +211,9 @@ def test_pjrt_env_with_a_url_pulls_before_the_job_and_publishes_beside_it(bucket
     first = host("a")
     assert first["counts"]["misses"] >= 1
     deadline = time.monotonic() + 60  # the publisher follows the shell, and publishes once it ended
-    while time.monotonic() < deadline and len(listing_or_empty(url)) < first["counts"]["writes"]:
+    while time.monotonic() < deadline and len(listing_or_empty(url)) < 2 * first["counts"]["writes"]:
         time.sleep(0.5)
-    assert len(listing_or_empty(url)) == first["counts"]["writes"]
+    assert len(listing_or_empty(url)) == 2 * first["counts"]["writes"]  # entries and their key records
     log = next((first["home"] / "xlakit" / "compile-cache").glob("*/xlakit-publish.log")).read_text()
     assert log.count("published ") == 1 and "already follows process" in log, log
     second = host("b")

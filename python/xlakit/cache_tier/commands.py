@@ -31,6 +31,7 @@ from xlakit.errors import CompileCacheError
 from xlakit.runtime import cache_trust, compile_cache, pjrt_wrap
 
 PUBLISH_LOG = "xlakit-publish.log"
+_RECORD_SUFFIX = ".parts.json"  # runtime/cache_explain.PARTS_SUFFIX
 _ENTRY_OBJECT = re.compile(r"pjrt-[a-z0-9_-]+/[0-9a-f]{16}/[0-9a-f]{64}")
 
 
@@ -145,8 +146,8 @@ def prune(url: str, max_bytes: int, *, dry_run: bool) -> int:
             print(f"kept: {name} (named like an entry, but not an object xlakit published; not counted)")
             total -= size
             continue
-        if not dry_run:
-            store.delete(None, [root.child(name)])
+        if not dry_run:  # and the entry's key record, if it was published beside it
+            store.delete(None, [root.child(name), root.child(name + _RECORD_SUFFIX)])
         total -= size
         gone += 1
         print(f"{'would remove' if dry_run else 'removed'}: {name} (oldest written; {total} of {max_bytes} bytes left)")

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xlakit import _C, _knobs
-from xlakit.cache_tier import objects
+from xlakit.cache_tier import objects, records
 from xlakit.checkpoint.objstore import client
 from xlakit.checkpoint.operation import Operation, Watch
 from xlakit.errors import ConfigurationError
@@ -197,7 +197,8 @@ class SharedTier:
         self.folder, self.key, self.readonly = folder, key, readonly
         self.max_bytes = max_bytes if max_bytes is not None else self.settings.max_bytes
         self.store = client.store_for(self.prefix)
-        self.remote: set[str] = set()  # names known to be in the bucket
+        self.remote: set[str] = set()  # names known to be in the bucket (entries and key records)
+        self.listed_records: dict[str, tuple[int, float]] = {}
         self.unpublishable: dict[str, str] = {}  # local entries never to be sent, and why
         self._said: set[str] = set()
         self.last_pull: Report | None = None  # what this start's pull did (the manifest and the bench read it)
@@ -230,6 +231,8 @@ class SharedTier:
         """The entries under the prefix: size and when written."""
         _rate_limit(self.settings).wait(op)
         listed = self.store.list_dated(op, self.prefix)
+        self.listed_records = {name: found for name, found in listed.items() if records.is_record_name(name)}
+        self.remote.update(self.listed_records)
         return {name: found for name, found in listed.items() if objects.is_entry_name(name)}
 
     # -- pull --------------------------------------------------------------------------------
@@ -289,6 +292,7 @@ class SharedTier:
             self._save_memo({k: v for k, v in memo.items() if k in listed})
         if known_bad:
             log.info("compile cache shared tier %s: %d objects refused earlier were skipped", self.url, known_bad)
+        records.pull(self, op, self.listed_records)
         report.seconds = time.monotonic() - start
         self.last_pull = report
         return report
@@ -345,6 +349,7 @@ class SharedTier:
             op = self._operation("compile cache publish", timeout_s)
             todo = sorted(set(self._local_entries()) - self.remote - set(self.unpublishable))
             if not todo:
+                records.publish(self, op)  # those of entries another host published first
                 return report
             try:  # what other hosts published since: not sent again
                 self.remote.update(self._listing(op))
@@ -368,6 +373,7 @@ class SharedTier:
                     report.bytes_moved += outcome[0]
                     report.entry_bytes += outcome[1]
                     self.remote.add(name)
+            records.publish(self, op)
         report.seconds = time.monotonic() - start
         return report
 

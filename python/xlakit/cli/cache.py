@@ -148,8 +148,13 @@ def _evict(folder, max_bytes: int, *, dry_run: bool, gone: set[str]) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    folder = cache_files.require_folder(args.dir)
-    records, notes = cache_explain.read_folder(folder)
+    if cache_tier.is_url(args.dir):
+        from xlakit.cache_tier import check_url, records as tier_records
+
+        check_url(args.dir)
+        records, notes = tier_records.read_bucket(args.dir)
+    else:
+        records, notes = cache_explain.read_folder(cache_files.require_folder(args.dir))
     try:
         findings = cache_explain.explain(records, entry=args.entry)
     except ValueError as e:
@@ -214,7 +219,8 @@ def add_parser(subparsers) -> None:
     q.set_defaults(func=cmd_publish)
     q = sub.add_parser("explain", help="why programs missed: each module's newest entry against its nearest "
                                        "other entry (from the PJRT wrapper's key records)")
-    q.add_argument("dir", help="the PJRT wrapper's cache folder (XLAKIT_PJRT_CACHE_DIR)")
+    q.add_argument("dir", help="the PJRT wrapper's cache folder (XLAKIT_PJRT_CACHE_DIR), or a shared tier's "
+                               "gs:// or s3:// URL")
     q.add_argument("--entry", metavar="KEY", help="explain this entry (its name, or the start of it)")
     q.add_argument("--json", action="store_true", help="print the findings as JSON")
     q.set_defaults(func=cmd_explain)

@@ -25,7 +25,6 @@ bounded by what is left of the grace.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import itertools
@@ -38,7 +37,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from xlakit import _knobs
-from xlakit.checkpoint import agreement, decisions, readonly, retention, rollback, steps
+from xlakit.checkpoint import agreement, decisions, manager_exit, readonly, retention, rollback, steps, tiered
+from xlakit.checkpoint.local_tier import LocalTier
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions, _bool, _count, _seconds, resolve
 from xlakit.checkpoint.preemption import Preemption
@@ -47,7 +47,6 @@ from xlakit.errors import CheckpointTimeoutError
 
 log = logging.getLogger("xlakit")
 _managers = itertools.count()  # managers made by this process: every rank counts the same
-_open: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()  # finished at exit if nobody closed them
 
 
 class CheckpointManager:
@@ -67,6 +66,9 @@ class CheckpointManager:
         asynchronous: saves return once the state is on the host (not with "dcp").
         options: `SaveOptions` for every save (timeout_s, ...); layout and asynchronous
             are the manager's.
+        local: a `LocalTier`: frequent saves to host RAM or a local disk, copied to peer hosts;
+            `restore` then takes each part from the fastest tier (docs/manager.md#local-tier).
+            `manager.local` is its `tiered.TierRun` (`restored_from`, `last_error`).
 
     Example:
         >>> import torch, xlakit
@@ -80,7 +82,7 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, save_interval_steps: int = 1,
                  best_metric: str | None = None, best_mode: str = "min", layout: str = "single",
-                 asynchronous: bool = False, options: SaveOptions | None = None):
+                 asynchronous: bool = False, options: SaveOptions | None = None, local: LocalTier | None = None):
         self.policy = retention.Retention(max_to_keep, keep_every_n_steps, best_metric, best_mode)
         _count("save_interval_steps", save_interval_steps, minimum=1)
         if layout not in steps.LAYOUTS:
@@ -110,7 +112,7 @@ class CheckpointManager:
         self._preempt_saved = False
         self._closed = False
         config = {"layout": layout, "asynchronous": asynchronous, "interval": save_interval_steps,
-                  **dataclasses.asdict(self.policy)}
+                  **dataclasses.asdict(self.policy), "local": local.config() if local is not None else None}
         try:
             decisions.decide("manager start", self._path(), {"config": config, "latest": self._last,
                                                              "steps": sorted(self._steps),
@@ -121,7 +123,9 @@ class CheckpointManager:
             raise
         if self._rank == 0:
             self._folder.clean()  # what a killed retention or save left
-        _open.add(self)
+        self.local = None if local is None else tiered.TierRun(local, world=self._world, rank=self._rank,
+                                                               layout=layout, options=self._options)
+        manager_exit.track(self)
 
     # -- queries ----------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -146,7 +150,7 @@ class CheckpointManager:
         self._check_open()
         step = steps.check_step(step)
         self._folder.renew()  # object storage: the lease, renewed once half of it is spent
-        return self._preempting(step, deciding=True) or self._regular(step)
+        return self._preempting(step, deciding=True) or self._regular(step) or self._local_due(step, False)
 
     def reached_preemption(self, step: int) -> bool:
         """True from the agreed preemption step on (on every rank alike): save there, then stop."""
@@ -175,9 +179,12 @@ class CheckpointManager:
         metrics = retention.check_metrics(metrics, self.policy.best_metric)
         _bool("force", force)
         preempt = self._preempting(step, deciding=True)
+        local = self._local_due(step, preempt)  # at a preemption: the local tier first (docs/manager.md)
         if not (force or preempt or self._regular(step)):
-            return False
+            return local and self.local.save(step, state)
         with self._answering(step):
+            if local:
+                self.local.save(step, state, timeout_s=self._preemption.remaining_s() if preempt else None)
             return self._save(step, state, metrics, preempt)
 
     def _save(self, step: int, state: Any, metrics: dict, preempt: bool) -> bool:
@@ -257,6 +264,8 @@ class CheckpointManager:
         found = self._scan()
         doomed = rollback.retire(self._folder, step, found, self._scan, self._watch())
         self._steps = set(found.committed).difference(doomed)
+        if self.local is not None:  # the local tier's newer steps go too: a restore must not resume there
+            self.local.retire_after(step)
         self._last = max(self._steps, default=None)
         if self._rank == 0:
             self._folder.clean()  # the retired steps' trash
@@ -281,6 +290,8 @@ class CheckpointManager:
         self._finish_pending()
         found = self._scan()
         self._steps = set(found.committed)  # what is on disk now: a rollback may follow
+        if self.local is not None:  # each part from the fastest tier that holds it (tier_restore.py)
+            return self.local.restore(found, step, template, options, self.directory, self._folder.step_path)
         chosen = readonly.choose_step(found, step, self.directory, self._folder.step_path)
         return readonly.read_step(chosen, template, replicated=self._world > 1, options=options)
 
@@ -376,6 +387,9 @@ class CheckpointManager:
                             steps.damage_note(self._folder.step_path(step)))
         return found
 
+    def _local_due(self, step: int, preempt: bool) -> bool:
+        return self.local is not None and self.local.due(step, preempt)
+
     def _preempting(self, step: int, *, deciding: bool) -> bool:
         if self._preemption is None or self._preempt_saved:
             return False
@@ -415,27 +429,6 @@ class CheckpointManager:
         self._steps.difference_update(doomed)
         if self._rank == 0 and not self._preempt_saved:  # preempted: the grace is for the save
             self._folder.clean()
-
-
-@atexit.register  # after operation.py's hook is registered, so it runs before it (and its saves still commit)
-def _finish_at_exit() -> None:
-    """An asynchronous save nobody waited for commits at exit; its manager then applies retention."""
-    for manager in list(_open):
-        if manager._closed or manager._pending is None:
-            continue
-        if manager._world > 1:  # retention is agreed by every rank, and the others may be gone
-            log.warning("xlakit: the asynchronous save of step %d into %s commits at exit, but the manager "
-                        "was not closed: retention did not run (it runs after the next save; call close())",
-                        manager._pending[0], manager.directory)
-            continue
-        if not manager._pending[1].done():
-            log.warning("xlakit: waiting for the asynchronous save of step %d into %s to commit before exiting, "
-                        "then applying retention (Ctrl-C abandons it)", manager._pending[0], manager.directory)
-        try:
-            manager.close()
-        except BaseException as e:  # noqa: BLE001 - nobody is left to raise it to
-            log.error("xlakit: closing the checkpoint manager of %s at exit failed: %s: %s", manager.directory,
-                      type(e).__name__, e)
 
 
 def _save_options(options: SaveOptions | None, layout: str, asynchronous: bool) -> SaveOptions:

@@ -1,0 +1,152 @@
+"""A CheckpointManager's local tier with peer copies, with real ranks (gloo, 4 processes, issue 26).
+
+Multi-host is simulated by processes: ranks 0-1 are "host0" and ranks 2-3 "host1"
+(`XLAKIT_HOST_ID`, set by tests/support/tier_worker.py), each with its own folder
+under `shm/` as each host's /dev/shm would be. The job trains to step 6 with a local
+save every step (keep 2) and a persistent (sharded) save every 4 steps, then all its
+processes are SIGKILLed; a new job restores. Persistent holds only step 4, so a
+restore of step 6 or 5 came from the local tier.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.support import SUPPORT, ranks
+
+pytestmark = pytest.mark.multiproc
+WORKER = SUPPORT / "tier_worker.py"
+WORLD = 4
+
+
+def train(folder: Path, env: dict | None = None) -> list[dict]:
+    """Run the training job to step 6, then kill host1's processes, then host0's."""
+    job = ranks.Job(WORKER, "train", folder, WORLD, env=env)
+    trained = [job.wait_event(r, "trained", timeout=120) for r in range(WORLD)]
+    for r in (2, 3, 0, 1):
+        job.signal(r, signal.SIGKILL)
+    job.results()
+    return trained
+
+
+def restore(folder: Path, env: dict | None = None) -> dict[int, dict]:
+    job = ranks.Job(WORKER, "restore", folder, WORLD, env=env)
+    results = job.results()
+    for r, out in results.items():
+        assert out["exit"] == 0, (r, out["stderr"])
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """One trained job's folders (persistent and both hosts' local tiers), copied by each test."""
+    folder = tmp_path_factory.mktemp("trained")
+    out = train(folder)
+    assert all(t["persistent"] == [4] and t["local_error"] is None for t in out), out
+    assert out[0]["peers"] == {"0": [2], "1": [3], "2": [0], "3": [1]}  # each rank's copy on the other host
+    for host in ("host0", "host1"):  # keep=2: the last two steps, each with every rank's part
+        held = sorted(p.name for p in (folder / "shm" / host).iterdir() if p.is_dir())
+        assert held == ["5", "6"], (host, held)
+        for step in held:
+            assert len(list((folder / "shm" / host / step).glob("part-*-of-00004.pt"))) == WORLD
+    return folder
+
+
+@pytest.fixture
+def job(trained, tmp_path) -> Path:
+    shutil.copytree(trained, tmp_path / "job")
+    return tmp_path / "job"
+
+
+def part(folder: Path, host: str, step: int, rank: int) -> Path:
+    return folder / "shm" / host / str(step) / f"part-{rank:05d}-of-00004.pt"
+
+
+def test_a_host_whose_local_tier_was_emptied_restores_from_its_peer_bit_exact(job):
+    shutil.rmtree(job / "shm" / "host1")  # a recreated VM: its RAM is empty
+    results = restore(job)
+    for r, out in results.items():
+        assert out["step"] == 6 and out["exact"] and out["got_step"] == 6, (r, out)
+        assert out["parts"] == {"0": "local", "1": "local", "2": "peer", "3": "peer"}, out
+        assert out["hosts"]["2"] == out["hosts"]["3"] == "host0"
+    for rank in (2, 3):  # the peer copies filled the recreated host again
+        assert part(job, "host1", 6, rank).is_file()
+
+
+def test_every_local_tier_gone_restores_from_the_persistent_tier(job):
+    shutil.rmtree(job / "shm")
+    results = restore(job)
+    for r, out in results.items():
+        assert out["step"] == 4 and out["exact"] and out["got_step"] == 4, (r, out)
+        assert set(out["parts"].values()) == {"persistent"}, out
+
+
+@pytest.mark.parametrize("damage", ["flipped", "torn"])
+def test_a_damaged_local_copy_is_named_and_the_next_tier_used(job, damage):
+    own = part(job, "host0", 6, 0)  # rank 0's own copy; its peer copy is on host1
+    if damage == "flipped":
+        data = bytearray(own.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # inside w's bytes
+        own.write_bytes(bytes(data))
+    else:
+        with open(own, "r+b") as f:
+            f.truncate(own.stat().st_size // 2)
+    results = restore(job, env={"TIER_TEMPLATE": "1"} if damage == "torn" else None)
+    for r, out in results.items():
+        assert out["step"] == 6 and out["exact"], (r, out)
+        assert out["parts"] == {"0": "peer", "1": "local", "2": "local", "3": "local"}, out
+        assert out["hosts"]["0"] == "host1"
+        assert len(out["damaged"]) == 1 and str(own) in out["damaged"][0], out["damaged"]
+
+
+def test_parts_of_different_steps_are_never_mixed(job):
+    # Both copies of rank 0's part of step 6 are damaged: step 6 cannot be restored whole, so every
+    # rank restores step 5, although ranks 1-3 hold good copies of step 6.
+    for host in ("host0", "host1"):
+        with open(part(job, host, 6, 0), "r+b") as f:
+            f.truncate(100)
+    results = restore(job)
+    for r, out in results.items():
+        assert out["step"] == 5 and out["got_step"] == 5 and out["exact"], (r, out)
+        assert out["parts"] == {"0": "local", "1": "local", "2": "local", "3": "local"}, out
+        assert len(out["damaged"]) == 2, out["damaged"]
+
+
+def test_a_full_local_tier_is_a_clear_error_and_the_persistent_saves_go_on(tmp_path):
+    job = ranks.Job(WORKER, "full", tmp_path, WORLD)
+    results = job.results()
+    for r, out in results.items():
+        assert out["exit"] == 0, (r, out["stderr"])
+        assert out["persistent"] == [4, 8], out
+        errors = out["errors"]
+        assert errors["1"] is None and errors["2"] is None, errors
+        for step in map(str, range(3, 9)):  # named on every rank, with the fix
+            assert "rank 2 on host1" in errors[step] and "the local tier is full" in errors[step], errors[step]
+            assert "No space left on device" in errors[step] and "keep" in errors[step]
+
+
+@pytest.fixture
+def gcs_bucket(objstore_servers, monkeypatch, loopback_only) -> str:
+    server = objstore_servers("gs")
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    return server.bucket()
+
+
+def test_the_persistent_tier_on_fake_gcs_server(tmp_path, gcs_bucket):
+    env = {"TIER_PERSISTENT": f"{gcs_bucket}/run"}
+    train(tmp_path, env)
+    shutil.rmtree(tmp_path / "shm" / "host0")
+    results = restore(tmp_path, env)
+    for r, out in results.items():  # host0's parts from its peer, the bucket untouched
+        assert out["step"] == 6 and out["exact"], (r, out)
+        assert out["parts"] == {"0": "peer", "1": "peer", "2": "local", "3": "local"}, out
+    shutil.rmtree(tmp_path / "shm")
+    results = restore(tmp_path, env)
+    for r, out in results.items():  # every local tier gone: the bucket's step 4
+        assert out["step"] == 4 and out["exact"], (r, out)
+        assert set(out["parts"].values()) == {"persistent"}, out

@@ -1,0 +1,139 @@
+"""A training job with a CheckpointManager and a local tier, as real ranks; 2 hosts simulated by processes.
+
+    tier_worker.py SCENARIO FOLDER
+
+Started by tests/multirank/test_local_tier.py as 4 gloo ranks (`tests.support.ranks.Job`).
+Multi-host is simulated: ranks 0 and 1 set XLAKIT_HOST_ID=host0, ranks 2 and 3 host1,
+so each "host" has its own folder under FOLDER/shm (one machine's /dev/shm would be
+shared by both; a real host's RAM is its own). The persistent tier is FOLDER/ckpt, or
+the URL in TIER_PERSISTENT when set (a bucket on a test server).
+
+Scenarios:
+  train    local saves every step (keep 2), persistent every 4 steps, steps 1..6; prints
+           {"event": "trained"} and waits to be killed
+  restore  a restarted job: restore() and report the step, each part's source, and
+           whether the state is bit-exact the one saved at that step
+  full     rank 2's local writes meet a (fake) full /dev/shm from step 3 on: every rank
+           names the error, the persistent saves go on
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+os.environ["XLAKIT_HOST_ID"] = f"host{RANK // 2}"  # 2 simulated hosts of 2 processes each
+
+import torch  # noqa: E402
+
+import xlakit  # noqa: E402
+
+PERSISTENT_EVERY, STEPS = 4, 6
+
+
+def say(**line) -> None:
+    print(json.dumps(line), flush=True)
+
+
+def state(step: int) -> dict:
+    """Rank `RANK`'s part at `step`: a different state on every rank and step (a sharded job)."""
+    g = torch.Generator().manual_seed(step * 100 + RANK)
+    return {"w": torch.randn(256 * 1024, generator=g), "b": torch.arange(1000) + step, "step": step,
+            "rank": RANK}
+
+
+def digest(s: dict) -> str:
+    h = hashlib.sha256()
+    for key in ("w", "b"):
+        h.update(s[key].contiguous().numpy().tobytes())
+    h.update(json.dumps([s["step"], s["rank"]]).encode())
+    return h.hexdigest()
+
+
+def manager(folder: Path, keep: int = 2) -> xlakit.CheckpointManager:
+    persistent = os.environ.get("TIER_PERSISTENT") or folder / "ckpt"
+    tier = xlakit.LocalTier(folder / "shm", interval_steps=1, peers=1, keep=keep, timeout_s=60)
+    return xlakit.CheckpointManager(persistent, layout="sharded", save_interval_steps=PERSISTENT_EVERY,
+                                    local=tier)
+
+
+def train(folder: Path) -> dict:
+    mgr = manager(folder)
+    for step in range(1, STEPS + 1):
+        if mgr.should_save(step):
+            mgr.save(step, state(step))
+    say(event="trained", persistent=mgr.all_steps(), local_error=mgr.local.last_error,
+        bytes=mgr.local.bytes_used(), peers=mgr.local.peers)
+    while True:  # the test kills this process, as a preemption would
+        time.sleep(1)
+
+
+def restore(folder: Path) -> dict:
+    mgr = manager(folder)
+    template = os.environ.get("TIER_TEMPLATE") == "1"
+    got = mgr.restore(template={"w": torch.zeros(256 * 1024), "b": torch.zeros(1000, dtype=torch.int64),
+                                "step": 0, "rank": 0}) if template else mgr.restore()
+    report = mgr.local.restored_from
+    out = {"step": report["step"], "parts": {str(k): v for k, v in report["parts"].items()},
+           "hosts": {str(k): v for k, v in report["hosts"].items()}, "damaged": report["damaged"],
+           "exact": digest(got) == digest(state(report["step"])), "got_step": got["step"]}
+    mgr.close()
+    return out
+
+
+def full(folder: Path) -> dict:
+    from xlakit.checkpoint import archive
+
+    shm = str(folder / "shm")
+    real = {name: getattr(archive.ArchiveWriter, name) for name in ("write_storage", "write_small_storages")}
+
+    def fake_full(name):  # a named fake: only this rank's writes into the local tier fail with ENOSPC
+        def write(writer, *args, **kwargs):
+            if RANK == 2 and writer._file.name.startswith(shm) and FULL["on"]:
+                raise OSError(28, "No space left on device")
+            return real[name](writer, *args, **kwargs)
+        return write
+
+    FULL = {"on": False}
+    for name in real:
+        setattr(archive.ArchiveWriter, name, fake_full(name))
+    mgr = manager(folder)
+    errors = {}
+    for step in range(1, 9):
+        FULL["on"] = step >= 3
+        if mgr.should_save(step):
+            mgr.save(step, state(step))
+        errors[step] = mgr.local.last_error
+    out = {"persistent": mgr.all_steps(), "errors": errors}
+    mgr.close()
+    return out
+
+
+def main(scenario: str, folder: Path) -> dict:
+    if scenario == "train":
+        return train(folder)
+    if scenario == "restore":
+        return restore(folder)
+    if scenario == "full":
+        return full(folder)
+    raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    say(result=main(sys.argv[1], Path(sys.argv[2])))
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"exit/{RANK}", "1")
+    if RANK == 0:  # rank 0 hosts the store: it stays until the others are done with it
+        store.wait([f"exit/{r}" for r in range(WORLD)], timedelta(seconds=30))
+    dist.destroy_process_group()

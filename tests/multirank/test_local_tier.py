@@ -150,3 +150,19 @@ def test_the_persistent_tier_on_fake_gcs_server(tmp_path, gcs_bucket):
     for r, out in results.items():  # every local tier gone: the bucket's step 4
         assert out["step"] == 4 and out["exact"], (r, out)
         assert set(out["parts"].values()) == {"persistent"}, out
+
+
+def test_a_replicated_job_restores_from_its_peer_and_together_from_the_persistent_tier(tmp_path):
+    env = {"TIER_LAYOUT": "replicated"}
+    train(tmp_path, env)
+    shutil.rmtree(tmp_path / "shm" / "host0")
+    part(tmp_path, "host1", 6, 3).write_bytes(b"torn")  # rank 3's own copy; its peer copy is on host0, gone
+    results = restore(tmp_path, env)
+    for r, out in results.items():  # rank 3's part of step 6 has no whole copy left, step 5 has every part
+        assert out["step"] == 5 and out["exact"], (r, out)
+        assert out["parts"] == {"0": "peer", "1": "peer", "2": "local", "3": "local"}, out
+    shutil.rmtree(tmp_path / "shm")
+    results = restore(tmp_path, env)
+    for r, out in results.items():  # read by every rank together, as without a local tier
+        assert out["step"] == 4 and out["exact"] and set(out["parts"].values()) == {"persistent"}, (r, out)
+

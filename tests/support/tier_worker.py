@@ -6,7 +6,8 @@ Started by tests/multirank/test_local_tier.py as 4 gloo ranks (`tests.support.ra
 Multi-host is simulated: ranks 0 and 1 set XLAKIT_HOST_ID=host0, ranks 2 and 3 host1,
 so each "host" has its own folder under FOLDER/shm (one machine's /dev/shm would be
 shared by both; a real host's RAM is its own). The persistent tier is FOLDER/ckpt, or
-the URL in TIER_PERSISTENT when set (a bucket on a test server).
+the URL in TIER_PERSISTENT when set (a bucket on a test server); the layout is sharded,
+or TIER_LAYOUT.
 
 Scenarios:
   train    local saves every step (keep 2), persistent every 4 steps, steps 1..6; prints
@@ -37,6 +38,7 @@ import torch  # noqa: E402
 import xlakit  # noqa: E402
 
 PERSISTENT_EVERY, STEPS = 4, 6
+LAYOUT = os.environ.get("TIER_LAYOUT", "sharded")
 
 
 def say(**line) -> None:
@@ -44,10 +46,12 @@ def say(**line) -> None:
 
 
 def state(step: int) -> dict:
-    """Rank `RANK`'s part at `step`: a different state on every rank and step (a sharded job)."""
-    g = torch.Generator().manual_seed(step * 100 + RANK)
+    """Rank `RANK`'s part at `step`: a different state on every rank and step (sharded), or on every
+    step (replicated: every rank holds the same state)."""
+    rank = RANK if LAYOUT == "sharded" else 0
+    g = torch.Generator().manual_seed(step * 100 + rank)
     return {"w": torch.randn(256 * 1024, generator=g), "b": torch.arange(1000) + step, "step": step,
-            "rank": RANK}
+            "rank": rank}
 
 
 def digest(s: dict) -> str:
@@ -61,7 +65,7 @@ def digest(s: dict) -> str:
 def manager(folder: Path, keep: int = 2) -> xlakit.CheckpointManager:
     persistent = os.environ.get("TIER_PERSISTENT") or folder / "ckpt"
     tier = xlakit.LocalTier(folder / "shm", interval_steps=1, peers=1, keep=keep, timeout_s=60)
-    return xlakit.CheckpointManager(persistent, layout="sharded", save_interval_steps=PERSISTENT_EVERY,
+    return xlakit.CheckpointManager(persistent, layout=LAYOUT, save_interval_steps=PERSISTENT_EVERY,
                                     local=tier)
 
 

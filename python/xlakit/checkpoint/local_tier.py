@@ -179,7 +179,8 @@ class HostFolder:
         removed = []
         for step in doomed:
             folder = self.step_path(step)
-            foreign = [n for n in os.listdir(folder) if not _PART_NAME.fullmatch(n) and paths.parse_temp(n) is None]
+            foreign = [n for n in os.listdir(folder)
+                       if not _PART_NAME.fullmatch(n) and paths.parse_temp(n) is None]
             if foreign:
                 continue  # not all ours: never touched
             remove_path(steps.to_trash(folder))

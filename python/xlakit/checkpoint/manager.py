@@ -20,7 +20,9 @@ once it committed; at interpreter exit a manager nobody closed does the same
 (in a one-process job: with several ranks retention needs them all, so it
 waits for the next save). Preemption (`install_preemption_handler`) is agreed as
 described in `preemption.py`; the save at the agreed step is synchronous and
-bounded by what is left of the grace.
+bounded by what is left of the grace. A local tier (`local=LocalTier(...)`,
+`tiered.py`) adds frequent saves to host RAM with peer copies, saved first at
+a preemption, and restores each part from the fastest tier (`tier_restore.py`).
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ class CheckpointManager:
         return retention.best(self._scan().committed, self.policy)
 
     def should_save(self, step: int) -> bool:
-        """True when `step` is to be saved: every `save_interval_steps`, and at an agreed preemption step.
+        """True when `step` is to be saved: every `save_interval_steps` (or local interval), at a preemption.
 
         A step already committed (or being saved) is not saved again; one whose save failed is,
         and after a rollback every step below the latest (its `save` refused, naming

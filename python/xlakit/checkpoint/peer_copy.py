@@ -111,9 +111,9 @@ def transfer(group, sends: list[Send], receives: list[Receive], deadline: float,
             for work, _ in works:
                 left = deadline - time.monotonic()
                 if left <= 0 or not work.wait(timeout=timedelta(seconds=left)):
-                    raise CheckpointTimeoutError(f"{what}: the copies between ranks did not finish within the "
-                                                 f"deadline (round {j + 1} of {rounds} of {CHUNK_BYTES >> 20} MiB)",
-                                                 stage="peer copy")
+                    raise CheckpointTimeoutError(
+                        f"{what}: the copies between ranks did not finish within the deadline (round {j + 1} "
+                        f"of {rounds} of {CHUNK_BYTES >> 20} MiB)", stage="peer copy")
             for r, buf in landed:
                 if id(r) in writers:
                     _land(r, buf, writers)

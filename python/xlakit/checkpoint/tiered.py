@@ -122,7 +122,8 @@ class TierRun:
             sends = [peer_copy.Send(to, path, mine["size"]) for to in self.peers[self.rank]
                      if mine["error"] is None]
             receives = [peer_copy.Receive(src, self.folder.part_path(step, src, self.world), infos[src]["size"],
-                                          infos[src]["digest"]) for src in self.sources if infos[src]["error"] is None]
+                                          infos[src]["digest"])
+                        for src in self.sources if infos[src]["error"] is None]
             copy_error = None
             try:
                 peer_copy.transfer(group, sends, receives, deadline, f"the local-tier save of step {step}")

@@ -140,3 +140,32 @@ def test_options_are_checked_when_built(monkeypatch):
 def test_a_dcp_manager_refuses_a_local_tier(tmp_path):
     with pytest.raises(ValueError, match="layout='dcp'"):
         xlakit.CheckpointManager(tmp_path / "ckpt", layout="dcp", local=xlakit.LocalTier(tmp_path / "shm"))
+
+
+def test_each_part_goes_to_the_same_position_on_the_next_hosts():
+    from xlakit.checkpoint.peer_copy import peers_of
+
+    two = ["a", "a", "b", "b"]
+    assert peers_of(two, 1) == {0: [2], 1: [3], 2: [0], 3: [1]}
+    assert peers_of(two, 5) == peers_of(two, 1)  # at most the other hosts
+    assert peers_of(two, 0) == {r: [] for r in range(4)}
+    three = ["a", "b", "c", "a", "b", "c"]  # hosts ordered by their lowest rank
+    assert peers_of(three, 2) == {0: [1, 2], 1: [2, 0], 2: [0, 1], 3: [4, 5], 4: [5, 3], 5: [3, 4]}
+    uneven = ["a", "a", "a", "b"]
+    assert peers_of(uneven, 1) == {0: [3], 1: [3], 2: [3], 3: [0]}
+    assert peers_of(["a", "a"], 1) == {0: [], 1: []}  # one host: no copy to make
+
+
+def test_a_copy_that_arrived_unlike_what_its_sender_read_is_not_kept(tmp_path):
+    from xlakit.checkpoint import paths
+    from xlakit.checkpoint.peer_copy import Receive, settle
+
+    good, bad = (Receive(source, tmp_path / f"part-{source}.pt", 4) for source in (1, 2))
+    for r in (good, bad):
+        r.tmp = paths.temp_path(r.path)
+        r.tmp.write_bytes(b"data")
+        r.got = "0123456789abcdef"
+    settle([good, bad], {1: "0123456789abcdef", 2: "fedcba9876543210"})
+    assert good.path.read_bytes() == b"data" and good.error is None
+    assert not bad.path.exists() and "was not kept" in bad.error and "fedcba9876543210" in bad.error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part-1.pt"]  # no temporary left

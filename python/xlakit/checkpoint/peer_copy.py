@@ -11,8 +11,10 @@ memory per file in flight), every send and receive posted at once (no order
 between pairs to deadlock on), each wait bounded by what is left of the
 deadline; the group is a fresh one the caller made with that deadline as its
 timeout. A received file is written to a temporary sibling, hashed as it is
-written, fsynced and renamed into place only when its xxh3 matches the one
-the sender announced (None: the reader verifies it, e.g. by loading it).
+written and fsynced; `settle` renames it into place only when its xxh3 is the
+one the sender read while sending (the ranks exchange them after the copy),
+or, given no digests, leaves the verification to the reader (a load checks
+every record's checksum).
 """
 
 from __future__ import annotations
@@ -54,14 +56,6 @@ def peers_of(hosts: list[str], peers: int) -> dict[int, list[int]]:
     return plan
 
 
-def file_digest(path: Path) -> str:
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 @dataclass
 class Send:
     to: int
@@ -74,12 +68,16 @@ class Receive:
     source: int
     path: Path  # where the file lands
     size: int
-    digest: str | None = None
     error: str | None = None
+    tmp: Path | None = None  # the received bytes, durable, until `settle` renames them
+    got: str | None = None  # their xxh3
 
 
-def transfer(group, sends: list[Send], receives: list[Receive], deadline: float, what: str) -> None:
-    """Run this rank's sends and receives; each `Receive` ends written, or with its `error` set.
+def transfer(group, sends: list[Send], receives: list[Receive], deadline: float, what: str) -> list[str]:
+    """Run this rank's sends and receives: the xxh3 of each file sent, as read while sending.
+
+    Each `Receive` ends with its bytes in a durable temporary (`tmp`, hashed: `got`) for
+    `settle` to rename, or with its `error` set.
 
     Raises:
         CheckpointTimeoutError: the deadline (time.monotonic) passed with transfers in flight.
@@ -87,6 +85,7 @@ def transfer(group, sends: list[Send], receives: list[Receive], deadline: float,
     import torch.distributed as d
 
     readers = {id(s): open(s.path, "rb") for s in sends}
+    sent = {id(s): xxhash.xxh3_64() for s in sends}
     writers: dict[int, tuple] = {}
     try:
         for r in receives:
@@ -101,6 +100,7 @@ def transfer(group, sends: list[Send], receives: list[Receive], deadline: float,
                     buf = torch.empty(n, dtype=torch.uint8)
                     if readers[id(s)].readinto(buf.numpy()) != n:
                         raise CheckpointCorruptError(f"{s.path} shrank while it was being copied to rank {s.to}")
+                    sent[id(s)].update(buf.numpy())
                     works.append((d.isend(buf, dst=s.to, group=group, tag=j), buf))
             for r in receives:
                 n = min(CHUNK_BYTES, r.size - j * CHUNK_BYTES)
@@ -120,17 +120,13 @@ def transfer(group, sends: list[Send], receives: list[Receive], deadline: float,
         for r in receives:
             if id(r) not in writers:
                 continue  # its write failed: named in its error
-            tmp, f, h = writers.pop(id(r))
+            tmp, f, h = writers[id(r)]
             f.flush()
             os.fsync(f.fileno())
             f.close()
-            if r.digest is not None and h.hexdigest() != r.digest:
-                r.error = (f"the copy of {r.path.name} from rank {r.source} arrived with xxh3 {h.hexdigest()}, "
-                           f"the sender's file has {r.digest}: it was not kept")
-                remove_path(tmp)
-                continue
-            os.replace(tmp, r.path)
-            paths.fsync_dir(r.path.parent)
+            del writers[id(r)]
+            r.tmp, r.got = tmp, h.hexdigest()
+        return [sent[id(s)].hexdigest() for s in sends]
     except BaseException as e:
         if isinstance(e, RuntimeError) and not isinstance(e, CheckpointTimeoutError):
             raise CheckpointTimeoutError(f"{what}: a copy between ranks failed ({e}); a rank on the other "
@@ -142,6 +138,31 @@ def transfer(group, sends: list[Send], receives: list[Receive], deadline: float,
         for tmp, f, _ in writers.values():
             f.close()
             remove_path(tmp)
+
+
+def settle(receives: list[Receive], digests: dict[int, str | None] | None) -> None:
+    """Rename each received file into place; with `digests` ({sending rank: the xxh3 it read}),
+    only one that arrived with the sender's xxh3 (else it is removed, and the error says why)."""
+    for r in receives:
+        if r.tmp is None:
+            continue
+        tmp, r.tmp = r.tmp, None
+        want = None if digests is None else digests.get(r.source)
+        if digests is not None and want != r.got:
+            r.error = (f"the copy of {r.path.name} from rank {r.source} arrived with xxh3 {r.got}, the sender "
+                       f"read {want or 'nothing whole'}: it was not kept")
+            remove_path(tmp)
+            continue
+        os.replace(tmp, r.path)
+        paths.fsync_dir(r.path.parent)
+
+
+def discard(receives: list[Receive]) -> None:
+    """Remove what `settle` was not given to rename."""
+    for r in receives:
+        if r.tmp is not None:
+            remove_path(r.tmp)
+            r.tmp = None
 
 
 def _land(r: Receive, buf: torch.Tensor, writers: dict) -> None:

@@ -134,9 +134,12 @@ def _read_local(run, group, lists: list[dict], s: int, plan: dict, template: Any
         try:
             peer_copy.transfer(group, sends, receives, time.monotonic() + run.tier.timeout_s,
                                f"the restore of step {s} from the local tier")
+            peer_copy.settle(receives, None)  # the load below verifies every record's checksum
             failure = receives[0].error if receives else None
         except Exception as e:  # noqa: BLE001 - gathered below
             failure = f"the copy from rank {sender} failed ({type(e).__name__}: {e})"
+        finally:
+            peer_copy.discard(receives)
     state = None
     path = run.folder.part_path(s, rank, world)
     if source in (LOCAL, PEER) and failure is None:

@@ -7,9 +7,9 @@ persistent save) runs on every rank, in the order the ranks call the manager:
 1. each rank saves its part (what it passed to `save`: its shard, or the whole
    replicated state) as an ordinary xlakit file into its host's folder;
 2. over a fresh gloo group whose timeout is what is left of the deadline, the
-   ranks exchange sizes and xxh3 digests, then each rank's file goes to its
-   peers on other hosts (`peer_copy.py`), each copy checked against the
-   sender's digest before it is renamed into place;
+   ranks exchange sizes, then each rank's file goes to its peers on other
+   hosts (`peer_copy.py`); each copy is renamed into place only when its xxh3
+   is the one its sender read while sending;
 3. the ranks exchange outcomes; each host's lowest rank applies retention.
 
 A local save never stops training: a failure (a full `/dev/shm`, a peer that
@@ -87,15 +87,13 @@ class TierRun:
         timeout_s = self.tier.timeout_s if timeout_s is None else min(timeout_s, self.tier.timeout_s)
         deadline = time.monotonic() + timeout_s
         self.last_step = step
-        mine: dict = {"error": None, "size": -1, "digest": None}
+        mine: dict = {"error": None, "size": -1}
         path = self.folder.part_path(step, self.rank, self.world)
         try:
             self.folder.make()
             self.folder.make_step(step)
             pipeline.save_file(state, path, dataclasses.replace(self.options, timeout_s=timeout_s))
             mine["size"] = path.stat().st_size
-            if self.peers[self.rank]:
-                mine["digest"] = peer_copy.file_digest(path)
         except Exception as e:  # noqa: BLE001 - the local tier is a cache: said, never fatal
             mine["error"] = _described(e, path, self.tier)
         errors = [] if mine["error"] is None else [f"rank {self.rank} on {self.host}: {mine['error']}"]
@@ -121,14 +119,18 @@ class TierRun:
             path = self.folder.part_path(step, self.rank, self.world)
             sends = [peer_copy.Send(to, path, mine["size"]) for to in self.peers[self.rank]
                      if mine["error"] is None]
-            receives = [peer_copy.Receive(src, self.folder.part_path(step, src, self.world), infos[src]["size"],
-                                          infos[src]["digest"])
+            receives = [peer_copy.Receive(src, self.folder.part_path(step, src, self.world), infos[src]["size"])
                         for src in self.sources if infos[src]["error"] is None]
-            copy_error = None
+            copy_error, sent = None, []
             try:
-                peer_copy.transfer(group, sends, receives, deadline, f"the local-tier save of step {step}")
+                sent = peer_copy.transfer(group, sends, receives, deadline, f"the local-tier save of step {step}")
             except Exception as e:  # noqa: BLE001 - gathered below, as every rank's
                 copy_error = f"{type(e).__name__}: {e}"
+            try:  # each copy kept only if it arrived with the xxh3 its sender read while sending
+                digests = peer_copy.gather(group, sent[0] if sent and len(set(sent)) == 1 else None)
+                peer_copy.settle(receives, dict(enumerate(digests)))
+            finally:
+                peer_copy.discard(receives)
             own = [f"rank {self.rank} on {self.host}: {mine['error']}"] if mine["error"] else []
             own += [f"the copy of rank {r.source}'s part on {self.host} (rank {self.rank}): {r.error}"
                     for r in receives if r.error]

@@ -166,3 +166,21 @@ def test_a_replicated_job_restores_from_its_peer_and_together_from_the_persisten
     for r, out in results.items():  # read by every rank together, as without a local tier
         assert out["step"] == 4 and out["exact"] and set(out["parts"].values()) == {"persistent"}, (r, out)
 
+
+def test_a_preemption_saves_the_agreed_step_to_the_local_tier_first_then_the_persistent_tier(tmp_path):
+    job = ranks.Job(WORKER, "preempt", tmp_path, WORLD)
+    job.wait_event(1, "step", step=5)
+    job.signal(1, signal.SIGTERM)
+    results = job.results()
+    for r, out in results.items():
+        assert out["exit"] == 0, (r, out["stderr"])
+    agreed = results[0]["agreed"]
+    for r, out in results.items():  # one step, saved everywhere, in both tiers
+        assert out["agreed"] == agreed and out["saved"] == [agreed], out
+        assert out["persistent"] == [agreed] and out["local_error"] is None, out
+    commit = tmp_path / "ckpt" / str(agreed) / "ckpt" / "xlakit-commit.json"
+    for host in ("host0", "host1"):
+        for rank in range(WORLD):  # own parts and peer copies, written before the persistent commit
+            local = part(tmp_path, host, agreed, rank)
+            assert local.stat().st_mtime_ns <= commit.stat().st_mtime_ns, (host, rank)
+

@@ -14,6 +14,8 @@ Scenarios:
            {"event": "trained"} and waits to be killed
   restore  a restarted job: restore() and report the step, each part's source, and
            whether the state is bit-exact the one saved at that step
+  preempt  SIGTERM (from the test) on one rank: the agreed step is saved to the local tier,
+           copies included, then to the persistent tier
   full     rank 2's local writes meet a (fake) full /dev/shm from step 3 on: every rank
            names the error, the persistent saves go on
 """
@@ -62,10 +64,11 @@ def digest(s: dict) -> str:
     return h.hexdigest()
 
 
-def manager(folder: Path, keep: int = 2) -> xlakit.CheckpointManager:
+def manager(folder: Path, local_every: int = 1, persistent_every: int = PERSISTENT_EVERY
+            ) -> xlakit.CheckpointManager:
     persistent = os.environ.get("TIER_PERSISTENT") or folder / "ckpt"
-    tier = xlakit.LocalTier(folder / "shm", interval_steps=1, peers=1, keep=keep, timeout_s=60)
-    return xlakit.CheckpointManager(persistent, layout=LAYOUT, save_interval_steps=PERSISTENT_EVERY,
+    tier = xlakit.LocalTier(folder / "shm", interval_steps=local_every, peers=1, keep=2, timeout_s=60)
+    return xlakit.CheckpointManager(persistent, layout=LAYOUT, save_interval_steps=persistent_every,
                                     local=tier)
 
 
@@ -121,6 +124,29 @@ def full(folder: Path) -> dict:
     return out
 
 
+def preempt(folder: Path) -> dict:
+    """A loop of all-reduces; SIGTERM from the test on one rank; neither tier is due on its own."""
+    import torch.distributed as dist
+
+    mgr = manager(folder, local_every=1000, persistent_every=1000)
+    mgr.install_preemption_handler(grace_s=30)
+    saved = []
+    for step in range(1, 100_000):
+        t = torch.ones(4)
+        dist.all_reduce(t)  # the training step's collective
+        time.sleep(0.03)
+        say(event="step", step=step)
+        if mgr.should_save(step):
+            mgr.save(step, state(step))
+            saved.append(step)
+        if mgr.reached_preemption(step):
+            break
+    out = {"saved": saved, "agreed": mgr._preemption.step, "persistent": mgr.all_steps(),
+           "local_error": mgr.local.last_error}
+    mgr.close()
+    return out
+
+
 def main(scenario: str, folder: Path) -> dict:
     if scenario == "train":
         return train(folder)
@@ -128,6 +154,8 @@ def main(scenario: str, folder: Path) -> dict:
         return restore(folder)
     if scenario == "full":
         return full(folder)
+    if scenario == "preempt":
+        return preempt(folder)
     raise SystemExit(f"unknown scenario {scenario!r}")
 
 

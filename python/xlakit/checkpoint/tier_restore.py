@@ -74,6 +74,7 @@ def restore(run, found: steps.Scan, step: int | None, template: Any, options, di
     world, rank = run.world, run.rank
     mine = {"host": run.host, "held": run.folder.inventory(world)}
     persistent = sorted(found.committed)
+    deadline = time.monotonic() + run.tier.timeout_s  # the local and peer reads; the persistent has its own
     group = peer_copy.fresh_group(run.tier.timeout_s) if world > 1 else None
     try:
         if group is not None:
@@ -91,7 +92,7 @@ def restore(run, found: steps.Scan, step: int | None, template: Any, options, di
             layout = found.committed[s].layout if s in found.committed else None
             if any(src == PERSISTENT for src, _ in plan.values()) and layout != "sharded" and world > 1:
                 plan = {r: (PERSISTENT, None) for r in plan}  # read together, as the layout wants
-            state, failures = _read_local(run, group, lists, s, plan, template, options)
+            state, failures = _read_local(run, group, lists, s, plan, template, options, deadline)
             if not failures:
                 if plan[rank][0] == PERSISTENT:
                     together = layout != "sharded" or all(src == PERSISTENT for src, _ in plan.values())
@@ -115,7 +116,8 @@ def restore(run, found: steps.Scan, step: int | None, template: Any, options, di
             peer_copy.close_group(group)
 
 
-def _read_local(run, group, lists: list[dict], s: int, plan: dict, template: Any, options) -> tuple[Any, dict]:
+def _read_local(run, group, lists: list[dict], s: int, plan: dict, template: Any, options, deadline: float
+                ) -> tuple[Any, dict]:
     """Copy the peer parts, load this rank's local part; every rank's failures {part: (host, why)}."""
     from xlakit import checkpoint
 
@@ -132,8 +134,7 @@ def _read_local(run, group, lists: list[dict], s: int, plan: dict, template: Any
             receives = [peer_copy.Receive(sender, run.folder.part_path(s, rank, world),
                                           lists[sender]["held"][s][rank])]
         try:
-            peer_copy.transfer(group, sends, receives, time.monotonic() + run.tier.timeout_s,
-                               f"the restore of step {s} from the local tier")
+            peer_copy.transfer(group, sends, receives, deadline, f"the restore of step {s} from the local tier")
             peer_copy.settle(receives, None)  # the load below verifies every record's checksum
             failure = receives[0].error if receives else None
         except Exception as e:  # noqa: BLE001 - gathered below

@@ -84,7 +84,8 @@ class TierRun:
 
     def save(self, step: int, state: Any, *, timeout_s: float | None = None) -> bool:
         """Save this rank's part of `step`, copy it to its peers; True when whole on every rank."""
-        timeout_s = self.tier.timeout_s if timeout_s is None else min(timeout_s, self.tier.timeout_s)
+        # At a preemption, what is left of the grace (a spent grace: the save times out at once, named).
+        timeout_s = self.tier.timeout_s if timeout_s is None else max(min(timeout_s, self.tier.timeout_s), 1e-3)
         deadline = time.monotonic() + timeout_s
         self.last_step = step
         mine: dict = {"error": None, "size": -1}

@@ -140,6 +140,8 @@ def test_options_are_checked_when_built(monkeypatch):
 def test_a_dcp_manager_refuses_a_local_tier(tmp_path):
     with pytest.raises(ValueError, match="layout='dcp'"):
         xlakit.CheckpointManager(tmp_path / "ckpt", layout="dcp", local=xlakit.LocalTier(tmp_path / "shm"))
+    with xlakit.CheckpointManager(tmp_path / "ckpt") as mgr:  # the refused manager let go of the folder
+        assert mgr.all_steps() == []
 
 
 def test_each_part_goes_to_the_same_position_on_the_next_hosts():

@@ -69,7 +69,7 @@ class CheckpointManager:
         options: `SaveOptions` for every save (timeout_s, ...); layout and asynchronous
             are the manager's.
         local: a `LocalTier`: frequent saves to host RAM or a local disk, copied to peer hosts;
-            `restore` then takes each part from the fastest tier (docs/manager.md#local-tier).
+            `restore` then takes each part from the fastest tier (docs/manager.md, the local tier).
             `manager.local` is its `tiered.TierRun` (`restored_from`, `last_error`).
 
     Example:
@@ -120,13 +120,13 @@ class CheckpointManager:
                                                              "steps": sorted(self._steps),
                                                              "manager": self._prefix}, self._watch(),
                              prepare=self._hold_folder)
+            self.local = None if local is None else tiered.TierRun(local, world=self._world, rank=self._rank,
+                                                                   layout=layout, options=self._options)
         except BaseException:
             self._release()
             raise
         if self._rank == 0:
             self._folder.clean()  # what a killed retention or save left
-        self.local = None if local is None else tiered.TierRun(local, world=self._world, rank=self._rank,
-                                                               layout=layout, options=self._options)
         manager_exit.track(self)
 
     # -- queries ----------------------------------------------------------------------------------
@@ -293,7 +293,7 @@ class CheckpointManager:
         found = self._scan()
         self._steps = set(found.committed)  # what is on disk now: a rollback may follow
         if self.local is not None:  # each part from the fastest tier that holds it (tier_restore.py)
-            return self.local.restore(found, step, template, options, self.directory, self._folder.step_path)
+            return self.local.restore(found, step, template, options, self.directory)
         chosen = readonly.choose_step(found, step, self.directory, self._folder.step_path)
         return readonly.read_step(chosen, template, replicated=self._world > 1, options=options)
 

@@ -68,8 +68,7 @@ def choose(lists: list[dict], persistent: list[int], world: int, bad: set, step:
     return None
 
 
-def restore(run, found: steps.Scan, step: int | None, template: Any, options, directory, step_path
-            ) -> tuple[Any, dict]:
+def restore(run, found: steps.Scan, step: int | None, template: Any, options, directory) -> tuple[Any, dict]:
     """This rank's state from the agreed step, and the report of where every part came from."""
     world, rank = run.world, run.rank
     mine = {"host": run.host, "held": run.folder.inventory(world)}

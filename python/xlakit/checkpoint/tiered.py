@@ -144,9 +144,9 @@ class TierRun:
             if group is not None:
                 peer_copy.close_group(group)
 
-    def restore(self, found, step: int | None, template: Any, options, directory, step_path) -> Any:
-        state, self.restored_from = tier_restore.restore(self, found, step, template, options, directory,
-                                                         step_path)
+    def restore(self, found, step: int | None, template: Any, options, directory) -> Any:
+        """This rank's state of `step` (default: the newest every rank can restore), from the fastest tiers."""
+        state, self.restored_from = tier_restore.restore(self, found, step, template, options, directory)
         return state
 
     def retire_after(self, step: int) -> None:

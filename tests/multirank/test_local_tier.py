@@ -17,10 +17,16 @@ from pathlib import Path
 import pytest
 
 from tests.support import SUPPORT, ranks
+from xlakit.checkpoint.local_tier import run_name
 
 pytestmark = pytest.mark.multiproc
 WORKER = SUPPORT / "tier_worker.py"
 WORLD = 4
+
+
+def hosts(folder: Path, persistent: str | Path | None = None) -> Path:
+    """The folder of the job's run in the local tier (its persistent tier: `folder`/ckpt by default)."""
+    return folder / "shm" / run_name(persistent or folder / "ckpt")
 
 
 def train(folder: Path, env: dict | None = None) -> list[dict]:
@@ -49,25 +55,27 @@ def trained(tmp_path_factory) -> Path:
     assert all(t["persistent"] == [4] and t["local_error"] is None for t in out), out
     assert out[0]["peers"] == {"0": [2], "1": [3], "2": [0], "3": [1]}  # each rank's copy on the other host
     for host in ("host0", "host1"):  # keep=2: the last two steps, each with every rank's part
-        held = sorted(p.name for p in (folder / "shm" / host).iterdir() if p.is_dir())
+        held = sorted(p.name for p in (hosts(folder) / host).iterdir() if p.is_dir())
         assert held == ["5", "6"], (host, held)
         for step in held:
-            assert len(list((folder / "shm" / host / step).glob("part-*-of-00004.pt"))) == WORLD
+            assert len(list((hosts(folder) / host / step).glob("part-*-of-00004.pt"))) == WORLD
     return folder
 
 
 @pytest.fixture
 def job(trained, tmp_path) -> Path:
     shutil.copytree(trained, tmp_path / "job")
+    # The copy is the same job in another place: its run folder follows its persistent folder.
+    (tmp_path / "job" / "shm" / run_name(trained / "ckpt")).rename(hosts(tmp_path / "job"))
     return tmp_path / "job"
 
 
 def part(folder: Path, host: str, step: int, rank: int) -> Path:
-    return folder / "shm" / host / str(step) / f"part-{rank:05d}-of-00004.pt"
+    return hosts(folder) / host / str(step) / f"part-{rank:05d}-of-00004.pt"
 
 
 def test_a_host_whose_local_tier_was_emptied_restores_from_its_peer_bit_exact(job):
-    shutil.rmtree(job / "shm" / "host1")  # a recreated VM: its RAM is empty
+    shutil.rmtree(hosts(job) / "host1")  # a recreated VM: its RAM is empty
     results = restore(job)
     for r, out in results.items():
         assert out["step"] == 6 and out["exact"] and out["got_step"] == 6, (r, out)
@@ -140,7 +148,7 @@ def gcs_bucket(objstore_servers, monkeypatch, loopback_only) -> str:
 def test_the_persistent_tier_on_fake_gcs_server(tmp_path, gcs_bucket):
     env = {"TIER_PERSISTENT": f"{gcs_bucket}/run"}
     train(tmp_path, env)
-    shutil.rmtree(tmp_path / "shm" / "host0")
+    shutil.rmtree(hosts(tmp_path, env["TIER_PERSISTENT"]) / "host0")
     results = restore(tmp_path, env)
     for r, out in results.items():  # host0's parts from its peer, the bucket untouched
         assert out["step"] == 6 and out["exact"], (r, out)
@@ -155,7 +163,7 @@ def test_the_persistent_tier_on_fake_gcs_server(tmp_path, gcs_bucket):
 def test_a_replicated_job_restores_from_its_peer_and_together_from_the_persistent_tier(tmp_path):
     env = {"TIER_LAYOUT": "replicated"}
     train(tmp_path, env)
-    shutil.rmtree(tmp_path / "shm" / "host0")
+    shutil.rmtree(hosts(tmp_path) / "host0")
     part(tmp_path, "host1", 6, 3).write_bytes(b"torn")  # rank 3's own copy; its peer copy is on host0, gone
     results = restore(tmp_path, env)
     for r, out in results.items():  # rank 3's part of step 6 has no whole copy left, step 5 has every part

@@ -121,7 +121,8 @@ class CheckpointManager:
                                                              "manager": self._prefix}, self._watch(),
                              prepare=self._hold_folder)
             self.local = None if local is None else tiered.TierRun(local, world=self._world, rank=self._rank,
-                                                                   layout=layout, options=self._options)
+                                                                   layout=layout, options=self._options,
+                                                                   run=self.directory)
         except BaseException:
             self._release()
             raise
@@ -240,7 +241,7 @@ class CheckpointManager:
         self._finish_pending()
 
     def retire_steps_after(self, step: int) -> list[int]:
-        """Roll back to the committed `step`: delete every newer step, so training goes on from `step`.
+        """Roll back to the committed (or local-tier) `step`: delete every newer step, to go on from it.
 
         The explicit rollback (a save below the latest step is refused), after `restore(step)`:
         the newer steps go as retention's do, once every rank agreed (`rollback.py`).
@@ -249,7 +250,7 @@ class CheckpointManager:
             The steps deleted, oldest first (empty when `step` is the latest).
 
         Raises:
-            ValueError: `step` is not committed (the committed steps are named); nothing is deleted.
+            ValueError: `step` is not committed, nor whole in the local tier; nothing is deleted.
             CheckpointPeerError: the ranks disagree on what to delete; nothing is deleted.
 
         Example:
@@ -264,7 +265,8 @@ class CheckpointManager:
         step = steps.check_step(step)
         self._finish_pending()
         found = self._scan()
-        doomed = rollback.retire(self._folder, step, found, self._scan, self._watch())
+        held = self.local is not None and self.local.holds(step)  # a step restored from the local tier
+        doomed = rollback.retire(self._folder, step, found, self._scan, self._watch(), held_locally=held)
         self._steps = set(found.committed).difference(doomed)
         if self.local is not None:  # the local tier's newer steps go too: a restore must not resume there
             self.local.retire_after(step)

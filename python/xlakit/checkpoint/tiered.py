@@ -10,7 +10,13 @@ persistent save) runs on every rank, in the order the ranks call the manager:
    ranks exchange sizes, then each rank's file goes to its peers on other
    hosts (`peer_copy.py`); each copy is renamed into place only when its xxh3
    is the one its sender read while sending;
-3. the ranks exchange outcomes; each host's lowest rank applies retention.
+3. the ranks exchange outcomes; before the deadline, and only when the step
+   is whole on every rank (every rank's errors empty), each host's lowest rank
+   applies retention, so the newest whole step always stays. A failed step's
+   folder is removed from each host (it is never counted as a step).
+
+A local save at or below the newest whole local step is refused, as the
+persistent saves are (`rollback.py`): a rollback first retires the newer steps.
 
 A local save never stops training: a failure (a full `/dev/shm`, a peer that
 did not answer in time) is logged as an error on every rank, named in
@@ -26,7 +32,7 @@ import logging
 import time
 from typing import Any
 
-from xlakit.checkpoint import peer_copy, pipeline, tier_restore
+from xlakit.checkpoint import peer_copy, pipeline, rollback, tier_restore
 from xlakit.checkpoint.local_tier import HostFolder, LocalTier
 from xlakit.checkpoint.options import SaveOptions
 from xlakit.errors import CheckpointWriteError
@@ -46,7 +52,7 @@ class TierRun:
         last_error: why the last local save was not whole everywhere (None: it was).
     """
 
-    def __init__(self, tier: LocalTier, *, world: int, rank: int, layout: str, options: SaveOptions):
+    def __init__(self, tier: LocalTier, *, world: int, rank: int, layout: str, options: SaveOptions, run):
         if not isinstance(tier, LocalTier):
             raise TypeError(f"local must be a LocalTier, got {type(tier).__name__}")
         if layout == "dcp":
@@ -55,17 +61,12 @@ class TierRun:
         self.tier, self.world, self.rank = tier, world, rank
         self.options = dataclasses.replace(options, layout="single", asynchronous=False,
                                            replica_parallel=False, timeout_s=tier.timeout_s)
-        self.folder = HostFolder(tier)
+        self.folder = HostFolder(tier, run)  # `run`: the persistent folder; its steps only
         self.host = self.folder.host
         self.folder.make()
-        if world > 1:
-            group = peer_copy.fresh_group(tier.timeout_s)
-            try:
-                self.hosts = peer_copy.gather(group, self.host)
-            finally:
-                peer_copy.close_group(group)
-        else:
-            self.hosts = [self.host]
+        lists = self._lists()
+        self.hosts = [x["host"] for x in lists]
+        self.whole = _whole(lists, world)  # the local steps every rank's part of is held (agreed)
         self.peers = peer_copy.peers_of(self.hosts, tier.peers)
         self.sources = [r for r, to in self.peers.items() if rank in to]  # whose copies this rank keeps
         self.leader = self.hosts.index(self.host) == rank
@@ -82,8 +83,28 @@ class TierRun:
     def due(self, step: int, preempt: bool = False) -> bool:
         return step != self.last_step and (preempt or step % self.tier.interval_steps == 0)
 
+    def _lists(self) -> list[dict]:
+        """Every rank's {"host", "held": {step: {part: bytes}}} (a collective with several ranks)."""
+        mine = {"host": self.host, "held": self.folder.inventory(self.world)}
+        if self.world == 1:
+            return [mine]
+        group = peer_copy.fresh_group(self.tier.timeout_s)
+        try:
+            return peer_copy.gather(group, mine)
+        finally:
+            peer_copy.close_group(group)
+
+    def holds(self, step: int) -> bool:
+        """True when the local tier holds every rank's part of `step` (every rank calls it)."""
+        return step in _whole(self._lists(), self.world)
+
     def save(self, step: int, state: Any, *, timeout_s: float | None = None) -> bool:
-        """Save this rank's part of `step`, copy it to its peers; True when whole on every rank."""
+        """Save this rank's part of `step`, copy it to its peers; True when whole on every rank.
+
+        Raises:
+            ValueError: `step` is at or below the newest whole local step (`retire_steps_after`).
+        """
+        rollback.refuse_at_or_below_latest(step, self.whole, f"the local tier {self.folder.path.parent}")
         # At a preemption, what is left of the grace (a spent grace: the save times out at once, named).
         timeout_s = self.tier.timeout_s if timeout_s is None else max(min(timeout_s, self.tier.timeout_s), 1e-3)
         deadline = time.monotonic() + timeout_s
@@ -96,23 +117,42 @@ class TierRun:
             pipeline.save_file(state, path, dataclasses.replace(self.options, timeout_s=timeout_s))
             mine["size"] = path.stat().st_size
         except Exception as e:  # noqa: BLE001 - the local tier is a cache: said, never fatal
-            mine["error"] = _described(e, path, self.tier)
+            mine["error"] = _described(e, path, self.tier, self.world)
         errors = [] if mine["error"] is None else [f"rank {self.rank} on {self.host}: {mine['error']}"]
+        agreed = True
         if self.world > 1:
-            errors = self._copy(step, mine, deadline)
+            errors, agreed = self._copy(step, mine, deadline)
+        if not errors:
+            self.whole.add(step)
         if self.leader:
-            try:
-                self.folder.retain(self.tier.keep)
-            except OSError as e:
-                errors.append(f"retention of {self.folder.path} on {self.host}: {e}")
+            errors += self._settle_folder(step, errors, agreed, deadline)
         self.last_error = "; ".join(errors) or None
         if errors:
             log.error("xlakit: the local-tier save of step %d is not whole (%s); it will not be restored from "
                       "the local tier, and the persistent saves go on", step, self.last_error)
         return not errors
 
-    def _copy(self, step: int, mine: dict, deadline: float) -> list[str]:
-        """Exchange sizes, copy the parts to the peers, exchange outcomes: every rank's errors."""
+    def _settle_folder(self, step: int, errors: list[str], agreed: bool, deadline: float) -> list[str]:
+        """(The host's lowest rank.) Retention after a whole step, before the deadline; else the
+        failed step's folder goes (all of it once every rank agreed it failed): what went wrong."""
+        try:
+            if errors:
+                if agreed:
+                    self.folder.remove_step(step)  # not whole anywhere it counts: never restored or counted
+                else:
+                    self.folder.drop_if_empty(step)
+                return []
+            if time.monotonic() >= deadline:
+                return [f"retention on {self.host} did not run: the save's deadline of {self.tier.timeout_s:g} s "
+                        f"(LocalTier.timeout_s) had passed; the older steps stay until the next save"]
+            self.folder.retain(self.tier.keep)
+        except OSError as e:
+            return [f"retention of {self.folder.path} on {self.host}: {e}"]
+        return []
+
+    def _copy(self, step: int, mine: dict, deadline: float) -> tuple[list[str], bool]:
+        """Exchange sizes, copy the parts to the peers, exchange outcomes: every rank's errors, and
+        whether every rank has the same list (False: a rank could not reach the others)."""
         group = None
         try:
             group = peer_copy.fresh_group(deadline - time.monotonic())
@@ -126,10 +166,15 @@ class TierRun:
             try:
                 sent = peer_copy.transfer(group, sends, receives, deadline, f"the local-tier save of step {step}")
             except Exception as e:  # noqa: BLE001 - gathered below, as every rank's
-                copy_error = f"{type(e).__name__}: {e}"
+                copy_error = f"{type(e).__name__}: {e}{_partners(self, sends, receives)}"
             try:  # each copy kept only if it arrived with the xxh3 its sender read while sending
                 digests = peer_copy.gather(group, sent[0] if sent and len(set(sent)) == 1 else None)
-                peer_copy.settle(receives, dict(enumerate(digests)))
+                if receives and time.monotonic() >= deadline:  # no late commit: nothing is renamed
+                    copy_error = copy_error or (
+                        f"the copies arrived after the save's deadline of {self.tier.timeout_s:g} s "
+                        f"(LocalTier.timeout_s) and were discarded; raise timeout_s if copies take this long")
+                else:
+                    peer_copy.settle(receives, dict(enumerate(digests)))
             finally:
                 peer_copy.discard(receives)
             own = [f"rank {self.rank} on {self.host}: {mine['error']}"] if mine["error"] else []
@@ -137,9 +182,10 @@ class TierRun:
                     for r in receives if r.error]
             if copy_error:
                 own.append(f"rank {self.rank} on {self.host}: {copy_error}")
-            return [e for errs in peer_copy.gather(group, own) for e in errs]
+            return [e for errs in peer_copy.gather(group, own) for e in errs], True
         except Exception as e:  # noqa: BLE001 - a rank that died or stalled: the step is not whole
-            return [f"rank {self.rank} could not reach the other ranks ({type(e).__name__}: {e})"]
+            return [f"rank {self.rank} on {self.host} could not reach the other ranks ({type(e).__name__}: "
+                    f"{e}){_partners(self, [], [])}"], False
         finally:
             if group is not None:
                 peer_copy.close_group(group)
@@ -153,6 +199,7 @@ class TierRun:
         """(After a rollback to `step`.) This host's lowest rank removes the local steps after it."""
         if self.leader:
             self.folder.retain_upto(step)
+        self.whole = {s for s in self.whole if s <= step}
         self.last_step = None
 
     def bytes_used(self) -> int:
@@ -160,12 +207,35 @@ class TierRun:
         return self.folder.bytes_used()
 
 
-def _described(e: Exception, path, tier: LocalTier) -> str:
+def _whole(lists: list[dict], world: int) -> set[int]:
+    """The steps of which every rank's part is held on some host."""
+    held: dict[int, set[int]] = {}
+    for x in lists:
+        for s, parts in x["held"].items():
+            held.setdefault(int(s), set()).update(int(p) for p in parts)
+    return {s for s, parts in held.items() if len(parts) == world}
+
+
+def _partners(run: TierRun, sends, receives) -> str:
+    """Which ranks this rank was copying with (one of them stalled or died), and the fix."""
+    ranks = sorted({*run.peers[run.rank], *run.sources} if not (sends or receives)
+                   else {*(s.to for s in sends), *(r.source for r in receives)})
+    if not ranks:
+        return ""
+    named = ", ".join(f"rank {r} on {run.hosts[r]}" for r in ranks)
+    return (f". This rank copies with {named}: look there for a process that died or stalled (its log, "
+            f"an OOM kill); the step is not kept in the local tier, the older steps stay")
+
+
+def _described(e: Exception, path, tier: LocalTier, world: int) -> str:
     text = f"{type(e).__name__}: {e}"
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or (
             isinstance(e, CheckpointWriteError) and e.errno in (errno.ENOSPC, errno.EDQUOT)):
+        lower = [f"keep (now {tier.keep})"] if tier.keep > 1 else []
+        lower += [f"peers (now {tier.peers})"] if tier.peers and world > 1 else []
         text = (f"the local tier is full: {path} could not be written ({text}). It holds at most keep+1 "
-                f"steps of this host's parts and its peers' copies; lower keep (now {tier.keep}) or peers "
-                f"(now {tier.peers}), give {tier.directory} more room (/dev/shm: docker --shm-size, or the "
-                f"tmpfs size), or use a local disk")
+                f"steps of this host's parts" + (" and its peers' copies" if tier.peers and world > 1 else "")
+                + "; " + (f"lower {' or '.join(lower)}, " if lower else "")
+                + f"give {tier.directory} more room (/dev/shm: docker --shm-size, or the tmpfs size), "
+                f"or use a local disk")
     return text

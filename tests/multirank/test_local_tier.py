@@ -192,3 +192,35 @@ def test_a_preemption_saves_the_agreed_step_to_the_local_tier_first_then_the_per
             local = part(tmp_path, host, agreed, rank)
             assert local.stat().st_mtime_ns <= commit.stat().st_mtime_ns, (host, rank)
 
+
+
+def test_a_rank_killed_mid_copy_keeps_the_last_whole_step_and_is_named(tmp_path):
+    # Attack 10: with keep=1, retention ran after the failed step and removed the only whole one.
+    job = ranks.Job(WORKER, "die", tmp_path, WORLD)
+    results = job.results()
+    assert results[3]["exit"] == -signal.SIGKILL
+    for r in (0, 1, 2):
+        out = results[r]
+        assert out["exit"] == 0 and out["errors"]["2"] is None, (r, out)
+        assert "rank 3 on host1 did not answer" in out["errors"]["4"], out["errors"]["4"]
+        assert out["held"]["2"] == list(range(WORLD)), out["held"]  # step 2 whole on each host
+    results = restore(tmp_path)
+    for r, out in results.items():  # each rank's own part of step 4 was whole before the copies
+        assert out["step"] == 4 and set(out["parts"].values()) == {"local"} and out["exact"], (r, out)
+    shutil.rmtree(hosts(tmp_path) / "host1")  # host1 recreated: step 4 has no copy of ranks 2-3 left
+    results = restore(tmp_path)
+    for r, out in results.items():
+        assert out["step"] == 2 and out["exact"], (r, out)
+        assert out["parts"] == {"0": "local", "1": "local", "2": "peer", "3": "peer"}, out
+
+
+def test_copies_that_arrive_after_the_deadline_are_not_kept_and_nothing_old_is_removed(tmp_path):
+    # Attack 13: copies were renamed into place, and retention ran, after the save's deadline.
+    job = ranks.Job(WORKER, "late", tmp_path, WORLD)
+    results = job.results()
+    for r, out in results.items():
+        assert out["exit"] == 0, (r, out["stderr"])
+        assert not out["whole"] and "after the save's deadline" in out["error"], out
+        own = [0, 1] if r < 2 else [2, 3]
+        assert out["held"]["1"] == list(range(WORLD)), out["held"]  # keep=1: step 1 stays
+        assert out["held"].get("2", own) == own, out["held"]  # no copy of step 2 renamed

@@ -18,6 +18,10 @@ Scenarios:
            copies included, then to the persistent tier
   full     rank 2's local writes meet a (fake) full /dev/shm from step 3 on: every rank
            names the error, the persistent saves go on
+  die      keep=1, local saves at steps 2 and 4; rank 3 SIGKILLs itself (a real death) in the
+           middle of the peer copy of step 4; the others report and exit without a clean teardown
+  late     keep=1, timeout_s=6, local saves at steps 1 and 2; at step 2 each received chunk
+           lands 0.5 s late (a fake slow disk) and rank 3 reaches the digest exchange at 7.5 s
 """
 
 from __future__ import annotations
@@ -64,10 +68,10 @@ def digest(s: dict) -> str:
     return h.hexdigest()
 
 
-def manager(folder: Path, local_every: int = 1, persistent_every: int = PERSISTENT_EVERY
-            ) -> xlakit.CheckpointManager:
+def manager(folder: Path, local_every: int = 1, persistent_every: int = PERSISTENT_EVERY, keep: int = 2,
+            timeout_s: float = 60) -> xlakit.CheckpointManager:
     persistent = os.environ.get("TIER_PERSISTENT") or folder / "ckpt"
-    tier = xlakit.LocalTier(folder / "shm", interval_steps=local_every, peers=1, keep=2, timeout_s=60)
+    tier = xlakit.LocalTier(folder / "shm", interval_steps=local_every, peers=1, keep=keep, timeout_s=timeout_s)
     return xlakit.CheckpointManager(persistent, layout=LAYOUT, save_interval_steps=persistent_every,
                                     local=tier)
 
@@ -147,6 +151,65 @@ def preempt(folder: Path) -> dict:
     return out
 
 
+def held(mgr) -> dict:
+    """{step: [the parts this host holds]}."""
+    return {str(s): sorted(parts) for s, parts in mgr.local.folder.inventory(WORLD).items()}
+
+
+def die(folder: Path) -> None:
+    from xlakit.checkpoint import peer_copy
+
+    mgr = manager(folder, local_every=2, persistent_every=1000, keep=1, timeout_s=8)
+    peer_copy.CHUNK_BYTES = 1 << 20  # a part of ~1.1 MiB: two rounds of copies
+    errors = {}
+    for step in range(1, 5):
+        if RANK == 3 and step == 4:
+            real, landed = peer_copy._land, []
+
+            def dying(r, buf, writers):
+                landed.append(1)
+                if len(landed) == 2:
+                    os.kill(os.getpid(), 9)
+                return real(r, buf, writers)
+
+            peer_copy._land = dying
+        if mgr.should_save(step):
+            mgr.save(step, state(step))
+            errors[step] = mgr.local.last_error
+    say(result={"errors": errors, "held": held(mgr)})
+    store = torch.distributed.distributed_c10d._get_default_store()  # rank 3 is gone: no clean teardown
+    store.set(f"die/{RANK}", "1")
+    store.wait([f"die/{r}" for r in range(3)], timedelta(seconds=30))
+    time.sleep(1 if RANK == 0 else 0)
+    os._exit(0)
+
+
+def late(folder: Path) -> dict:
+    from xlakit.checkpoint import peer_copy
+
+    mgr = manager(folder, local_every=1, persistent_every=1000, keep=1, timeout_s=6)
+    mgr.save(1, state(1))
+    real_gather, real_land, calls, t0 = peer_copy.gather, peer_copy._land, [], time.monotonic()
+
+    def slow_land(r, buf, writers):  # a fake slow receiver: each chunk lands 0.5 s late
+        time.sleep(0.5)
+        return real_land(r, buf, writers)
+
+    def late_gather(group, value):  # rank 3 reaches the digest exchange after the deadline
+        calls.append(1)
+        if RANK == 3 and len(calls) == 2:
+            time.sleep(max(0.0, t0 + 7.5 - time.monotonic()))
+        return real_gather(group, value)
+
+    peer_copy.gather, peer_copy._land, peer_copy.CHUNK_BYTES = late_gather, slow_land, 1 << 18
+    t0 = time.monotonic()
+    whole = mgr.save(2, state(2))
+    peer_copy.gather, peer_copy._land = real_gather, real_land
+    out = {"whole": whole, "error": mgr.local.last_error, "held": held(mgr)}
+    mgr.close()
+    return out
+
+
 def main(scenario: str, folder: Path) -> dict:
     if scenario == "train":
         return train(folder)
@@ -156,6 +219,10 @@ def main(scenario: str, folder: Path) -> dict:
         return full(folder)
     if scenario == "preempt":
         return preempt(folder)
+    if scenario == "die":
+        return die(folder)
+    if scenario == "late":
+        return late(folder)
     raise SystemExit(f"unknown scenario {scenario!r}")
 
 

@@ -30,6 +30,7 @@ import dataclasses
 import errno
 import logging
 import time
+from datetime import timedelta
 from typing import Any
 
 from xlakit.checkpoint import peer_copy, pipeline, rollback, tier_restore
@@ -77,6 +78,7 @@ class TierRun:
         if self.leader:
             self.folder.clean()
         self.last_step: int | None = None
+        self.saves = 0
         self.last_error: str | None = None
         self.restored_from: dict | None = None
 
@@ -109,6 +111,7 @@ class TierRun:
         timeout_s = self.tier.timeout_s if timeout_s is None else max(min(timeout_s, self.tier.timeout_s), 1e-3)
         deadline = time.monotonic() + timeout_s
         self.last_step = step
+        self.saves += 1  # the same count on every rank: names this save's keys in the job's store
         mine: dict = {"error": None, "size": -1}
         path = self.folder.part_path(step, self.rank, self.world)
         try:
@@ -133,8 +136,12 @@ class TierRun:
         return not errors
 
     def _settle_folder(self, step: int, errors: list[str], agreed: bool, deadline: float) -> list[str]:
-        """(The host's lowest rank.) Retention after a whole step, before the deadline; else the
-        failed step's folder goes (all of it once every rank agreed it failed): what went wrong."""
+        """(The host's lowest rank.) Before the deadline only (then nothing is deleted): retention after
+        a whole step, else the failed step's folder goes (all of it once every rank agreed it failed).
+        What went wrong."""
+        if time.monotonic() >= deadline:  # a failed step's folder stays too (counted, not restored whole)
+            return [] if errors else [f"retention on {self.host} did not run: the save's deadline of {self.tier.timeout_s:g} s "
+                    f"(LocalTier.timeout_s) had passed; the older steps stay until the next save"]
         try:
             if errors:
                 if agreed:
@@ -142,9 +149,6 @@ class TierRun:
                 else:
                     self.folder.drop_if_empty(step)
                 return []
-            if time.monotonic() >= deadline:
-                return [f"retention on {self.host} did not run: the save's deadline of {self.tier.timeout_s:g} s "
-                        f"(LocalTier.timeout_s) had passed; the older steps stay until the next save"]
             self.folder.retain(self.tier.keep)
         except OSError as e:
             return [f"retention of {self.folder.path} on {self.host}: {e}"]
@@ -184,8 +188,13 @@ class TierRun:
                 own.append(f"rank {self.rank} on {self.host}: {copy_error}")
             return [e for errs in peer_copy.gather(group, own) for e in errs], True
         except Exception as e:  # noqa: BLE001 - a rank that died or stalled: the step is not whole
+            silent = _silent(self, deadline)
+            named = ", ".join(f"rank {r} on {self.hosts[r]}" for r in silent)
+            why = (f". {named} did not answer (died or stalled: look at its log, e.g. for an OOM kill); the "
+                   f"step is not kept in the local tier, the older steps stay; restart the job if it died "
+                   f"(restore() takes the newest whole step)") if silent else _partners(self, [], [])
             return [f"rank {self.rank} on {self.host} could not reach the other ranks ({type(e).__name__}: "
-                    f"{e}){_partners(self, [], [])}"], False
+                    f"{e}){why}"], False
         finally:
             if group is not None:
                 peer_copy.close_group(group)
@@ -214,6 +223,26 @@ def _whole(lists: list[dict], world: int) -> set[int]:
         for s, parts in x["held"].items():
             held.setdefault(int(s), set()).update(int(p) for p in parts)
     return {s for s, parts in held.items() if len(parts) == world}
+
+
+def _silent(run: TierRun, deadline: float) -> list[int]:
+    """The ranks that did not say they are alive in the job's store by the deadline and a grace of
+    2 s (a rank blocked on a dead one answers when its own wait times out, at the deadline): after a
+    failed copy, the ones that died or stalled. [] when it cannot tell."""
+    try:
+        import torch.distributed as d
+
+        store = d.distributed_c10d._get_default_store()
+        key = f"xlakit/local-tier/{run.folder.path.parent.name}/{run.saves}/alive/"
+        store.set(key + str(run.rank), "1")
+        try:
+            store.wait([key + str(r) for r in range(run.world)],
+                       timedelta(seconds=max(deadline - time.monotonic(), 0.0) + 2.0))
+        except Exception:  # noqa: BLE001 - some did not answer: named below
+            pass
+        return [r for r in range(run.world) if not store.check([key + str(r)])]
+    except Exception:  # noqa: BLE001 - a diagnostic never fails the save's report
+        return []
 
 
 def _partners(run: TierRun, sends, receives) -> str:

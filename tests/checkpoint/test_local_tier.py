@@ -51,7 +51,8 @@ def test_local_and_persistent_saves_keep_their_own_interval_and_retention(tmp_pa
         assert mgr.local.last_error is None
         assert 0 < mgr.local.bytes_used() < 3 * 5000  # two steps of one small part each, nothing else
         # The local part is an ordinary xlakit file, readable (and verified) by xlakit.load.
-        assert xlakit.load(host_dir(shm) / "8" / "part-00000-of-00001.pt")["step"] == 8
+        part = xlakit.load(host_dir(shm) / "8" / "part-00000-of-00001.pt")
+        assert part["state"]["step"] == 8 and part["xlakit-local-part"] == {"step": 8, "rank": 0, "world": 1}
 
 
 def test_restore_takes_the_newest_step_of_any_tier(tmp_path):
@@ -315,3 +316,22 @@ def test_the_directory_is_resolved_once_and_the_timeout_is_finite(tmp_path, monk
         xlakit.LocalTier("/dev/shm/x", timeout_s=math.inf)
     with pytest.raises(ValueError, match="at most 86400 s"):
         xlakit.LocalTier("/dev/shm/x", timeout_s=1e9)
+
+
+def test_a_part_copied_into_another_steps_folder_is_not_restored_as_that_step(tmp_path):
+    # Attack 06: a part of step 5 under step 6's name restored as step 6.
+    import shutil
+
+    shm = tmp_path / "shm"
+    tier = xlakit.LocalTier(shm, interval_steps=1, keep=3)
+    with xlakit.CheckpointManager(tmp_path / "ckpt", save_interval_steps=1000, local=tier) as mgr:
+        for s in (4, 5, 6):
+            mgr.save(s, state(s))
+        six = host_dir(shm) / "6" / "part-00000-of-00001.pt"
+        shutil.copy(host_dir(shm) / "5" / "part-00000-of-00001.pt", six)
+        got = mgr.restore()
+        assert got["step"] == 5 and mgr.local.restored_from["step"] == 5
+        assert str(six) in mgr.local.restored_from["damaged"][0]
+        assert "expected {'step': 6" in mgr.local.restored_from["damaged"][0]
+        template = {"w": torch.zeros(1024), "step": 0}
+        assert mgr.restore(5, template=template)["step"] == 5 and template["w"][0] == 5.0

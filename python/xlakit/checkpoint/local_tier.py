@@ -13,7 +13,10 @@ Two jobs given the same directory (e.g. "/dev/shm/ckpt") have different
 persistent folders, so different run folders: one never restores, counts or
 deletes the other's steps.
 
-Each part is an ordinary xlakit file (`pipeline.save_file`): owned, checksummed
+Each part is an ordinary xlakit file (`pipeline.save_file`) of
+`{"xlakit-local-part": {"step", "rank", "world"}, "state": <the rank's state>}`
+(`wrap`; a restore checks the identity against the folder and the name it was
+found under, `unwrap`, so a part copied into another step's folder is refused): owned, checksummed
 record by record, renamed into place whole under the save's deadline, so a
 part file either is whole or is not there; a part that is there but damaged
 (a torn or altered file) fails its verification at restore, is named and is
@@ -113,6 +116,25 @@ class LocalTier:
 
 def part_name(rank: int, world: int) -> str:
     return f"part-{rank:05d}-of-{world:05d}.pt"
+
+
+PART_KEY = "xlakit-local-part"
+
+
+def wrap(state, step: int, rank: int, world: int) -> dict:
+    """What a part file holds: the rank's state and which part it is."""
+    return {PART_KEY: {"step": step, "rank": rank, "world": world}, "state": state}
+
+
+def unwrap(got, step: int, rank: int, world: int):
+    """The state of a loaded part; ValueError when it is not the part of `step` and `rank` it was
+    found as (moved or copied from another step's folder: never restored as this one)."""
+    want = {"step": step, "rank": rank, "world": world}
+    found = got.get(PART_KEY) if isinstance(got, dict) else None
+    if found != want or "state" not in got:
+        raise ValueError(f"the part holds {found or 'no part identity'}, expected {want}: it was moved or "
+                         f"copied here from elsewhere, and is not used")
+    return got["state"]
 
 
 def run_name(persistent: str | os.PathLike) -> str:

@@ -143,9 +143,12 @@ def _read_local(run, group, lists: list[dict], s: int, plan: dict, template: Any
     state = None
     path = run.folder.part_path(s, rank, world)
     if source in (LOCAL, PEER) and failure is None:
+        from xlakit.checkpoint import local_tier
+
         try:
-            state = (checkpoint.load(path, options=options) if template is None
-                     else checkpoint.restore(path, template, options=options))
+            got = (checkpoint.load(path, options=options) if template is None
+                   else checkpoint.restore(path, local_tier.wrap(template, s, rank, world), options=options))
+            state = local_tier.unwrap(got, s, rank, world)  # not a part moved from another step
         except (CheckpointError, OSError, ValueError) as e:
             failure = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
             if source == PEER:

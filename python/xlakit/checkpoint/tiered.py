@@ -33,7 +33,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from xlakit.checkpoint import peer_copy, pipeline, rollback, tier_restore
+from xlakit.checkpoint import local_tier, peer_copy, pipeline, rollback, tier_restore
 from xlakit.checkpoint.local_tier import HostFolder, LocalTier
 from xlakit.checkpoint.options import SaveOptions
 from xlakit.errors import CheckpointWriteError
@@ -117,7 +117,8 @@ class TierRun:
         try:
             self.folder.make()
             self.folder.make_step(step)
-            pipeline.save_file(state, path, dataclasses.replace(self.options, timeout_s=timeout_s))
+            pipeline.save_file(local_tier.wrap(state, step, self.rank, self.world), path,
+                               dataclasses.replace(self.options, timeout_s=timeout_s))
             mine["size"] = path.stat().st_size
         except Exception as e:  # noqa: BLE001 - the local tier is a cache: said, never fatal
             mine["error"] = _described(e, path, self.tier, self.world)

@@ -128,12 +128,13 @@ class TierRun:
             errors, agreed = self._copy(step, mine, deadline)
         if not errors:
             self.whole.add(step)
-        if self.leader:
-            errors += self._settle_folder(step, errors, agreed, deadline)
+        notes = self._settle_folder(step, errors, agreed, deadline) if self.leader else []
         self.last_error = "; ".join(errors) or None
         if errors:
             log.error("xlakit: the local-tier save of step %d is not whole (%s); it will not be restored from "
                       "the local tier, and the persistent saves go on", step, self.last_error)
+        elif notes:  # the step is whole; the older steps stay a while longer
+            log.warning("xlakit: the local-tier save of step %d is whole, but %s", step, "; ".join(notes))
         return not errors
 
     def _settle_folder(self, step: int, errors: list[str], agreed: bool, deadline: float) -> list[str]:

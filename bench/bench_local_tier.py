@@ -92,7 +92,9 @@ def rank_main(args) -> None:
 
     restore("local")
     if rank == world - 1:
-        shutil.rmtree(shm / "host1")  # host1 recreated: its RAM is empty
+        from xlakit.checkpoint.local_tier import run_name
+
+        shutil.rmtree(shm / run_name(persistent) / "host1")  # host1 recreated: its RAM is empty
     dist.barrier()
     restore("peer")
     if rank == 0:

@@ -76,6 +76,7 @@ else
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_objstore.py
 	$(VPY) bench/bench_replicated.py
 	$(VPY) bench/bench_memory.py
+	$(VPY) bench/bench_local_tier.py --gcs
 endif
 
 # Source build (build/xlakit_build.py; `BUILD_ARGS=--dry-run` prints the plan).

@@ -41,7 +41,7 @@ _LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint", "restore": "x
          "dcp_save": "xlakit.checkpoint",
          "dcp_load": "xlakit.checkpoint", "wait_until_idle": "xlakit.checkpoint",
          "SaveHandle": "xlakit.checkpoint.background", "CheckpointManager": "xlakit.checkpoint.manager",
-         "ReadOnlyCheckpointManager": "xlakit.checkpoint.readonly"}
+         "ReadOnlyCheckpointManager": "xlakit.checkpoint.readonly", "LocalTier": "xlakit.checkpoint.local_tier"}
 
 
 def __getattr__(name: str):
@@ -70,6 +70,7 @@ __all__ = [
     "SaveHandle",
     "CheckpointManager",
     "ReadOnlyCheckpointManager",
+    "LocalTier",
     "CacheFolderTrustError",
     "CheckpointAsyncError",
     "CheckpointBusyError",

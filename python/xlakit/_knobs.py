@@ -36,6 +36,10 @@ OBJECT_CHUNK_BYTES = "XLAKIT_OBJECT_CHUNK_BYTES"
 OBJECT_REQUEST_TIMEOUT_S = "XLAKIT_OBJECT_REQUEST_TIMEOUT_S"
 # How long a CheckpointManager's lease on an object-storage URL lasts unless renewed (checkpoint/objstore/lease.py).
 MANAGER_LEASE_S = "XLAKIT_MANAGER_LEASE_S"
+# Which host this process runs on, for a CheckpointManager's local tier (checkpoint/local_tier.py): its
+# parts are copied to ranks of other hosts. Default: the hostname. Tests set it to make several
+# simulated hosts of the processes of one machine.
+HOST_ID = "XLAKIT_HOST_ID"
 # Accept a persistent cache folder a group you belong to can write (see cache_trust); the PJRT
 # wrapping plugin reads it too, so its name comes from the C++ (csrc/pjrt_wrap/env.h).
 CACHE_TRUST_SHARED = _C.CACHE_TRUST_SHARED_ENV
@@ -230,3 +234,20 @@ def get_flag(name: str) -> bool:
 # 1: at each compile-cache miss the PJRT wrapper logs what differed from the nearest recorded entry of the
 # same module (csrc/pjrt_wrap/env.h kCacheExplainEnv; docs/runtime.md "Why did it miss?").
 PJRT_CACHE_EXPLAIN = _C.PJRT_CACHE_EXPLAIN_ENV
+
+
+_HOST_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", re.ASCII)
+
+
+def get_host_id() -> str:
+    """`XLAKIT_HOST_ID`, else the hostname: the host a local checkpoint tier's folder belongs to."""
+    import socket
+
+    raw = os.environ.get(HOST_ID)
+    if not raw:
+        return socket.gethostname().replace("/", "_") or "host"
+    if not _HOST_ID.fullmatch(raw):
+        raise ConfigurationError(f"environment variable {HOST_ID}={raw!r}: expected a host name of letters, "
+                                 f"digits, '.', '_' or '-' (at most 128, not starting with '.'); fix or unset "
+                                 f"it (unset, the hostname is used)")
+    return raw

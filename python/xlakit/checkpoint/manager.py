@@ -20,12 +20,13 @@ once it committed; at interpreter exit a manager nobody closed does the same
 (in a one-process job: with several ranks retention needs them all, so it
 waits for the next save). Preemption (`install_preemption_handler`) is agreed as
 described in `preemption.py`; the save at the agreed step is synchronous and
-bounded by what is left of the grace.
+bounded by what is left of the grace. A local tier (`local=LocalTier(...)`,
+`tiered.py`) adds frequent saves to host RAM with peer copies, saved first at
+a preemption, and restores each part from the fastest tier (`tier_restore.py`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import itertools
@@ -38,7 +39,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from xlakit import _knobs
-from xlakit.checkpoint import agreement, decisions, readonly, retention, rollback, steps
+from xlakit.checkpoint import agreement, decisions, manager_exit, readonly, retention, rollback, steps, tiered
+from xlakit.checkpoint.local_tier import LocalTier
 from xlakit.checkpoint.operation import Watch
 from xlakit.checkpoint.options import LoadOptions, SaveOptions, _bool, _count, _seconds, manager_options
 from xlakit.checkpoint.preemption import Preemption
@@ -47,7 +49,6 @@ from xlakit.errors import CheckpointTimeoutError
 
 log = logging.getLogger("xlakit")
 _managers = itertools.count()  # managers made by this process: every rank counts the same
-_open: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()  # finished at exit if nobody closed them
 
 
 class CheckpointManager:
@@ -69,6 +70,9 @@ class CheckpointManager:
             restore reads each share once and broadcasts it (`xlakit.save`'s option, docs/manager.md).
         options: `SaveOptions` for every save (timeout_s, ...); layout and asynchronous
             are the manager's.
+        local: a `LocalTier`: frequent saves to host RAM or a local disk, copied to peer hosts;
+            `restore` then takes each part from the fastest tier (docs/manager.md, the local tier).
+            `manager.local` is its `tiered.TierRun` (`restored_from`, `last_error`).
 
     Example:
         >>> import torch, xlakit
@@ -82,7 +86,8 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, save_interval_steps: int = 1,
                  best_metric: str | None = None, best_mode: str = "min", layout: str = "single",
-                 asynchronous: bool = False, replica_parallel: bool = False, options: SaveOptions | None = None):
+                 asynchronous: bool = False, replica_parallel: bool = False, options: SaveOptions | None = None,
+                 local: LocalTier | None = None):
         self.policy = retention.Retention(max_to_keep, keep_every_n_steps, best_metric, best_mode)
         _count("save_interval_steps", save_interval_steps, minimum=1)
         if layout not in steps.LAYOUTS:
@@ -113,18 +118,21 @@ class CheckpointManager:
         self._closed = False
         config = {"layout": layout, "asynchronous": asynchronous, "interval": save_interval_steps,
                   "replica_parallel": replica_parallel,
-                  **dataclasses.asdict(self.policy)}
+                  **dataclasses.asdict(self.policy), "local": local.config() if local is not None else None}
         try:
             decisions.decide("manager start", self._path(), {"config": config, "latest": self._last,
                                                              "steps": sorted(self._steps),
                                                              "manager": self._prefix}, self._watch(),
                              prepare=self._hold_folder)
+            self.local = None if local is None else tiered.TierRun(local, world=self._world, rank=self._rank,
+                                                                   layout=layout, options=self._options,
+                                                                   run=self.directory)
         except BaseException:
             self._release()
             raise
         if self._rank == 0:
             self._folder.clean()  # what a killed retention or save left
-        _open.add(self)
+        manager_exit.track(self)
 
     # -- queries ----------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -140,7 +148,7 @@ class CheckpointManager:
         return retention.best(self._scan().committed, self.policy)
 
     def should_save(self, step: int) -> bool:
-        """True when `step` is to be saved: every `save_interval_steps`, and at an agreed preemption step.
+        """True when `step` is to be saved: every `save_interval_steps` (or local interval), at a preemption.
 
         A step already committed (or being saved) is not saved again; one whose save failed is,
         and after a rollback every step below the latest (its `save` refused, naming
@@ -149,7 +157,7 @@ class CheckpointManager:
         self._check_open()
         step = steps.check_step(step)
         self._folder.renew()  # object storage: the lease, renewed once half of it is spent
-        return self._preempting(step, deciding=True) or self._regular(step)
+        return self._preempting(step, deciding=True) or self._regular(step) or self._local_due(step, False)
 
     def reached_preemption(self, step: int) -> bool:
         """True from the agreed preemption step on (on every rank alike): save there, then stop."""
@@ -178,9 +186,12 @@ class CheckpointManager:
         metrics = retention.check_metrics(metrics, self.policy.best_metric)
         _bool("force", force)
         preempt = self._preempting(step, deciding=True)
+        local = self._local_due(step, preempt)  # at a preemption: the local tier first (docs/manager.md)
         if not (force or preempt or self._regular(step)):
-            return False
+            return local and self.local.save(step, state)
         with self._answering(step):
+            if local:
+                self.local.save(step, state, timeout_s=self._preemption.remaining_s() if preempt else None)
             return self._save(step, state, metrics, preempt)
 
     def _save(self, step: int, state: Any, metrics: dict, preempt: bool) -> bool:
@@ -233,7 +244,7 @@ class CheckpointManager:
         self._finish_pending()
 
     def retire_steps_after(self, step: int) -> list[int]:
-        """Roll back to the committed `step`: delete every newer step, so training goes on from `step`.
+        """Roll back to the committed (or local-tier) `step`: delete every newer step, to go on from it.
 
         The explicit rollback (a save below the latest step is refused), after `restore(step)`:
         the newer steps go as retention's do, once every rank agreed (`rollback.py`).
@@ -242,7 +253,7 @@ class CheckpointManager:
             The steps deleted, oldest first (empty when `step` is the latest).
 
         Raises:
-            ValueError: `step` is not committed (the committed steps are named); nothing is deleted.
+            ValueError: `step` is not committed, nor whole in the local tier; nothing is deleted.
             CheckpointPeerError: the ranks disagree on what to delete; nothing is deleted.
 
         Example:
@@ -257,8 +268,11 @@ class CheckpointManager:
         step = steps.check_step(step)
         self._finish_pending()
         found = self._scan()
-        doomed = rollback.retire(self._folder, step, found, self._scan, self._watch())
+        held = self.local is not None and self.local.holds(step)  # a step restored from the local tier
+        doomed = rollback.retire(self._folder, step, found, self._scan, self._watch(), held_locally=held)
         self._steps = set(found.committed).difference(doomed)
+        if self.local is not None:  # the local tier's newer steps go too: a restore must not resume there
+            self.local.retire_after(step)
         self._last = max(self._steps, default=None)
         if self._rank == 0:
             self._folder.clean()  # the retired steps' trash
@@ -283,6 +297,8 @@ class CheckpointManager:
         self._finish_pending()
         found = self._scan()
         self._steps = set(found.committed)  # what is on disk now: a rollback may follow
+        if self.local is not None:  # each part from the fastest tier that holds it (tier_restore.py)
+            return self.local.restore(found, step, template, options, self.directory)
         chosen = readonly.choose_step(found, step, self.directory, self._folder.step_path)
         return readonly.read_step(chosen, template, replicated=self._world > 1, options=options)
 
@@ -378,6 +394,9 @@ class CheckpointManager:
                             steps.damage_note(self._folder.step_path(step)))
         return found
 
+    def _local_due(self, step: int, preempt: bool) -> bool:
+        return self.local is not None and self.local.due(step, preempt)
+
     def _preempting(self, step: int, *, deciding: bool) -> bool:
         if self._preemption is None or self._preempt_saved:
             return False
@@ -419,22 +438,3 @@ class CheckpointManager:
             self._folder.clean()
 
 
-@atexit.register  # after operation.py's hook is registered, so it runs before it (and its saves still commit)
-def _finish_at_exit() -> None:
-    """An asynchronous save nobody waited for commits at exit; its manager then applies retention."""
-    for manager in list(_open):
-        if manager._closed or manager._pending is None:
-            continue
-        if manager._world > 1:  # retention is agreed by every rank, and the others may be gone
-            log.warning("xlakit: the asynchronous save of step %d into %s commits at exit, but the manager "
-                        "was not closed: retention did not run (it runs after the next save; call close())",
-                        manager._pending[0], manager.directory)
-            continue
-        if not manager._pending[1].done():
-            log.warning("xlakit: waiting for the asynchronous save of step %d into %s to commit before exiting, "
-                        "then applying retention (Ctrl-C abandons it)", manager._pending[0], manager.directory)
-        try:
-            manager.close()
-        except BaseException as e:  # noqa: BLE001 - nobody is left to raise it to
-            log.error("xlakit: closing the checkpoint manager of %s at exit failed: %s: %s", manager.directory,
-                      type(e).__name__, e)

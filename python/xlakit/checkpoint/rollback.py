@@ -44,18 +44,20 @@ def refuse_at_or_below_latest(step: int, committed: Collection[int], directory: 
     raise err
 
 
-def retire(folder: Any, step: int, found: Scan, rescan: Callable[[Any], Scan], watch: Watch) -> list[int]:
+def retire(folder: Any, step: int, found: Scan, rescan: Callable[[Any], Scan], watch: Watch, *,
+           held_locally: bool = False) -> list[int]:
     """Delete the steps of `found` newer than the committed `step` (interrupted saves too) once every
     rank agreed on them; the steps deleted. `rescan(op)` is the folder as it is now (rank 0 checks
-    there that `step` is committed before anything is deleted)."""
+    there that `step` is committed before anything is deleted, unless every rank's part of it is
+    `held_locally`, in a manager's local tier)."""
     doomed = sorted(s for s in (*found.committed, *found.pending) if s > step)
 
     def check(op) -> None:
         now = rescan(op)
-        if step not in now.committed:
+        if step not in now.committed and not held_locally:
             raise ValueError(f"cannot retire the steps after {step} in {folder.directory}: step {step} is "
-                             f"not committed there (committed: {sorted(now.committed) or 'none'}); name "
-                             f"the committed step to go on from, nothing was deleted")
+                             f"not committed there (committed: {sorted(now.committed) or 'none'}) nor whole "
+                             f"in a local tier; name the step to go on from, nothing was deleted")
 
     def discard() -> None:
         folder.renew()  # object storage: still this manager's to delete in (or it raises)

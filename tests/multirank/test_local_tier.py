@@ -1,0 +1,226 @@
+"""A CheckpointManager's local tier with peer copies, with real ranks (gloo, 4 processes, issue 26).
+
+Multi-host is simulated by processes: ranks 0-1 are "host0" and ranks 2-3 "host1"
+(`XLAKIT_HOST_ID`, set by tests/support/tier_worker.py), each with its own folder
+under `shm/` as each host's /dev/shm would be. The job trains to step 6 with a local
+save every step (keep 2) and a persistent (sharded) save every 4 steps, then all its
+processes are SIGKILLed; a new job restores. Persistent holds only step 4, so a
+restore of step 6 or 5 came from the local tier.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.support import SUPPORT, ranks
+from xlakit.checkpoint.local_tier import run_name
+
+pytestmark = pytest.mark.multiproc
+WORKER = SUPPORT / "tier_worker.py"
+WORLD = 4
+
+
+def hosts(folder: Path, persistent: str | Path | None = None) -> Path:
+    """The folder of the job's run in the local tier (its persistent tier: `folder`/ckpt by default)."""
+    return folder / "shm" / run_name(persistent or folder / "ckpt")
+
+
+def train(folder: Path, env: dict | None = None) -> list[dict]:
+    """Run the training job to step 6, then kill host1's processes, then host0's."""
+    job = ranks.Job(WORKER, "train", folder, WORLD, env=env)
+    trained = [job.wait_event(r, "trained", timeout=120) for r in range(WORLD)]
+    for r in (2, 3, 0, 1):
+        job.signal(r, signal.SIGKILL)
+    job.results()
+    return trained
+
+
+def restore(folder: Path, env: dict | None = None) -> dict[int, dict]:
+    job = ranks.Job(WORKER, "restore", folder, WORLD, env=env)
+    results = job.results()
+    for r, out in results.items():
+        assert out["exit"] == 0, (r, out["stderr"])
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """One trained job's folders (persistent and both hosts' local tiers), copied by each test."""
+    folder = tmp_path_factory.mktemp("trained")
+    out = train(folder)
+    assert all(t["persistent"] == [4] and t["local_error"] is None for t in out), out
+    assert out[0]["peers"] == {"0": [2], "1": [3], "2": [0], "3": [1]}  # each rank's copy on the other host
+    for host in ("host0", "host1"):  # keep=2: the last two steps, each with every rank's part
+        held = sorted(p.name for p in (hosts(folder) / host).iterdir() if p.is_dir())
+        assert held == ["5", "6"], (host, held)
+        for step in held:
+            assert len(list((hosts(folder) / host / step).glob("part-*-of-00004.pt"))) == WORLD
+    return folder
+
+
+@pytest.fixture
+def job(trained, tmp_path) -> Path:
+    shutil.copytree(trained, tmp_path / "job")
+    # The copy is the same job in another place: its run folder follows its persistent folder.
+    (tmp_path / "job" / "shm" / run_name(trained / "ckpt")).rename(hosts(tmp_path / "job"))
+    return tmp_path / "job"
+
+
+def part(folder: Path, host: str, step: int, rank: int) -> Path:
+    return hosts(folder) / host / str(step) / f"part-{rank:05d}-of-00004.pt"
+
+
+def test_a_host_whose_local_tier_was_emptied_restores_from_its_peer_bit_exact(job):
+    shutil.rmtree(hosts(job) / "host1")  # a recreated VM: its RAM is empty
+    results = restore(job)
+    for r, out in results.items():
+        assert out["step"] == 6 and out["exact"] and out["got_step"] == 6, (r, out)
+        assert out["parts"] == {"0": "local", "1": "local", "2": "peer", "3": "peer"}, out
+        assert out["hosts"]["2"] == out["hosts"]["3"] == "host0"
+    for rank in (2, 3):  # the peer copies filled the recreated host again
+        assert part(job, "host1", 6, rank).is_file()
+
+
+def test_every_local_tier_gone_restores_from_the_persistent_tier(job):
+    shutil.rmtree(job / "shm")
+    results = restore(job)
+    for r, out in results.items():
+        assert out["step"] == 4 and out["exact"] and out["got_step"] == 4, (r, out)
+        assert set(out["parts"].values()) == {"persistent"}, out
+
+
+@pytest.mark.parametrize("damage", ["flipped", "torn"])
+def test_a_damaged_local_copy_is_named_and_the_next_tier_used(job, damage):
+    own = part(job, "host0", 6, 0)  # rank 0's own copy; its peer copy is on host1
+    if damage == "flipped":
+        data = bytearray(own.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # inside w's bytes
+        own.write_bytes(bytes(data))
+    else:
+        with open(own, "r+b") as f:
+            f.truncate(own.stat().st_size // 2)
+    results = restore(job, env={"TIER_TEMPLATE": "1"} if damage == "torn" else None)
+    for r, out in results.items():
+        assert out["step"] == 6 and out["exact"], (r, out)
+        assert out["parts"] == {"0": "peer", "1": "local", "2": "local", "3": "local"}, out
+        assert out["hosts"]["0"] == "host1"
+        assert len(out["damaged"]) == 1 and str(own) in out["damaged"][0], out["damaged"]
+
+
+def test_parts_of_different_steps_are_never_mixed(job):
+    # Both copies of rank 0's part of step 6 are damaged: step 6 cannot be restored whole, so every
+    # rank restores step 5, although ranks 1-3 hold good copies of step 6.
+    for host in ("host0", "host1"):
+        with open(part(job, host, 6, 0), "r+b") as f:
+            f.truncate(100)
+    results = restore(job)
+    for r, out in results.items():
+        assert out["step"] == 5 and out["got_step"] == 5 and out["exact"], (r, out)
+        assert out["parts"] == {"0": "local", "1": "local", "2": "local", "3": "local"}, out
+        assert len(out["damaged"]) == 2, out["damaged"]
+
+
+def test_a_full_local_tier_is_a_clear_error_and_the_persistent_saves_go_on(tmp_path):
+    job = ranks.Job(WORKER, "full", tmp_path, WORLD)
+    results = job.results()
+    for r, out in results.items():
+        assert out["exit"] == 0, (r, out["stderr"])
+        assert out["persistent"] == [4, 8], out
+        errors = out["errors"]
+        assert errors["1"] is None and errors["2"] is None, errors
+        for step in map(str, range(3, 9)):  # named on every rank, with the fix
+            assert "rank 2 on host1" in errors[step] and "the local tier is full" in errors[step], errors[step]
+            assert "No space left on device" in errors[step] and "keep" in errors[step]
+
+
+@pytest.fixture
+def gcs_bucket(objstore_servers, monkeypatch, loopback_only) -> str:
+    server = objstore_servers("gs")
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    return server.bucket()
+
+
+def test_the_persistent_tier_on_fake_gcs_server(tmp_path, gcs_bucket):
+    env = {"TIER_PERSISTENT": f"{gcs_bucket}/run"}
+    train(tmp_path, env)
+    shutil.rmtree(hosts(tmp_path, env["TIER_PERSISTENT"]) / "host0")
+    results = restore(tmp_path, env)
+    for r, out in results.items():  # host0's parts from its peer, the bucket untouched
+        assert out["step"] == 6 and out["exact"], (r, out)
+        assert out["parts"] == {"0": "peer", "1": "peer", "2": "local", "3": "local"}, out
+    shutil.rmtree(tmp_path / "shm")
+    results = restore(tmp_path, env)
+    for r, out in results.items():  # every local tier gone: the bucket's step 4
+        assert out["step"] == 4 and out["exact"], (r, out)
+        assert set(out["parts"].values()) == {"persistent"}, out
+
+
+def test_a_replicated_job_restores_from_its_peer_and_together_from_the_persistent_tier(tmp_path):
+    env = {"TIER_LAYOUT": "replicated"}
+    train(tmp_path, env)
+    shutil.rmtree(hosts(tmp_path) / "host0")
+    part(tmp_path, "host1", 6, 3).write_bytes(b"torn")  # rank 3's own copy; its peer copy is on host0, gone
+    results = restore(tmp_path, env)
+    for r, out in results.items():  # rank 3's part of step 6 has no whole copy left, step 5 has every part
+        assert out["step"] == 5 and out["exact"], (r, out)
+        assert out["parts"] == {"0": "peer", "1": "peer", "2": "local", "3": "local"}, out
+    shutil.rmtree(tmp_path / "shm")
+    results = restore(tmp_path, env)
+    for r, out in results.items():  # read by every rank together, as without a local tier
+        assert out["step"] == 4 and out["exact"] and set(out["parts"].values()) == {"persistent"}, (r, out)
+
+
+def test_a_preemption_saves_the_agreed_step_to_the_local_tier_first_then_the_persistent_tier(tmp_path):
+    job = ranks.Job(WORKER, "preempt", tmp_path, WORLD)
+    job.wait_event(1, "step", step=5)
+    job.signal(1, signal.SIGTERM)
+    results = job.results()
+    for r, out in results.items():
+        assert out["exit"] == 0, (r, out["stderr"])
+    agreed = results[0]["agreed"]
+    for r, out in results.items():  # one step, saved everywhere, in both tiers
+        assert out["agreed"] == agreed and out["saved"] == [agreed], out
+        assert out["persistent"] == [agreed] and out["local_error"] is None, out
+    commit = tmp_path / "ckpt" / str(agreed) / "ckpt" / "xlakit-commit.json"
+    for host in ("host0", "host1"):
+        for rank in range(WORLD):  # own parts and peer copies, written before the persistent commit
+            local = part(tmp_path, host, agreed, rank)
+            assert local.stat().st_mtime_ns <= commit.stat().st_mtime_ns, (host, rank)
+
+
+
+def test_a_rank_killed_mid_copy_keeps_the_last_whole_step_and_is_named(tmp_path):
+    # Attack 10: with keep=1, retention ran after the failed step and removed the only whole one.
+    job = ranks.Job(WORKER, "die", tmp_path, WORLD)
+    results = job.results()
+    assert results[3]["exit"] == -signal.SIGKILL
+    for r in (0, 1, 2):
+        out = results[r]
+        assert out["exit"] == 0 and out["errors"]["2"] is None, (r, out)
+        assert "rank 3 on host1 did not answer" in out["errors"]["4"], out["errors"]["4"]
+        assert out["held"]["2"] == list(range(WORLD)), out["held"]  # step 2 whole on each host
+    results = restore(tmp_path)
+    for r, out in results.items():  # each rank's own part of step 4 was whole before the copies
+        assert out["step"] == 4 and set(out["parts"].values()) == {"local"} and out["exact"], (r, out)
+    shutil.rmtree(hosts(tmp_path) / "host1")  # host1 recreated: step 4 has no copy of ranks 2-3 left
+    results = restore(tmp_path)
+    for r, out in results.items():
+        assert out["step"] == 2 and out["exact"], (r, out)
+        assert out["parts"] == {"0": "local", "1": "local", "2": "peer", "3": "peer"}, out
+
+
+def test_copies_that_arrive_after_the_deadline_are_not_kept_and_nothing_old_is_removed(tmp_path):
+    # Attack 13: copies were renamed into place, and retention ran, after the save's deadline.
+    job = ranks.Job(WORKER, "late", tmp_path, WORLD)
+    results = job.results()
+    for r, out in results.items():
+        assert out["exit"] == 0, (r, out["stderr"])
+        assert not out["whole"] and "after the save's deadline" in out["error"], out
+        own = [0, 1] if r < 2 else [2, 3]
+        assert out["held"]["1"] == list(range(WORLD)), out["held"]  # keep=1: step 1 stays
+        assert out["held"].get("2", own) == own, out["held"]  # no copy of step 2 renamed

@@ -29,6 +29,7 @@ _READERS = {
     _knobs.OBJECT_CHUNK_BYTES: (upload.chunk_bytes, ["100MiB", "0", "-1"]),
     _knobs.OBJECT_REQUEST_TIMEOUT_S: (lambda: _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S), ["nan", "0"]),
     _knobs.MANAGER_LEASE_S: (lambda: _knobs.get_float(_knobs.MANAGER_LEASE_S), ["nan", "-5"]),
+    _knobs.HOST_ID: (_knobs.get_host_id, ["../x", ".hidden", "a b", "x" * 129]),  # the local tier's host
     **{name: (lambda name=name: _knobs.get_float(name), ["nan", "0", "-1", "fast"])  # the shared tier (cache_tier/)
        for name in (_knobs.CACHE_TIER_PULL_TIMEOUT_S, _knobs.CACHE_TIER_PUBLISH_INTERVAL_S,
                     _knobs.CACHE_TIER_EXIT_TIMEOUT_S, _knobs.CACHE_TIER_REQUESTS_PER_S)},

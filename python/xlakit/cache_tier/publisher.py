@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import signal
 import threading
 import time
 
 from xlakit import _knobs
 from xlakit.cache_tier.tier import Report, SharedTier
+from xlakit.checkpoint import paths
 
 log = logging.getLogger("xlakit.compile_cache")
 
@@ -79,16 +79,6 @@ class Publisher:
             atexit.unregister(self.close)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def follow(tier: SharedTier, pid: int | None, interval_s: float | None = None) -> Report:
     """Publish every interval while process `pid` lives (until SIGTERM/SIGINT without one), then once more,
     bounded; the last publish's report. What `xlakit cache publish` runs."""
@@ -97,7 +87,7 @@ def follow(tier: SharedTier, pid: int | None, interval_s: float | None = None) -
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     next_at = time.monotonic() + interval_s
-    while not stop.is_set() and (pid is None or _alive(pid)):
+    while not stop.is_set() and (pid is None or paths.pid_alive(pid)):
         if time.monotonic() >= next_at:
             _said(tier, tier.publish(interval_s), "")
             next_at = time.monotonic() + interval_s

@@ -248,3 +248,30 @@ def test_explain_never_crashes_on_junk_missing_or_lonely_records(tmp_path):
     record, why = cache_explain.parse_record(a + SUFFIX, _record(a, "m", 1.0).encode())
     assert why == "" and cache_explain.explain([(a, record)])[0].nearest is None
     assert cache_explain.explain([("x", None), ("y", {"parts": "junk"})]) == []
+
+
+def test_a_hostile_record_is_ignored_and_printed_harmlessly(tmp_path):
+    # Attack findings: a record nested 60,000 deep crashed every `xlakit cache` command (RecursionError);
+    # a record's text reached the terminal raw (escape sequences); a record beside a symlinked entry was
+    # called kept by `ls` and removed by `prune`; prune's summary did not count the records it removed.
+    from xlakit.runtime import cache_explain, cache_files
+
+    name = "a" * 64
+    assert cache_explain.parse_record(name + ".parts.json", b"[" * 60000)[0] is None
+    record = {"format": cache_explain.PARTS_FORMAT, "entry": name, "module": "m\x1b]0;pwned\x07",
+              "written_unix_s": float("nan"), "parts": {"program": "1"}, "details": {"XLA_FLAGS": "x\x1b[2J\ud800"}}
+    parsed, _ = cache_explain.parse_record(name + ".parts.json", json.dumps(record).encode())
+    assert parsed["written_unix_s"] == 0 and parsed["module"].isprintable()
+    assert all(v.isprintable() and v.encode("utf-8") for v in parsed["details"].values())
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    (folder / (name + ".parts.json")).write_text(json.dumps(record))
+    (folder / name).symlink_to(tmp_path / "elsewhere")  # an entry name taken by a link (dangling)
+    (folder / ("b" * 64 + ".parts.json")).write_bytes(b"[" * 60000)
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    for command in (["ls"], ["verify"], ["explain"], ["prune"]):
+        run = subprocess.run([sys.executable, "-m", "xlakit", "cache", *command, str(folder)], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in run.stderr and "\x1b" not in run.stdout, (command, run.stderr[-2000:])
+    assert (folder / (name + ".parts.json")).exists()  # its entry's name is taken: never a stale record
+    assert cache_files.stale_parts(folder) == []

@@ -102,6 +102,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         removed += verb in ("removed", "would remove")
         print(f"{verb}: {r.name} ({r.status})")
         if verb == "removed" and cache_files.remove_parts(path):
+            removed += 1
             print(f"removed: {cache_files.parts_of(path).name} (its key record)")
         if verb in ("removed", "would remove"):
             gone.add(path.name)
@@ -112,6 +113,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             if not cache_files.unchanged_since(path, st):
                 continue  # rewritten since it was listed: its entry may be back
             path.unlink(missing_ok=True)
+        removed += 1
         print(f"{'would remove' if args.dry_run else 'removed'}: {path.name} (the key record of an entry no "
               "longer there)")
     print(f"{removed} of {len(files)} files {'to remove' if args.dry_run else 'removed'}")
@@ -139,7 +141,9 @@ def _evict(folder, max_bytes: int, *, dry_run: bool, gone: set[str]) -> int:
                 verb = "removed"
             except FileNotFoundError:
                 verb = "already gone"
-            cache_files.remove_parts(path)
+            if cache_files.remove_parts(path):
+                removed += 1
+                print(f"removed: {cache_files.parts_of(path).name} (its key record)")
         gone.add(path.name)
         total -= st.st_size
         removed += verb != "already gone"

@@ -16,6 +16,7 @@ graph. Reading never raises on junk: what cannot be read is a note, since diagno
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -70,6 +71,8 @@ def parse_record(name: str, data: bytes) -> tuple[dict | None, str]:
         return None, "not named KEY.parts.json"
     try:
         record = json.loads(data.decode("utf-8", "replace"))
+    except RecursionError:  # nesting deep enough to exhaust the parser: no record the wrapper writes
+        return None, "not a key record (nested too deeply)"
     except ValueError as e:
         return None, f"not JSON ({e})"
     if not isinstance(record, dict) or record.get("format") != PARTS_FORMAT:
@@ -82,9 +85,20 @@ def parse_record(name: str, data: bytes) -> tuple[dict | None, str]:
         return None, "its parts are not a map of names to strings"
     if not isinstance(record.get("module"), str):
         record["module"] = "unknown"
-    if not isinstance(record.get("written_unix_s"), (int, float)):
+    written = record.get("written_unix_s")
+    if not isinstance(written, (int, float)) or isinstance(written, bool) or not math.isfinite(written):
         record["written_unix_s"] = 0
+    # A record may come from a bucket: what is printed of it carries no control character (a terminal's
+    # escape sequences) and no lone surrogate.
+    record["module"] = _printable(record["module"])
+    record["details"] = {_printable(k): _printable(v) for k, v in details.items()}
+    record["parts"] = {_printable(k): _printable(v) for k, v in parts.items()}
     return record, ""
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else f"\\x{ord(c):02x}"
+                   if ord(c) < 0x100 else f"\\u{ord(c):04x}" for c in text)
 
 
 def read_record(path: Path) -> tuple[dict | None, str]:

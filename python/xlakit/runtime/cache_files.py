@@ -129,7 +129,7 @@ def classify(path: Path, st: os.stat_result, *, full: bool, identity: dict[str, 
         record, why = cache_explain.read_record(path)
         if record is None:
             return _plain(name, st, OTHER, f"named like a key record, but {why}; left alone")
-        if (path.parent / name[:64]).exists():
+        if os.path.lexists(path.parent / name[:64]):  # whatever is there, as prune (stale_parts) reads it
             return _plain(name, st, PARTS, f"the key record of entry {name[:16]}… (read by `xlakit cache explain`, "
                           "never loaded)")
         return _plain(name, st, STALE_PARTS, "a key record whose entry is gone: prune removes it")
@@ -302,6 +302,6 @@ def stale_parts(directory: Path, *, gone: set[str] = frozenset()) -> list[tuple[
     """The key records whose entry is missing, or in `gone` (entries a dry run would remove): plain files that
     hold a record, nothing else named like one."""
     files = regular_files(directory)
-    names = {p.name for p, _ in files}
     return [(p, st) for p, st in files if cache_explain.PARTS_NAME.fullmatch(p.name)
-            and (p.name[:64] not in names or p.name[:64] in gone) and cache_explain.read_record(p)[0] is not None]
+            and (not os.path.lexists(p.with_name(p.name[:64])) or p.name[:64] in gone)
+            and cache_explain.read_record(p)[0] is not None]

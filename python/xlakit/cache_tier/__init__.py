@@ -35,17 +35,12 @@ from pathlib import Path
 
 from xlakit import _knobs
 from xlakit.errors import CompileCacheError
+from xlakit.checkpoint import objstore
 from xlakit.runtime import compile_cache, torchtpu
 
 log = logging.getLogger("xlakit.compile_cache")
-SCHEMES = ("gs", "gcs", "s3")
 _active: dict[str, object] = {}  # this process's tier and publisher, for status()
-
-
-def is_url(path: object) -> bool:
-    """Whether `path` names the shared tier (`gs://`, `gcs://`, `s3://`)."""
-    text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else ""
-    return text.split("://", 1)[0].lower() in SCHEMES and "://" in text
+is_url = objstore.is_url  # the shared tier's URLs are object storage's: gs://, gcs://, s3://
 
 
 def default_local(url: str) -> Path:

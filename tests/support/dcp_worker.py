@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import xlakit  # noqa: E402
+from tests.support.ranks import leave_together  # noqa: E402
 
 # Defaults only for the test module, which imports `full` and DEADLINE_S from here.
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -149,12 +150,4 @@ if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     run(sys.argv[1], Path(sys.argv[2]))
     # Rank 0 hosts the store: it stays until the others are done reading it (or 15 s).
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"exit/{RANK}", "1")
-    if RANK == 0:
-        alive = [r for r in range(WORLD) if not (sys.argv[1] == "failures" and r == 1)]
-        try:
-            store.wait([f"exit/{r}" for r in alive], timedelta(seconds=15))
-        except RuntimeError:
-            pass  # a peer is stuck; the test names it from its missing JSON line
-    os._exit(0)  # skip process-group teardown: a dead peer must not hang the exit
+    leave_together(RANK, WORLD, dead={1} if sys.argv[1] == "failures" else set())

@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 
 import xlakit  # noqa: E402
 from tests.support import fakes  # noqa: E402
+from tests.support.ranks import leave_together  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 
@@ -89,13 +90,4 @@ if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     result = run(sys.argv[1], Path(sys.argv[2]))
     print(json.dumps(result), flush=True)
-    # Rank 0 hosts the store: it stays until the others are done reading it (or 15 s).
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"exit/{RANK}", "1")
-    if RANK == 0:
-        world = int(os.environ["WORLD_SIZE"])
-        try:
-            store.wait([f"exit/{r}" for r in range(world)], timedelta(seconds=15))
-        except RuntimeError:
-            pass  # a peer died or stalled on purpose in this scenario
-    os._exit(0)  # skip process-group teardown: a dead or stuck peer must not hang the exit
+    leave_together(RANK, int(os.environ["WORLD_SIZE"]))  # a peer may die or stall on purpose here

@@ -23,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 import xlakit  # noqa: E402
 from xlakit.checkpoint import ranks as ranks_layout  # noqa: E402
+from tests.support.ranks import leave_together  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -145,11 +146,4 @@ if __name__ == "__main__":
     result = run(sys.argv[1], Path(sys.argv[2]))
     say(result=result)
     # Rank 0 hosts the store: it stays until the others are done reading it (or 15 s).
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"exit/{RANK}", "1")
-    if RANK == 0:
-        try:
-            store.wait([f"exit/{r}" for r in range(WORLD)], timedelta(seconds=15))
-        except RuntimeError:
-            pass  # a peer died, stalled or left early on purpose in this scenario
-    os._exit(0)  # skip process-group teardown: a dead or stuck peer must not hang the exit
+    leave_together(RANK, WORLD)  # a peer may die, stall or leave early on purpose here

@@ -45,6 +45,7 @@ import torch.distributed as dist  # noqa: E402
 
 import xlakit  # noqa: E402
 from tests.support import objstore_servers  # noqa: E402
+from tests.support.ranks import leave_together  # noqa: E402
 
 # Defaults only for the test module, which imports DEADLINE_S and VICTIM from here.
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -234,14 +235,5 @@ if __name__ == "__main__":
                 PHASES[name](url)
     if "kill" in phases:
         kill(urls[-1])
-    # Rank 0 hosts the store: it stays until the others are done reading it (or 15 s).
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"exit/{RANK}", "1")
-    if RANK == 0:
-        dead = {VICTIM} if "kill" in phases else {KILLAT_VICTIM} if "killat" in phases else set()
-        alive = [r for r in range(WORLD) if r not in dead]
-        try:
-            store.wait([f"exit/{r}" for r in alive], timedelta(seconds=15))
-        except RuntimeError:
-            pass  # a peer is stuck; the test names it from its missing JSON line
-    os._exit(0)  # skip process-group teardown: a dead peer must not hang the exit
+    leave_together(RANK, WORLD, dead={VICTIM} if "kill" in phases else {KILLAT_VICTIM} if "killat" in phases
+                   else set())

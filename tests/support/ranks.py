@@ -140,3 +140,22 @@ def run(worker: Path, scenario: str, folder: Path, world: int) -> list[tuple[int
     results = job.results()
     return [(results[r]["exit"], "\n".join(json.dumps(line) for line in job.lines[r]), job.errors[r])
             for r in range(world)]
+
+
+def leave_together(rank: int, world: int, *, dead: set[int] = frozenset(), wait_s: float = 15.0) -> None:
+    """End a worker rank of a test job, never returning. Rank 0 hosts the job's store, so it stays until
+    every rank not in `dead` said it is done (or `wait_s` passed: a peer stuck on purpose is named by the
+    test from its missing JSON line); then the process exits without the process group's teardown, which a
+    dead or stuck peer would hang."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"exit/{rank}", "1")
+    if rank == 0:
+        try:
+            store.wait([f"exit/{r}" for r in range(world) if r not in dead], timedelta(seconds=wait_s))
+        except RuntimeError:
+            pass
+    os._exit(0)

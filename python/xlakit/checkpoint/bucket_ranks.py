@@ -130,16 +130,21 @@ class ObjectSave(ranks.CoordinatedSave):
         self._commit(op, record, [name])
 
     def _write_sharded(self, op: Operation, items: Any) -> None:
+        self._write_parts(op, items, shard_suffix(self.rank, self.world), {"kind": SHARDED}, "shards")
+
+    def _write_parts(self, op: Operation, items: Any, suffix: str, fields: dict, listed_as: str) -> None:
+        """Every rank uploads its part and votes its object; the committer commits one record naming them
+        all (under `listed_as`, in rank order) with `fields` added: a sharded save, a replica-parallel one."""
         self._tidy(op)
-        name, meta, _ = self._upload(op, items, shard_suffix(self.rank, self.world))
+        name, meta, _ = self._upload(op, items, suffix)
         self.coord.vote({"name": name, **meta})
         if self.rank != self.committer:
             self.coord.expect_commit(op, self.url)
             return
         votes = self.coord.votes(op)
         names = [votes[r]["name"] for r in range(self.world)]
-        record = {"kind": SHARDED, "generation": self.generation, "operation": self.operation_id,
-                  "world": self.world, "shards": names,
+        record = {**fields, "generation": self.generation, "operation": self.operation_id, "world": self.world,
+                  listed_as: names,
                   "objects": {votes[r]["name"]: {"nbytes": votes[r]["nbytes"], "xxh3_64": votes[r]["xxh3_64"],
                                                  "rank": r} for r in range(self.world)}}
         self._commit(op, record, names)

@@ -46,20 +46,8 @@ class ShareObjectSave(bucket_ranks.ObjectSave):
         return pipeline.prepare(mine, self.url, self.opts, check_target=False)
 
     def _write_replicated(self, op: Operation, items: Any) -> None:
-        self._tidy(op)
-        name, meta, _ = self._upload(op, items, share_suffix(self.rank, self.world))
-        self.coord.vote({"name": name, **meta})
-        if self.rank != self.committer:
-            self.coord.expect_commit(op, self.url)
-            return
-        votes = self.coord.votes(op)
-        names = [votes[r]["name"] for r in range(self.world)]
-        record = {"kind": KIND, "layout_version": replicas.VERSION, "generation": self.generation,
-                  "operation": self.operation_id, "world": self.world, "writer_rank": self.committer,
-                  "shares": names,
-                  "objects": {votes[r]["name"]: {"nbytes": votes[r]["nbytes"], "xxh3_64": votes[r]["xxh3_64"],
-                                                 "rank": r} for r in range(self.world)}}
-        self._commit(op, record, names)
+        self._write_parts(op, items, share_suffix(self.rank, self.world),
+                          {"kind": KIND, "layout_version": replicas.VERSION, "writer_rank": self.committer}, "shares")
 
 
 def save(obj: Any, url: str, opts: SaveOptions):

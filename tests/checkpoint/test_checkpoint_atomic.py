@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +72,31 @@ def test_leftovers_of_live_processes_are_not_touched(tmp_path):
     other_host.write_bytes(b"theirs")
     assert paths.remove_stale_temps(path.parent, stem=path.name) == [dead]
     assert mine.exists() and other_host.exists() and not dead.exists()
+
+
+def test_a_zombie_writer_counts_as_dead_and_its_leftovers_go(tmp_path):
+    # A process that ended but was not yet reaped (a shell killed under a publisher, a parent that never
+    # waits) writes nothing more: its temporaries are stale, and a follower of it stops.
+    from xlakit.checkpoint import paths
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{ended.pid}/stat").read_bytes().rpartition(b")")[2].split()[0] != b"Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert paths.pid_alive(live.pid) and not paths.pid_alive(ended.pid)
+        path = tmp_path / "ckpt.pt"
+        mine = paths.temp_path(path)
+        left = {pid: path.with_name(mine.name.replace(f".{os.getpid()}.", f".{pid}.")) for pid in (live.pid, ended.pid)}
+        for p in left.values():
+            p.write_bytes(b"torn")
+        assert paths.remove_stale_temps(path.parent, stem=path.name) == [left[ended.pid]]
+    finally:
+        live.kill()
+        live.wait()
+        ended.wait()
 
 
 def test_disk_full_raises_clearly_and_keeps_previous(tmp_path):

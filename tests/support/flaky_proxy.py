@@ -6,7 +6,9 @@ HTTP proxy on 127.0.0.1 in front of one of them: the client is pointed at the
 proxy by the same standard variable (`env()`), and every request is forwarded
 to the real server unchanged, except those a rule picks, which
 
-* `FAIL`: are answered 503 without reaching the server (a transient outage), or
+* `FAIL`: are answered 503 without reaching the server (a transient outage),
+* `THROTTLE`: are answered 429 Too Many Requests without reaching the server
+  (a bucket's request rate exceeded, as GCS answers busy JAX jobs), or
 * `LOSE`: reach the server and are carried out, but their answer is replaced by
   a 503 (the answer lost on the way back: the client cannot know the write
   happened).
@@ -27,7 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-FAIL, LOSE, PASS = "fail", "lose", "pass"
+FAIL, LOSE, PASS, THROTTLE = "fail", "lose", "pass", "throttle"
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection",
         "content-length"}
 Match = Callable[[str, str, dict], bool]
@@ -97,6 +99,9 @@ class FlakyProxy:
                 if action == FAIL:
                     proxy._seen(self.command, self.path, action, 503, len(body))
                     return self._answer(503, [("Content-Type", "text/plain")], b"injected: service unavailable")
+                if action == THROTTLE:
+                    proxy._seen(self.command, self.path, action, 429, len(body))
+                    return self._answer(429, [("Content-Type", "text/plain")], b"injected: rate limit exceeded")
                 conn = http.client.HTTPConnection(target, timeout=120)
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}

@@ -210,6 +210,11 @@ class SharedTier:
 
     def _say_once(self, what: str, e: BaseException) -> str:
         text = objects.printable(f"{type(e).__name__}: {e}".splitlines()[0])
+        last = getattr(e, "last_answer", None)
+        if client.throttled(e) or client.throttled(last):
+            text = (f"the store answered 429 Too Many Requests, retried with backoff to the deadline ({text}); "
+                    f"lower {_knobs.CACHE_TIER_REQUESTS_PER_S} (now {self.settings.requests_per_s:g} per "
+                    f"second) or give each job its own prefix")
         if what not in self._said:
             self._said.add(what)
             log.warning("compile cache shared tier %s: %s failed (%s); the job goes on with its local cache %s",

@@ -84,13 +84,20 @@ def parse_temp(name: str, suffix: str = TMP_SUFFIX) -> tuple[str, str, int] | No
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs: a zombie (ended, not yet reaped by its parent)
+    does not, it can write nothing more."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except OSError:
+        return True  # no /proc (macOS): kill(0) is all there is
+    return state != [b"Z"]
 
 
 def remove_stale_temps(folder: Path, *, stem: str | None = None, stem_prefix: str | None = None) -> list[Path]:

@@ -96,6 +96,21 @@ def is_transient(e: BaseException) -> bool:
     return False
 
 
+def throttled(e: BaseException | None) -> bool:
+    """Whether `e`, or a cause of it, is the store asking for fewer requests (429, S3's SlowDown)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        status = getattr(e, "code", None) or getattr(e, "status", None)
+        response = getattr(e, "response", None)  # botocore's ClientError
+        if isinstance(response, dict):
+            status = status or response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status == 429 or "SlowDown" in str(e) or "TooManyRequests" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _transient_one(e: BaseException) -> bool:
     import aiohttp
 
@@ -301,6 +316,7 @@ class Store:
         """The deadline's error for request `what`, naming the store's `last` transient answer."""
         err = CheckpointTimeoutError(f"{what}: {how}", stage=op.stage if op else "request",
                                      tensor=op.tensor if op else None)
+        err.last_answer = last
         if last is not None:
             err.add_note(f"The store's last answer was a transient failure: {type(last).__name__}: {last}")
         err.add_note("The server stopped answering, is very slow or kept failing; nothing was committed by "

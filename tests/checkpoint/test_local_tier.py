@@ -267,6 +267,25 @@ def test_a_rollback_to_a_local_step_and_a_local_save_below_the_latest(tmp_path):
         assert mgr.restore()["w"][0] == 60.0  # the new branch, not the abandoned step 7
 
 
+def test_a_preemption_save_refused_by_the_local_tier_still_saves_the_persistent_step(tmp_path):
+    # A rollback without retire_steps_after, then SIGTERM: the local tier refuses the step (newer local
+    # steps), which must not cost the job its last persistent save; the refusal is raised after it.
+    shm = tmp_path / "shm"
+    tier = xlakit.LocalTier(shm, interval_steps=1, keep=3)
+    with xlakit.CheckpointManager(tmp_path / "ckpt", save_interval_steps=4, local=tier) as mgr:
+        for s in range(1, 8):
+            mgr.save(s, state(s))
+        mgr.restore(4)
+        mgr.install_preemption_handler(grace_s=30)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert mgr.should_save(5)
+        with pytest.raises(ValueError, match="cannot save step 5 into the local tier") as info:
+            mgr.save(5, state(50))
+        assert "persistent step 5 is saved" in "".join(info.value.__notes__)
+        assert mgr.all_steps() == [4, 5] and local_steps(shm) == [5, 6, 7]  # nothing local was written
+        assert xlakit.load(tmp_path / "ckpt" / "5" / "ckpt.pt")["w"][0] == 50.0
+
+
 def test_folders_not_the_tiers_own_are_never_counted_restored_or_removed(tmp_path):
     # Attack 03: a folder of the user's with a step-like name counted as the newest step, so retention
     # removed every real step.

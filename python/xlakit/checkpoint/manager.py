@@ -190,9 +190,12 @@ class CheckpointManager:
         if not (force or preempt or self._regular(step)):
             return local and self.local.save(step, state)
         with self._answering(step):
-            if local:
-                self.local.save(step, state, timeout_s=self._preemption.remaining_s() if preempt else None)
-            return self._save(step, state, metrics, preempt)
+            refused = local and self.local.save_before_persistent(
+                step, state, preempt, self._preemption.remaining_s() if preempt else None)
+            saved = self._save(step, state, metrics, preempt)
+            if refused:
+                raise refused
+            return saved
 
     def _save(self, step: int, state: Any, metrics: dict, preempt: bool) -> bool:
         self._finish_pending()

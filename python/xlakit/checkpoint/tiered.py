@@ -100,6 +100,21 @@ class TierRun:
         """True when the local tier holds every rank's part of `step` (every rank calls it)."""
         return step in _whole(self._lists(), self.world)
 
+    def save_before_persistent(self, step: int, state: Any, preempt: bool,
+                               timeout_s: float | None) -> ValueError | None:
+        """The local save that comes before a persistent one. Its refusal (`step` below the newest local
+        step) is raised, except at a preemption, the job's last chance: there it is returned, for the
+        manager to raise once the persistent step is saved."""
+        try:
+            self.save(step, state, timeout_s=timeout_s)
+        except ValueError as e:  # refused: nothing was written
+            if not preempt:
+                raise
+            e.add_note(f"At this preemption the persistent step {step} is saved all the same; until "
+                       f"retire_steps_after({step}) retires the local tier's newer steps, a restore prefers them.")
+            return e
+        return None
+
     def save(self, step: int, state: Any, *, timeout_s: float | None = None) -> bool:
         """Save this rank's part of `step`, copy it to its peers; True when whole on every rank.
 

@@ -275,3 +275,29 @@ def test_a_hostile_record_is_ignored_and_printed_harmlessly(tmp_path):
         assert "Traceback" not in run.stderr and "\x1b" not in run.stdout, (command, run.stderr[-2000:])
     assert (folder / (name + ".parts.json")).exists()  # its entry's name is taken: never a stale record
     assert cache_files.stale_parts(folder) == []
+
+
+@pytest.mark.pjrt
+@pytest.mark.slow
+def test_the_wrappers_miss_line_escapes_a_hostile_records_text(tmp_path):
+    # A record is text from the folder: what the wrapper's own miss line quotes of it (another entry's
+    # XLA_FLAGS) must not carry an escape sequence to the terminal, raw ESC, C1 CSI (U+009B) or bad UTF-8.
+    folder = tmp_path / "cache"
+    job("torch_xla", folder, **torch_env(XLA_FLAGS="--xla_cpu_enable_fast_math=false"))
+    hostile = " --x=\x1b]0;pwned\x07 --y=\x9b2J --z=caf\u00e9"  # ESC, BEL, C1 CSI; and a plain accent
+    for name, record in records(folder).items():  # each becomes another entry's record, its flags hostile
+        other = format(int(name, 16) ^ 1, "064x")
+        record.update(entry=other, details={**record["details"],
+                                            "XLA_FLAGS": record["details"]["XLA_FLAGS"] + hostile})
+        record["parts"]["XLA_FLAGS"] = "f" * 32
+        (folder / (other + SUFFIX)).write_bytes(json.dumps(record, indent=2, ensure_ascii=False).encode())
+        (folder / (name + SUFFIX)).unlink()
+        (folder / name).unlink()
+    second = job("torch_xla", folder, **torch_env(XLAKIT_PJRT_CACHE_EXPLAIN="1",
+                                                   XLA_FLAGS="--xla_cpu_enable_fast_math=false"))
+    lines = [line for line in miss_lines(second) if "XLA_FLAGS" in line]
+    assert lines, second["stderr"][-3000:]
+    for line in lines:
+        assert "\x1b" not in line and "\x07" not in line and "\u009b" not in line, repr(line)
+        assert "\\x1b]0;pwned\\x07" in line and "\\xc2\\x9b2J" in line and "caf\u00e9" in line, repr(line)
+

@@ -136,6 +136,23 @@ def test_xlakit_memory_answers_per_device_under_spmd_and_watches():
     assert alone.returncode == 2 and "add --watch SECONDS" in alone.stderr
 
 
+def test_with_the_count_off_live_figures_are_unknown_never_zero():
+    # Attack finding: under XLAKIT_PJRT_MEMORY_ACCOUNTING=0 every device read live=0, a confident figure for a
+    # count never taken; the doctor's summary said "not counted" and its device lines "live 0 bytes".
+    env = {**torch_env(), "XLAKIT_PJRT_MEMORY_ACCOUNTING": "0"}
+    watch = xlakit_cli("memory", "--watch", "0.1", "--count", "1", env=env)
+    assert watch.returncode == 0, watch.stderr[-3000:]
+    assert all(" live=- buffers=- peak_live=- " in line for line in watch.stdout.splitlines()), watch.stdout
+    table = xlakit_cli("memory", env=env)
+    assert "CPU:0: LIVE is not counted: XLAKIT_PJRT_MEMORY_ACCOUNTING=0 turned the wrapper's count" in table.stdout
+    doctor = xlakit_cli("doctor", "--profile", "cpu-dev", env=env)
+    cpu0 = next(line for line in doctor.stdout.splitlines() if line.startswith("ok    memory CPU:0: "))
+    assert "live buffers not counted (XLAKIT_PJRT_MEMORY_ACCOUNTING=0" in cpu0 and "live 0 bytes" not in cpu0
+    for bad in ("abc", "nan"):
+        run = xlakit_cli("memory", "--watch", bad, env=env)
+        assert run.returncode == 2 and f"expected an interval from 0.05 to 86400 seconds, found {bad}" in run.stderr
+
+
 def test_xlakit_memory_watch_stops_on_ctrl_c_with_130():
     with subprocess.Popen([sys.executable, "-m", "xlakit", "memory", "--watch", "0.2"], env=torch_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) as proc:

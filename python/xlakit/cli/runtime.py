@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -62,6 +63,8 @@ def format_table(infos: list[memory.MemoryInfo]) -> str:
             if i.plugin_unavailable:
                 notes.append(f"{i.device}: the plugin's own statistics are unavailable ({i.plugin_unavailable}); "
                              "LIVE is the wrapper's count of the buffers the runtime holds")
+            if i.live_unavailable:
+                notes.append(f"{i.device}: LIVE is not counted: {i.live_unavailable}")
         else:
             rows.append((i.device, "-", "-", "-", *live, "not supported"))
             notes.append(f"{i.device}: not supported: {i.unsupported}")
@@ -127,14 +130,20 @@ def _watch(args: argparse.Namespace, infos: list[memory.MemoryInfo]) -> int:
 
 
 def _interval_s(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not 0.05 <= value <= 86400:
         raise argparse.ArgumentTypeError(f"expected an interval from 0.05 to 86400 seconds, found {text}")
     return value
 
 
 def _count(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive number of intervals, found {text}")
     return value

@@ -217,8 +217,9 @@ def probe_memory(device_type: str | None) -> list[Probe]:
     for info in memory.memory_info():
         name = f"memory {info.device}"
         if info.supported and info.plugin_unavailable:
-            out.append(Probe(name, "ok", f"live {info.live_bytes} bytes in {info.live_buffers} buffers, peak "
-                             f"{info.peak_live_bytes} (via {info.source}); the plugin's own statistics are "
+            live = (f"live buffers not counted ({info.live_unavailable})" if info.live_unavailable else
+                    f"live {info.live_bytes} bytes in {info.live_buffers} buffers, peak {info.peak_live_bytes}")
+            out.append(Probe(name, "ok", f"{live} (via {info.source}); the plugin's own statistics are "
                              f"unavailable: {info.plugin_unavailable}"))
         elif info.supported:
             out.append(Probe(name, "ok", f"used {info.bytes_used}, limit {info.bytes_limit}, "

@@ -37,7 +37,9 @@ class MemoryInfo:
     on a plugin that keeps no statistics they are None and
     `plugin_unavailable` says why. `live_bytes`, `live_buffers` and
     `peak_live_bytes` are the wrapper's accounting of the buffers the runtime
-    holds on the device (None where the wrapper is not loaded).
+    holds on the device (None where the wrapper is not loaded, or where
+    `XLAKIT_PJRT_MEMORY_ACCOUNTING=0` turned the count off: `live_unavailable`
+    then says so).
     """
 
     device: str
@@ -50,6 +52,7 @@ class MemoryInfo:
     live_buffers: int | None = None
     peak_live_bytes: int | None = None
     plugin_unavailable: str | None = None
+    live_unavailable: str | None = None
 
     @property
     def supported(self) -> bool:
@@ -76,6 +79,9 @@ def _with_wrapper(info: MemoryInfo, w: dict | None) -> MemoryInfo:
     """`info` with the wrapper's live-buffer figures added, where the wrapper knows the device."""
     if w is None:
         return info
+    if not w.get("accounting", True):  # zeros from a count that was never taken are not figures
+        return dataclasses.replace(info, live_unavailable=f"{_knobs.PJRT_MEMORY_ACCOUNTING}=0 turned the wrapper's "
+                                                          "count of live buffers off")
     return dataclasses.replace(info, live_bytes=w["live_bytes"], live_buffers=w["live_buffers"],
                                peak_live_bytes=w["peak_bytes"])
 

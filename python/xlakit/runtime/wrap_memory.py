@@ -84,7 +84,8 @@ def by_device(*, plugin_stats: bool = True) -> dict[str, dict[str, Any]]:
         >>> for name, d in by_device().items():
         ...     print(name, d["live_bytes"], d["plugin"] or d["plugin_unavailable"])
     """
-    return {d["device"]: d for d in report(plugin_stats=plugin_stats)["devices"]}
+    found = report(plugin_stats=plugin_stats)
+    return {d["device"]: {**d, "accounting": found.get("accounting", True)} for d in found["devices"]}
 
 
 def reset_peaks() -> None:

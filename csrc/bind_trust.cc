@@ -17,11 +17,11 @@ void BindTrust(py::module_& m) {
   m.attr("UNTRUSTED") = kUntrusted;
   m.def(
       "judge_cache_folder",
-      [](const std::string& folder, bool trust_shared) {
+      [](const std::string& folder, bool trust_shared, bool entries) {
         FolderTrust t;
         {
           py::gil_scoped_release release;  // stats every folder up to /
-          t = JudgeCacheFolder(folder, trust_shared);
+          t = JudgeCacheFolder(folder, trust_shared, entries);
         }
         py::dict d;
         d["folder"] = t.folder;
@@ -33,8 +33,10 @@ void BindTrust(py::module_& m) {
         return d;
       },
       py::arg("folder"), py::kw_only(), py::arg("trust_shared") = false,
+      py::arg("entries") = true,
       "Who can put an entry into `folder` (see core/folder_trust.h): "
-      "{folder, state, problem, fix, shared, not_a_folder}.");
+      "{folder, state, problem, fix, shared, not_a_folder}; `entries`: the "
+      "files in it judged too (one stat each).");
 }
 
 }  // namespace xlakit

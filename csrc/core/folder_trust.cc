@@ -135,6 +135,43 @@ std::string Parent(const std::string& path) {
   return slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
 }
 
+// The rule for one file of the cache folder, `st` as stat() or fstat() gave
+// it: another user's file, or one others can write, can be rewritten in
+// place with their code. `group` is set to the group whose members only
+// trust_shared lets write (or own) it.
+EntryTrust JudgeFile(const std::string& path, const struct stat& st, uid_t me,
+                     const std::set<gid_t>& my_groups, bool trust_shared,
+                     std::string* group) {
+  EntryTrust out;
+  const bool shareable = trust_shared && my_groups.count(st.st_gid) > 0;
+  // Looked up only for group-writable files: two user database queries.
+  const bool private_group =
+      (st.st_mode & S_IWGRP) && PrivateGroup(st.st_uid, st.st_gid);
+  if (st.st_uid != 0 && st.st_uid != me &&
+      !(shareable && IsMember(st.st_uid, st.st_gid))) {
+    out.problem = Looks(path, st) + " is owned by " + UserName(st.st_uid) +
+                  ", not by you or root: they can rewrite it with code your "
+                  "jobs will run";
+    out.fix = "remove it (it is not yours to trust), or have root run `chown " +
+              UserName(me) + " " + path + "`";
+  } else if (st.st_mode & S_IWOTH) {
+    out.problem = Looks(path, st) +
+                  " is writable by every user: anyone can rewrite it with "
+                  "code your jobs will run";
+    out.fix = "chmod go-w " + path;
+  } else if ((st.st_mode & S_IWGRP) && !shareable && !private_group) {
+    out.problem = Looks(path, st) + " is writable by group " +
+                  GroupName(st.st_gid) +
+                  ": any member can rewrite it with code your jobs will run";
+    out.fix = "chmod g-w " + path;
+  } else if ((st.st_uid != 0 && st.st_uid != me) ||
+             ((st.st_mode & S_IWGRP) && !private_group)) {
+    *group = GroupName(st.st_gid);
+  }
+  out.trusted = out.problem.empty();
+  return out;
+}
+
 // Files in the cache folder that others can rewrite: (problem, fix), or
 // false. Adds to `shared` what only trust_shared accepts.
 bool EntriesProblem(const std::string& folder, uid_t me,
@@ -161,36 +198,17 @@ bool EntriesProblem(const std::string& folder, uid_t me,
   for (const std::string& name : names) {
     const std::string path = folder + (folder == "/" ? "" : "/") + name;
     struct stat st;
-    // A link: what it leads to is what the runtime reads; one that leads
-    // nowhere is never read.
+    // A link: what it leads to is what a runtime reading through links
+    // reads; one that leads nowhere is never read.
     if (stat(path.c_str(), &st) != 0) continue;
     if (S_ISDIR(st.st_mode)) continue;  // entries are plain files of the folder
-    const bool shareable = trust_shared && my_groups.count(st.st_gid) > 0;
-    // Looked up only for group-writable files: two user database queries.
-    const bool private_group =
-        (st.st_mode & S_IWGRP) && PrivateGroup(st.st_uid, st.st_gid);
-    if (st.st_uid != 0 && st.st_uid != me &&
-        !(shareable && IsMember(st.st_uid, st.st_gid))) {
-      bad.emplace_back(Looks(path, st) + " is owned by " + UserName(st.st_uid) +
-                           ", not by you or root: they can rewrite it with "
-                           "code your jobs will run",
-                       "remove it (it is not yours to trust), or have root "
-                       "run `chown " +
-                           UserName(me) + " " + path + "`");
-    } else if (st.st_mode & S_IWOTH) {
-      bad.emplace_back(Looks(path, st) +
-                           " is writable by every user: anyone can rewrite it "
-                           "with code your jobs will run",
-                       "chmod go-w " + path);
-    } else if ((st.st_mode & S_IWGRP) && !shareable && !private_group) {
-      bad.emplace_back(Looks(path, st) + " is writable by group " +
-                           GroupName(st.st_gid) +
-                           ": any member can rewrite it with code your jobs "
-                           "will run",
-                       "chmod g-w " + path);
-    } else if ((st.st_uid != 0 && st.st_uid != me) ||
-               ((st.st_mode & S_IWGRP) && !private_group)) {
-      groups.insert(GroupName(st.st_gid));
+    std::string group;
+    EntryTrust verdict = JudgeFile(path, st, me, my_groups, trust_shared,
+                                   &group);
+    if (!verdict.trusted) {
+      bad.emplace_back(verdict.problem, verdict.fix);
+    } else if (!group.empty()) {
+      groups.insert(group);
     }
   }
   if (bad.empty()) {
@@ -270,7 +288,8 @@ std::string ResolvePath(const std::string& folder) {
   return abs;
 }
 
-FolderTrust JudgeCacheFolder(const std::string& folder_in, bool trust_shared) {
+FolderTrust JudgeCacheFolder(const std::string& folder_in, bool trust_shared,
+                             bool judge_entries) {
   const std::string folder = ResolvePath(folder_in);
   const uid_t me = geteuid();
   const std::set<gid_t> my_groups = MyGroups();
@@ -369,8 +388,8 @@ FolderTrust JudgeCacheFolder(const std::string& folder_in, bool trust_shared) {
     path = Parent(path);
   }
   std::string problem, fix;
-  if (EntriesProblem(folder, me, my_groups, trust_shared, &shared, &problem,
-                     &fix)) {
+  if (judge_entries && EntriesProblem(folder, me, my_groups, trust_shared,
+                                      &shared, &problem, &fix)) {
     return Untrusted(folder, problem, fix);
   }
   FolderTrust out;
@@ -378,6 +397,14 @@ FolderTrust JudgeCacheFolder(const std::string& folder_in, bool trust_shared) {
   out.state = shared.empty() ? kOwnerOnly : kSharedTrusted;
   out.shared = std::move(shared);
   return out;
+}
+
+EntryTrust JudgeCacheEntry(const std::string& path, const struct stat& st,
+                           bool trust_shared) {
+  static const uid_t me = geteuid();
+  static const std::set<gid_t>* my_groups = new std::set<gid_t>(MyGroups());
+  std::string group;
+  return JudgeFile(path, st, me, *my_groups, trust_shared, &group);
 }
 
 }  // namespace xlakit

@@ -12,16 +12,21 @@
 // folder above the cache may be writable by others only when it is sticky
 // (`/tmp`): nobody else can then rename or remove what the user owns in it.
 // The cache folder itself never may: a sticky bit stops removals, not new
-// entries. The files already in the cache folder are judged too (a link by
-// what it leads to): an entry another user owns, or others can write, can be
-// rewritten in place with their code, whoever owns the folder (a file
-// writable by the owner's private group, as a stock runtime writes under
-// umask 002, counts as the owner's). `trust_shared` (a team cache on purpose)
+// entries. Each entry is judged too: an entry another user owns, or others
+// can write, can be rewritten in place with their code, whoever owns the
+// folder (a file writable by the owner's private group, as a stock runtime
+// writes under umask 002, counts as the owner's). The PJRT wrapper judges an
+// entry when it reads it (JudgeCacheEntry, on the open descriptor; links are
+// never followed), so a start costs no stat per entry and one bad file is a
+// refused entry, not a cache turned off; where another runtime reads the
+// entries, the folder judgement stats every file (a link by what it leads to). `trust_shared` (a team cache on purpose)
 // accepts a folder writable
 // by a group the user belongs to, or owned by a member of it; writable by
 // every user stays refused. POSIX only; no XLA, torch or Python headers.
 #ifndef XLAKIT_CORE_FOLDER_TRUST_H_
 #define XLAKIT_CORE_FOLDER_TRUST_H_
+
+#include <sys/stat.h>
 
 #include <string>
 #include <vector>
@@ -54,8 +59,28 @@ struct FolderTrust {
 // The verdict on `folder`, which need not exist: the folders xlakit would
 // create are owner-only, so the nearest existing one is judged as a folder
 // above the cache. A path that is not a folder, or lies below one that is
-// not, is refused for that first (`not_a_folder`). Never throws.
-FolderTrust JudgeCacheFolder(const std::string& folder, bool trust_shared);
+// not, is refused for that first (`not_a_folder`). `judge_entries`: the
+// files already in the folder are judged too (one stat each). The PJRT
+// wrapper passes false, since it judges each entry as it reads it
+// (JudgeCacheEntry); a runtime that reads entries itself (torch_xla's own
+// cache, TorchTPU's) and the cache tools judge them here. Never throws.
+FolderTrust JudgeCacheFolder(const std::string& folder, bool trust_shared,
+                             bool judge_entries = true);
+
+struct EntryTrust {
+  bool trusted = true;
+  // When not: the file with its owner and mode, why that lets others put
+  // code into the job, and the command that fixes it.
+  std::string problem;
+  std::string fix;
+};
+
+// The rule for one entry of a judged folder, applied where it is read: `st`
+// from fstat() of the descriptor the entry is then read from (no second
+// open, so nothing can swap the file between the check and the read). The
+// same rule the folder judgement applies to each file. Never throws.
+EntryTrust JudgeCacheEntry(const std::string& path, const struct stat& st,
+                           bool trust_shared);
 
 // `folder` with symbolic links and `.`/`..` resolved, as far as it exists;
 // the missing rest appended (Python's Path.resolve()).

@@ -181,7 +181,10 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
     state->why_off = "no SHA-256 for cache keys: " + why;
     return nullptr;
   }
-  FolderTrust trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared);
+  // The folder and those above it; each entry is judged as it is read
+  // (TryLoad): a start costs no stat per entry.
+  FolderTrust trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared,
+                                       /*judge_entries=*/false);
   struct stat before;
   if (trust.trusted() && !cfg.read_only &&
       stat(trust.folder.c_str(), &before) != 0) {
@@ -192,8 +195,9 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
                        kCacheReadOnlyEnv + "=1)";
       return nullptr;
     }
-    // What got made (judging reads every entry: once per start otherwise).
-    trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared);
+    // What got made.
+    trust = JudgeCacheFolder(cfg.dir, cfg.trust_shared,
+                             /*judge_entries=*/false);
   }
   state->folder = trust.state;
   state->dir = trust.folder;
@@ -339,15 +343,30 @@ bool CompileCache::TryLoad(const ClientInfo& info, const std::string& key,
     if (errno == ENOENT) return false;
     counters.Refused("unreadable");
     LogOnce("unreadable", "cannot read cache entry " + path + ": " +
-                              std::strerror(errno) + "; compiling instead");
+                              (errno == ELOOP
+                                   ? std::string("it is a symbolic link, and "
+                                                 "entries are never read "
+                                                 "through links")
+                                   : std::string(std::strerror(errno))) +
+                              "; compiling instead");
     return false;
   }
   std::string error;
   EntryPayload payload;
   DecodeResult verdict;
   struct stat st;
+  EntryTrust trust;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     error = "not a regular file";
+  } else if (!(trust = JudgeCacheEntry(path, st, cfg_.trust_shared)).trusted) {
+    // Who can rewrite this file, judged on the descriptor it would be read
+    // from: the folder's judgement at the start covered the folders only.
+    close(fd);
+    counters.Refused("untrusted_entry");
+    LogOnce("untrusted_entry", "cache entry refused (untrusted_entry): " +
+                                   trust.problem + "; compiling instead (fix: " +
+                                   trust.fix + ")");
+    return false;
   } else {
     // Streamed (core/envelope.h ReadEntry): the header first, so garbage of
     // any size is refused after one small read and an entry over the cap

@@ -58,7 +58,7 @@ OWNER_ONLY: str
 SHARED_TRUSTED: str
 UNTRUSTED: str
 
-def judge_cache_folder(folder: str, *, trust_shared: bool = False) -> dict[str, object]: ...
+def judge_cache_folder(folder: str, *, trust_shared: bool = False, entries: bool = True) -> dict[str, object]: ...
 
 PJRT_PLUGIN_ENV: str
 PJRT_CACHE_MAX_ENTRY_BYTES_ENV: str

@@ -327,6 +327,36 @@ def test_a_linked_entry_is_refused_and_concurrent_jobs_agree(tmp_path):
     assert linked["results"] == results[0]
 
 
+def test_each_entry_is_judged_as_it_is_read_and_a_bad_one_is_only_a_miss(tmp_path):
+    # Issue 24 item 7: a start judges the folders only (no stat per entry); each entry is judged on the
+    # descriptor it is read from. One others can write, or another user's, is a refused miss with its fix,
+    # and the cache stays on for every other entry (it used to turn the whole cache off).
+    folder = tmp_path / "cache"
+    first = job("jax", cache_env(folder))
+    names = list(entries(folder))
+    assert len(names) >= 2, names
+    (folder / names[0]).chmod(0o666)
+    bad = [folder / names[0]]
+    if os.geteuid() == 0:  # giving a file to another user needs root
+        os.chown(folder / names[1], 65534, 65534)
+        bad.append(folder / names[1])
+    from xlakit.runtime import cache_trust  # the tools judge every file for their report, by the same rule
+
+    assert not cache_trust.judge(folder).trusted and cache_trust.judge(folder, entries=False).trusted
+    out = job("jax", cache_env(folder))
+    cache = out["status"]["cache"]
+    assert cache["on"] and cache["folder"] == "owner-only", cache
+    assert out["status"]["refused_entries"] == {"untrusted_entry": len(bad)}, out["status"]
+    c = out["status"]["counts"]
+    assert c["hits"] == len(names) - len(bad) and c["misses"] == len(bad), c
+    said = [line for line in out["stderr"].splitlines() if "untrusted_entry" in line]
+    assert len(said) == 1 and ("is writable by every user" in said[0] and f"chmod go-w {bad[0]}" in said[0]
+                               or "not by you or root" in said[0]), out["stderr"][-3000:]
+    assert out["results"] == first["results"]
+    for path in bad:  # compiled again, and written as any miss is: replaced whole, owner-only
+        assert path.stat().st_uid == os.geteuid() and path.stat().st_mode & 0o777 == 0o600
+
+
 def test_enable_on_a_tpu_points_torch_xla_at_the_wrapper(tmp_path):
     # Only the routing: this host has no TPU, so the runtime is never started.
     script = textwrap.dedent(f"""

@@ -57,7 +57,8 @@ def env_lines(url: str, *, local: str | None = None, plugin: str | None = None, 
     readonly = compile_cache._default_readonly()
     where = pjrt_wrap.cache_folder(root, "TPU")
     lines = pjrt_wrap.env_lines(root, plugin) + [f"export {_knobs.CACHE_TIER_URL}={shlex.quote(url)}"]
-    compile_cache.prepare(where, readonly=readonly, shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
+    compile_cache.prepare(where, readonly=readonly, shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED),
+                          entries=False)  # the wrapper judges each entry as it reads it
     tier = open_tier(url, where, readonly=readonly)
     report = tier.pull()
     if report.error and not report.moved:

@@ -8,11 +8,16 @@ ssh's StrictModes, applied from the cache folder up to `/`: every folder is
 owned by root or by the user, and no other user can write it. A folder above
 the cache may be writable by others only when it is sticky (`/tmp`): nobody
 else can then rename or remove what the user owns in it. The cache folder
-itself never may: a sticky bit stops removals, not new entries. The files
-already in the cache folder are judged too (a link by what it leads to): an
-entry another user owns, or others can write, can be rewritten in place with
-their code, whoever owns the folder (a file writable by the owner's private
-group, as a stock runtime writes under umask 002, counts as the owner's).
+itself never may: a sticky bit stops removals, not new entries. Each entry
+is judged too: an entry another user owns, or others can write, can be
+rewritten in place with their code, whoever owns the folder (a file writable
+by the owner's private group, as a stock runtime writes under umask 002,
+counts as the owner's). The PJRT wrapper judges each entry as it reads it, on
+the descriptor it reads (links never followed): for its folders
+`entries=False` judges the folders only, so a start costs no stat per entry
+and one bad file is one refused entry. Where torch_xla or TorchTPU read the
+entries themselves, and for the cache tools, every file is judged here (a link
+by what it leads to).
 
 `trust_shared` is for teams that share a cache on purpose: a folder writable
 by a group the user belongs to, or owned by a member of it, is accepted (and
@@ -55,21 +60,22 @@ class FolderTrust:
         return "owner-only (nobody but you and root can put an entry into it)"
 
 
-def judge(folder: str | os.PathLike, *, trust_shared: bool = False) -> FolderTrust:
+def judge(folder: str | os.PathLike, *, trust_shared: bool = False, entries: bool = True) -> FolderTrust:
     """Whether entries in `folder` can only come from the user (and root), and if not, the fix.
 
     `folder` need not exist: the folders xlakit would create are owner-only,
     so the nearest existing one is judged as a folder above the cache. Links
     on the way are resolved first. The rule is C++ (csrc/core/folder_trust.h),
     shared with the PJRT wrapping plugin, which judges its folder in jobs that
-    run no xlakit Python.
+    run no xlakit Python. `entries=False`: the files in the folder are left to the PJRT wrapper,
+    which judges each as it reads it.
     """
-    found = _C.judge_cache_folder(str(Path(folder).resolve()), trust_shared=trust_shared)
+    found = _C.judge_cache_folder(str(Path(folder).resolve()), trust_shared=trust_shared, entries=entries)
     return FolderTrust(Path(found["folder"]), found["state"], found["problem"], found["fix"], tuple(found["shared"]),
                        bool(found.get("not_a_folder")))
 
 
-def require(folder: str | os.PathLike, *, trust_shared: bool = False) -> FolderTrust:
+def require(folder: str | os.PathLike, *, trust_shared: bool = False, entries: bool = True) -> FolderTrust:
     """`judge(folder)`, raising where a cache there would be refused (by Python and the wrapper alike).
 
     Raises:
@@ -77,7 +83,7 @@ def require(folder: str | os.PathLike, *, trust_shared: bool = False) -> FolderT
             with no chmod advised on it).
         CacheFolderTrustError: another user can write the folder or one above it.
     """
-    verdict = judge(folder, trust_shared=trust_shared)
+    verdict = judge(folder, trust_shared=trust_shared, entries=entries)
     if verdict.not_a_folder:
         raise CompileCacheError(f"expected a cache folder, but {verdict.problem}; fix: {verdict.fix}")
     if not verdict.trusted:

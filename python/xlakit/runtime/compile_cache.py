@@ -101,8 +101,8 @@ def cache_dir_name(key: dict[str, Any]) -> str:
 _shared_accepted: set[Path] = set()
 
 
-def _trusted(where: Path, *, trust_shared: bool) -> cache_trust.FolderTrust:
-    verdict = cache_trust.require(where, trust_shared=trust_shared)
+def _trusted(where: Path, *, trust_shared: bool, entries: bool = True) -> cache_trust.FolderTrust:
+    verdict = cache_trust.require(where, trust_shared=trust_shared, entries=entries)
     if verdict.state == cache_trust.SHARED_TRUSTED and where not in _shared_accepted:
         _shared_accepted.add(where)
         log.warning("persistent cache %s is shared (trust_shared): %s; every one of them can put code into this "
@@ -132,9 +132,11 @@ def _write_key_file(where: Path, key: dict[str, Any], mode: int) -> None:
         f.write(json.dumps(key, indent=2, sort_keys=True) + "\n")
 
 
-def prepare(where: Path, *, readonly: bool, shared: bool, key: dict[str, Any] | None = None) -> None:
-    """Judge `where`, and unless read-only make it (owner-only) and write the key file, if any."""
-    _trusted(where, trust_shared=shared)
+def prepare(where: Path, *, readonly: bool, shared: bool, key: dict[str, Any] | None = None,
+            entries: bool = True) -> None:
+    """Judge `where`, and unless read-only make it (owner-only) and write the key file, if any.
+    `entries=False` for the PJRT wrapper's folders: it judges each entry as it reads it."""
+    _trusted(where, trust_shared=shared, entries=entries)
     if readonly:
         if not where.is_dir():
             log.warning("persistent cache %s holds nothing for this runtime yet (read-only: nothing will be "
@@ -142,7 +144,7 @@ def prepare(where: Path, *, readonly: bool, shared: bool, key: dict[str, Any] | 
         return
     try:
         _make_folders(where, 0o750 if shared else 0o700)
-        _trusted(where, trust_shared=shared)  # a folder another process made meanwhile is judged too
+        _trusted(where, trust_shared=shared, entries=entries)  # a folder another process made meanwhile too
         if key is not None:
             _write_key_file(where, key, 0o640 if shared else 0o600)
     except CacheFolderTrustError:
@@ -246,7 +248,7 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
     if through_wrapper():
         pjrt_wrap.library_path()  # a missing wrapper is said before anything is made
         where = pjrt_wrap.cache_folder(root, os.environ[_knobs.PJRT_DEVICE])
-        prepare(where, readonly=readonly, shared=shared, key=None)
+        prepare(where, readonly=readonly, shared=shared, key=None, entries=False)
         routed = pjrt_wrap.route(where, readonly=readonly, trust_shared=shared, max_bytes=max_bytes)
         log.info("persistent cache %s through xlakit's PJRT wrapper around %s (%s)", where, routed["plugin"],
                  routed["via"])
@@ -292,7 +294,7 @@ def folder_report(path: str | os.PathLike | None = None) -> dict[str, Any]:
     except ConfigurationError as e:  # whether a group may write the folder is then unknown
         return {"path": str(path), "folder": "untrusted", "authenticated": False, "problem": str(e),
                 "fix": f"set {_knobs.CACHE_TRUST_SHARED} to 1 or 0, or unset it", "via": "pjrt-wrap" if wrapped else "torch_xla"}
-    verdict = cache_trust.judge(path, trust_shared=shared)
+    verdict = cache_trust.judge(path, trust_shared=shared, entries=not wrapped)  # the wrapper judges its entries
     out: dict[str, Any] = {"path": str(path), "folder": verdict.state, "via": "pjrt-wrap" if wrapped else "torch_xla"}
     if not verdict.trusted:
         out.update(problem=verdict.problem, fix=verdict.fix)

@@ -350,7 +350,7 @@ def env_lines(cache_dir: str | os.PathLike, plugin: str | None = None) -> list[s
             plugin is given or installed.
     """
     where = cache_folder(cache_trust.local_folder(cache_dir), "TPU")
-    verdict = cache_trust.require(where, trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
+    verdict = cache_trust.require(where, trust_shared=_knobs.get_flag(_knobs.CACHE_TRUST_SHARED), entries=False)
     plugin = plugin or _real_tpu_plugin()
     if plugin is None:
         raise CompileCacheError("no real plugin to wrap: pass --plugin PATH (libtpu.so, a CPU or GPU plugin), "

@@ -8,6 +8,8 @@
 #include <set>
 #include <vector>
 
+#include "pjrt_wrap/mlir_bytecode.h"
+
 namespace xlakit {
 namespace pjrt_wrap {
 namespace {
@@ -209,8 +211,9 @@ std::string CanonicalCompileOptions(std::string_view bytes) {
 }
 
 std::string CanonicalProgram(std::string_view format, std::string_view bytes) {
-  if (format != "hlo") return std::string(bytes);
-  std::optional<std::string> out = Canon(bytes, HloModuleSchema());
+  std::optional<std::string> out;
+  if (format == "hlo") out = Canon(bytes, HloModuleSchema());
+  if (format == "mlir") out = CanonicalMlirBytecode(bytes);
   return out ? *out : std::string(bytes);
 }
 

@@ -13,7 +13,8 @@
 // OpMetadata source file, lines, columns and stack frame id, and the module's
 // stack_frame_index): they never change the executable, and with torch_xla's
 // XLA_HLO_DEBUG=1 they change with every line added above an op. MLIR
-// bytecode keeps its locations: removing them needs MLIR (docs/runtime.md).
+// bytecode (jax) loses its locations too, read without MLIR
+// (mlir_bytecode.h).
 //
 // Field numbers are XLA's (xla/pjrt/proto/compile_options.proto,
 // xla/xla.proto, xla/service/hlo.proto, xla/xla_data.proto); fields never
@@ -31,8 +32,9 @@ namespace pjrt_wrap {
 std::string CanonicalCompileOptions(std::string_view bytes);
 
 // A program of `format` ("hlo": a serialized xla.HloModuleProto, maps
-// sorted and source locations dropped; other formats, such as "mlir"
-// bytecode, are deterministic and returned as they are).
+// sorted and source locations dropped; "mlir" bytecode: its canonical form
+// without locations, mlir_bytecode.h; anything else, or input that does not
+// read as expected, returned as it is).
 std::string CanonicalProgram(std::string_view format, std::string_view bytes);
 
 // What the canonical HLO program would be with every constant's literal

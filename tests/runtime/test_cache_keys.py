@@ -206,6 +206,53 @@ def test_torch_xla_with_hlo_debug_hits_after_blank_lines_are_added(tmp_path):
     assert all_hits(moved) and moved["results"] == first["results"]
 
 
+_JAX_SCRIPT = """
+import json, os
+import numpy as np
+import lammps_jax_pjrt_cpu
+from xlakit.runtime import pjrt_wrap
+os.environ["XLAKIT_PJRT_PLUGIN"] = str(lammps_jax_pjrt_cpu.PLUGIN_PATH)
+os.environ["JAX_PLATFORMS"] = "xlakitcpu"
+import jax, jax.numpy as jnp
+jax.config.update("jax_enable_compilation_cache", False)
+from jax._src import xla_bridge
+xla_bridge.register_plugin("xlakitcpu", library_path=str(pjrt_wrap.library_path()))
+{blank}
+@jax.jit
+def step(w, x):
+    h = jnp.tanh(x @ w * {scale})
+    return w - 0.1 * (h.T @ x).T
+
+x = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
+w = np.eye(8, dtype=np.float32)
+for _ in range(3):
+    w = step(w, x)
+print(json.dumps({{"results": [np.asarray(w).tobytes().hex()], "status": pjrt_wrap.status()}}))
+"""
+
+
+def test_a_jax_function_moved_down_or_run_from_another_path_hits(tmp_path):
+    # Issue 24 item 4: jax sends MLIR bytecode whose locations carry the script's path, lines and columns;
+    # the key drops them (csrc/pjrt_wrap/mlir_bytecode.h), as JAX's own cache strips debug info.
+    folder = tmp_path / "cache"
+    script = tmp_path / "a" / "train.py"
+    script.parent.mkdir()
+    script.write_text(_JAX_SCRIPT.format(blank="", scale="0.5"))
+    first = run([str(script)], folder)
+    assert counts(first)["writes"] == counts(first)["compiles"] > 0
+    script.write_text(_JAX_SCRIPT.format(blank="\n\n\n", scale="0.5"))  # three lines down
+    moved = run([str(script)], folder)
+    assert all_hits(moved) and moved["results"] == first["results"], counts(moved)
+    elsewhere = tmp_path / "another" / "checkout" / "train.py"  # another host's path to the same code
+    elsewhere.parent.mkdir(parents=True)
+    elsewhere.write_text(script.read_text())
+    other = run([str(elsewhere)], folder)
+    assert all_hits(other) and other["results"] == first["results"], counts(other)
+    script.write_text(_JAX_SCRIPT.format(blank="\n\n\n", scale="0.25"))  # another constant: another program
+    changed = run([str(script)], folder)
+    assert counts(changed)["misses"] > 0 and changed["results"] != first["results"]
+
+
 # -- single flight ------------------------------------------------------------------------------------------
 
 _THREADS = """

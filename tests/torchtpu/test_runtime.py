@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import stat
 import shutil
 import subprocess
 import sys
@@ -74,18 +74,47 @@ def test_contract_reads_libtpu_init_args_against_torchtpus_libtpu(tpu):
     assert xlakit.check_run_contract(env={"PJRT_DEVICE": "GPU"}) is None, "PJRT_DEVICE is torch_xla's"
 
 
-def test_enable_persistent_cache_configures_torchtpus_own(tpu, tmp_path, monkeypatch):
-    monkeypatch.delenv(TIER3, raising=False)
-    where = xlakit.enable_persistent_cache(tmp_path / "cache")
-    assert where == tmp_path / "cache" / "torch_tpu-0.2.0" and os.environ[TIER3] == str(where)
-    assert stat.S_IMODE(where.stat().st_mode) == 0o700
-    from xlakit.runtime import torchtpu_doctor
+_ENABLE = """
+import json, os, sys, xlakit
+from xlakit.runtime import torchtpu
+tpu = torchtpu.start_on_cpu_plugin()
+out = {}
 
-    assert torchtpu_doctor.probe_cache()[0][:2] == ("torchtpu cache (tier 3)", "ok")
-    with pytest.raises(xlakit.CompileCacheError, match="already names"):
-        xlakit.enable_persistent_cache(tmp_path / "other")
-    with pytest.raises(xlakit.RuntimeFeatureError, match="no read-only mode"):
-        xlakit.enable_persistent_cache(tmp_path / "cache", readonly=True)
+def refused(path, **kw):
+    try:
+        xlakit.enable_persistent_cache(path, **kw)
+    except (xlakit.CompileCacheError, xlakit.RuntimeFeatureError) as e:
+        return f"{type(e).__name__}: {e}"
+
+out["empty"] = refused("")
+where = xlakit.enable_persistent_cache(os.path.join(sys.argv[1], "cache"))
+out.update(where=str(where), env=os.environ[sys.argv[2]], mode=oct(os.stat(where).st_mode & 0o777))
+from xlakit.runtime import torchtpu_doctor
+out["probe"] = list(torchtpu_doctor.probe_cache()[0][:2])
+out["other"] = refused(os.path.join(sys.argv[1], "other"))
+out["readonly"] = refused(os.path.join(sys.argv[1], "cache"), readonly=True)
+import torch
+(torch.ones(4, device=tpu) * 2).cpu()
+del os.environ[sys.argv[2]]  # as if never set: TorchTPU has compiled, so a new root would be ignored
+out["late"] = refused(os.path.join(sys.argv[1], "late"))
+print(json.dumps(out))
+"""
+
+
+def test_enable_persistent_cache_configures_torchtpus_own(tpu, tmp_path):
+    # In a fresh process: the call must come before TorchTPU's first use of its device.
+    env = {k: v for k, v in os.environ.items() if k != TIER3}
+    run = subprocess.run([sys.executable, "-c", _ENABLE, str(tmp_path), TIER3], capture_output=True, text=True,
+                         env=env, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    where = tmp_path / "cache" / "torch_tpu-0.2.0"
+    assert out["where"] == out["env"] == str(where) and out["mode"] == "0o700"
+    assert out["probe"] == ["torchtpu cache (tier 3)", "ok"]
+    assert out["empty"].startswith("CompileCacheError: expected a cache folder, found an empty path")
+    assert "already names" in out["other"] and "no read-only mode" in out["readonly"]
+    assert out["late"].startswith("CompileCacheError: expected to run before TorchTPU's first use"), out["late"]
+    assert not (tmp_path / "late").exists()
 
 
 def test_cache_folder_others_can_write_is_refused(tpu, tmp_path, monkeypatch):
@@ -146,3 +175,16 @@ def test_memory_info_answers_from_torch_accelerator(tpu):
     assert xlakit.memory_info("tpu:0").device == "tpu:0"
     with pytest.raises(ValueError, match="expected a TorchTPU device"):
         xlakit.memory_info("TPU:0")
+
+
+def test_manifest_without_a_plugin_says_torch_cannot_be_imported_not_that_it_drifted():
+    # Attack finding: without TPU_LIBRARY_PATH (import torch would abort) the row read `torch none` and
+    # --check called it drift from the pin, as if the wrong torch were installed.
+    env = {k: v for k, v in os.environ.items() if k not in (_knobs.TPU_LIBRARY_PATH, "PYTHONSTARTUP")}
+    row = subprocess.run([sys.executable, "-m", "xlakit", "manifest"], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=REPO)
+    assert row.returncode == 0 and "torch 2.13.0+cpu NOT IMPORTABLE (xlakit doctor)" in row.stdout, row
+    check = subprocess.run([sys.executable, "-m", "xlakit", "manifest", "--check"], capture_output=True, text=True,
+                           env=env, timeout=120, cwd=REPO)
+    assert check.returncode == 1, check
+    assert "2.13.0+cpu installed, which cannot be imported here: torch-tpu is installed" in check.stdout + check.stderr

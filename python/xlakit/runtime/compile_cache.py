@@ -228,6 +228,9 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool | None = 
         >>> where = xlakit.enable_persistent_cache(tempfile.mkdtemp())
     """
     if torchtpu.in_use():  # TorchTPU's own tier-3 cache, under the same trust rules; no second cache
+        if max_bytes is not None:
+            log.warning("max_bytes bounds the PJRT wrapper's cache only; TorchTPU's own cache (here) is not "
+                        "bounded by xlakit")
         return torchtpu.enable_persistent_cache(path, readonly=readonly, trust_shared=trust_shared if trust_shared
                                                 is not None else _knobs.get_flag(_knobs.CACHE_TRUST_SHARED))
     xlac = _xlac()

@@ -104,8 +104,9 @@ def drift(m: dict[str, Any], profile: str, pins: str | os.PathLike | None = None
         part = modules.get(dist) or m.get(dist) or _package(dist)
         found = part.get("version")
         if found is None or not _pins.satisfies(found, spec):
+            why = part.get("why_not") or "not installed"
             out.append(_drift_item(dist, f"{key}.packages.{dist}", _pins.describe(spec), found,
-                                   part.get("why_not") or "not installed"))
+                                   f"{part['installed']} installed, which {why}" if part.get("installed") else why))
     src = prof.get("sources", {})
     revisions = {  # pinned source -> (what it is, the revision the running stack reports)
         "pytorch": ("torch git revision", m["torch"].get("git"), m["torch"].get("version")),
@@ -171,7 +172,8 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
         "schema": SCHEMA,
         "xlakit": __version__,
         "python": platform.python_version(),
-        "torch": {"version": None, "why_not": hazard} if hazard else _torch(),
+        "torch": {"version": None, "installed": _pins.installed_version("torch"),
+                  "why_not": f"cannot be imported here: {hazard}"} if hazard else _torch(),
         "torch_xla": not_used if tpu else _torch_xla(build),
         "torch_tpu": _package(torchtpu.DIST) | ({"plugin": torchtpu.versions()["plugin"]} if tpu else {}),
         "libtpu": _package("libtpu"),
@@ -229,8 +231,10 @@ def manifest_line(m: dict[str, Any] | None = None) -> str:
     devices = (f"{rt['device_type']} {rt['local_devices']}/{rt['global_devices']}"
                if "device_type" in rt else "runtime not started")
     verdict = "ok" if not m["drift"] else f"DRIFT x{len(m['drift'])}"
+    torch = (f"{m['torch']['installed']} NOT IMPORTABLE (xlakit doctor)" if m["torch"].get("installed") else
+             version(m["torch"], m["torch"].get("git")))
     parts = [
-        f"torch {version(m['torch'], m['torch'].get('git'))}",
+        f"torch {torch}",
         *([f"torch_tpu {m['torch_tpu']['version']}"] if m.get("torch_tpu", {}).get("version") else []),
         f"torch_xla {version(m['torch_xla'], m['torch_xla'].get('commit'))}",
         f"libtpu {m['libtpu'].get('version') or 'none'}",

@@ -167,7 +167,7 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False, 
             "TorchTPU's tier-3 cache has no read-only mode (torch-tpu "
             f"{pins.installed_version(DIST)}); call enable_persistent_cache(path) without readonly=True, "
             "or give read-only workers no cache")
-    where = Path(path).expanduser().resolve() / f"torch_tpu-{pins.installed_version(DIST)}"
+    where = cache_trust.local_folder(path) / f"torch_tpu-{pins.installed_version(DIST)}"  # "" refused
     set_to = os.environ.get(_knobs.TORCH_TPU_TIER3_CACHE_ROOT)
     if set_to and Path(set_to).resolve() != where:
         raise CompileCacheError(
@@ -175,6 +175,11 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False, 
             f"unset or {where}. Unset it before the job starts, or pass that folder's parent")
     mode = 0o750 if trust_shared else 0o700
     _check_trust(where, trust_shared)
+    if set_to is None and _device_used():
+        raise CompileCacheError(
+            "expected to run before TorchTPU's first use of a tpu device, found it initialized: TorchTPU reads "
+            f"{_knobs.TORCH_TPU_TIER3_CACHE_ROOT} once, at its first compile, so the setting would be ignored; "
+            "call enable_persistent_cache() at start-up, before any tensor is put on tpu")
     try:
         missing = [p for p in (where, *where.parents) if not p.exists()]
         for p in reversed(missing):
@@ -186,6 +191,18 @@ def enable_persistent_cache(path: str | os.PathLike, *, readonly: bool = False, 
     _check_trust(where, trust_shared)  # a folder another process made meanwhile is judged too
     os.environ[_knobs.TORCH_TPU_TIER3_CACHE_ROOT] = str(where)
     return where
+
+
+def _device_used() -> bool:
+    """Whether TorchTPU's device was initialized in this process (its first tensor or op)."""
+    if not loaded():
+        return False
+    import torch
+
+    try:
+        return bool(torch.tpu.is_initialized())
+    except AttributeError:  # another torch-tpu without it: unknown, the docs' order stands
+        return False
 
 
 def _check_trust(where: Path, trust_shared: bool) -> None:

@@ -136,5 +136,6 @@ def test_temporaries_of_killed_sharded_saves_are_removed_under_any_name(tmp_path
         results = Job(WORKER, "dies-mid-shard", tmp_path, 2).results()
         assert results[1]["exit"] == 17 and results[0]["save2"]["rank_named"] == 1, results
         left = [n for n in (tmp_path / "ckpt").iterdir() if n.name.endswith(".xlakit-tmp")]
-        # Each job's first save removed what the previous crash left; only this crash's remains.
-        assert len(left) == 1 and left[0].name.startswith(".shard-00001-of-00002."), left
+        # Each job's first save removed what the previous crash left; only this crash's may remain (the
+        # survivor's tidy removes it too once the dead rank counts as gone: reaped, or a zombie).
+        assert len(left) <= 1 and all(n.name.startswith(".shard-00001-of-00002.") for n in left), left

@@ -167,10 +167,13 @@ const Schema& CompileOptionsSchema() {
 const Schema* MakeHloModuleSchema(bool without_constants) {
   auto* frontend_attributes = new Schema();
   frontend_attributes->maps = {{1, true}};  // map
-  // OpMetadata: where the op came from in the user's source (a blank line
-  // added above it changes them); its other fields stay.
+  // OpMetadata: what the op was called in the framework and where it came
+  // from in the user's source (a blank line added above it, or a renamed
+  // scope, changes them); its other fields (preserve_layout, ...) stay.
   auto* op_metadata = new Schema();
-  op_metadata->drop = {3,    // source_file
+  op_metadata->drop = {1,    // op_type
+                       2,    // op_name
+                       3,    // source_file
                        4,    // source_line
                        15,   // stack_frame_id (into stack_frame_index)
                        17,   // source_end_line

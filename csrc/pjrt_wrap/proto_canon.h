@@ -9,10 +9,10 @@
 // maps are reordered: reordering anything else could make two different
 // programs one key, which must never happen. Unparsable input, or a map with a
 // key twice, is returned unchanged (a possible miss, never a wrong hit).
-// An HLO module also loses its debug source locations (each instruction's
-// OpMetadata source file, lines, columns and stack frame id, and the module's
-// stack_frame_index): they never change the executable, and with torch_xla's
-// XLA_HLO_DEBUG=1 they change with every line added above an op. MLIR
+// An HLO module also loses its debug metadata (each instruction's OpMetadata
+// op type and name, source file, lines, columns and stack frame id, and the
+// module's stack_frame_index): they never change the executable, and with
+// torch_xla's XLA_HLO_DEBUG=1 they change with every line added above an op. MLIR
 // bytecode (jax) loses its locations too, read without MLIR
 // (mlir_bytecode.h).
 //

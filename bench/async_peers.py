@@ -34,39 +34,36 @@ MiB = 1 << 20
 Wait = Callable[[], None]
 
 
-def torch_state(kind: str, total_mib: int, tensor_mib: int) -> dict:
-    """{"model": {name: fp32 tensor}}: synced on the XLA device (`xla`) or on the CPU (`cpu`)."""
+def _values(total_mib: int, tensor_mib: int):
+    """(name, fp32 CPU tensor of random values): random, so that no peer's compression shrinks them."""
     import torch
 
-    n = tensor_mib * MiB // 4
-    if kind == "xla":
-        import torch_xla
+    g = torch.Generator().manual_seed(0)
+    for i in range(total_mib // tensor_mib):
+        yield f"layer{i}.weight", torch.randn(tensor_mib * MiB // 4, generator=g)
 
-        device = torch_xla.device()
-        model = {f"layer{i}.weight": torch.full((n,), float(i), device=device)
-                 for i in range(total_mib // tensor_mib)}
-        torch_xla._XLAC._xla_sync_multi(list(model.values()), devices=[], wait=True)
-        torch_xla._XLAC._xla_wait_device_ops(devices=[])
-    else:
-        model = {f"layer{i}.weight": torch.full((n,), float(i)) for i in range(total_mib // tensor_mib)}
+
+def torch_state(kind: str, total_mib: int, tensor_mib: int) -> dict:
+    """{"model": {name: fp32 tensor}}: synced on the XLA device (`xla`) or on the CPU (`cpu`)."""
+    if kind != "xla":
+        return {"model": dict(_values(total_mib, tensor_mib))}
+    import torch_xla
+
+    device = torch_xla.device()
+    model = {k: v.to(device) for k, v in _values(total_mib, tensor_mib)}
+    torch_xla._XLAC._xla_sync_multi(list(model.values()), devices=[], wait=True)
+    torch_xla._XLAC._xla_wait_device_ops(devices=[])
     return {"model": model}
 
 
 def jax_state(kind: str, total_mib: int, tensor_mib: int) -> dict:
     """The same bytes for Orbax: jax arrays on jax's CPU device (`xla`) or numpy arrays (`cpu`)."""
-    import numpy as np
+    if kind != "xla":
+        return {"model": {k: v.numpy() for k, v in _values(total_mib, tensor_mib)}}
+    import jax
 
-    n = tensor_mib * MiB // 4
-    if kind == "xla":
-        import jax
-        import jax.numpy as jnp
-
-        model = {f"layer{i}.weight": jnp.full((n,), float(i), dtype=jnp.float32)
-                 for i in range(total_mib // tensor_mib)}
-        jax.block_until_ready(model)
-    else:
-        model = {f"layer{i}.weight": np.full((n,), float(i), dtype=np.float32)
-                 for i in range(total_mib // tensor_mib)}
+    model = {k: jax.device_put(v.numpy()) for k, v in _values(total_mib, tensor_mib)}
+    jax.block_until_ready(model)
     return {"model": model}
 
 

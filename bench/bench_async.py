@@ -137,16 +137,16 @@ def one(kind: str, peer: str, total_mib: int, tensor_mib: int, saves: int, folde
 def _table(kind: str, rows: list[dict], memcpy: dict, max_inflight_bytes: int, device: dict) -> list[str]:
     base = memcpy["blocked_s"]
     head = (f"{'state':5} {'peer':30} {'blocked 1st':>11} {'blocked':>8} {'x memcpy':>8} {'returns':>7} "
-            f"{'durable':>8} {'peak RSS +MiB':>13} {'device +MiB':>11}")
+            f"{'durable':>8} {'file MiB':>8} {'peak RSS +MiB':>13} {'device +MiB':>11}")
     lines = [head, "-" * len(head),
-             f"{kind:5} {'memcpy (touched memory)':30} {'':>11} {base:8.3f} {1:8.2f} {'':>7} {'':>8} {'':>13} {'':>11}"]
+             f"{kind:5} {'memcpy (touched memory)':30} {'':>11} {base:8.3f} {1:8.2f} {'':>7} {'':>8} {'':>8} {'':>13} {'':>11}"]
     for r in rows:
         label = "xlakit.save (synchronous)" if r["peer"] == SYNC else async_peers.LABELS[r["peer"]]
         ret = f"{r['returned_s']:7.3f}" if r["returned_s"] is not None else f"{'-':>7}"
         dev = device.get(r["peer"])
         dev = f"{dev / MiB:11.0f}" if dev is not None else f"{'n/a' if kind == 'xla' else '-':>11}"
         lines.append(f"{kind:5} {label:30} {r['first']['blocked_s']:11.3f} {r['blocked_s']:8.3f} "
-                     f"{r['blocked_s'] / base:8.2f} {ret} {r['durable_s']:8.2f} "
+                     f"{r['blocked_s'] / base:8.2f} {ret} {r['durable_s']:8.2f} {r['file_bytes'] / MiB:8.0f} "
                      f"{r['peak_rss_increase'] / MiB:13.0f} {dev}")
     asyncs = [r for r in rows if r["peer"] != SYNC]
     x = next((r for r in asyncs if r["peer"] == "xlakit"), None)

@@ -1,6 +1,7 @@
 """Part of `make bench`: a save of an XLA state against the slowest of its parts (transfer, write).
 
-For each size (`--sizes`, MiB; fp32 tensors of `--tensor-mib`), in fresh
+For each size (`--sizes`, MiB; fp32 tensors of `--tensor-mib`, by default a
+32nd of the state up to 64 MiB: a model's state has many tensors), in fresh
 processes, in `--rounds` interleaved rounds (measure.py; the ratios are the
 result), the best of each:
 
@@ -97,7 +98,8 @@ def run_one(method: str, mib: int, tensor_mib: int, folder: str, max_inflight_by
         peak = max(peak, sampler.peak - base)
         if os.path.exists(path):
             os.unlink(path)
-    return {"method": method, "mib": mib, "wall_s": min(walls), "walls_s": walls, "peak_rss_increase": peak}
+    return {"method": method, "mib": mib, "tensor_mib": tensor_mib, "wall_s": min(walls), "walls_s": walls,
+            "peak_rss_increase": peak}
 
 
 def methods() -> list[str]:
@@ -135,7 +137,7 @@ def table(rows: list[dict], rounds: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="64,512,2048", help="state sizes in MiB (up to 4096)")
-    p.add_argument("--tensor-mib", type=int, default=64)
+    p.add_argument("--tensor-mib", type=int, default=0, help="tensor size (default: the state / 32, at most 64)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeat", type=int, default=2, help="saves per process (best kept)")
     p.add_argument("--max-inflight-bytes", type=int, default=256 * MiB)
@@ -147,14 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(args.one[0], int(args.one[1]), args.tensor_mib, args.folder,
                                  args.max_inflight_bytes, args.repeat)))
         return 0
-    print(f"save of a synced XLA state against transfer alone and write alone ({args.tensor_mib} MiB fp32 "
-          f"tensors, max_inflight_bytes {args.max_inflight_bytes // MiB} MiB, best of {args.rounds} interleaved "
+    print(f"save of a synced XLA state against transfer alone and write alone (fp32 tensors of "
+          f"{args.tensor_mib or 'the state / 32, at most 64'} MiB, max_inflight_bytes {args.max_inflight_bytes // MiB} MiB, best of {args.rounds} interleaved "
           f"round(s) x {args.repeat} per process; PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'CPU')})", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.folder, prefix="bench-overlap-") as folder:
         for mib in (int(s) for s in args.sizes.split(",")):
-            def measure(m: str, mib: int = mib) -> dict:
-                return fresh_process(__file__, [m, str(mib), "--folder", folder, "--tensor-mib", str(args.tensor_mib),
+            tensor_mib = args.tensor_mib or max(1, min(64, mib // 32))
+
+            def measure(m: str, mib: int = mib, tensor_mib: int = tensor_mib) -> dict:
+                return fresh_process(__file__, [m, str(mib), "--folder", folder, "--tensor-mib", str(tensor_mib),
                                                 "--max-inflight-bytes", str(args.max_inflight_bytes),
                                                 "--repeat", str(args.repeat)])
 

@@ -9,7 +9,8 @@ import torch
 
 import xlakit
 from tests.support.spmd_run import run_scenario
-from xlakit.checkpoint import archive, loading
+from xlakit.checkpoint.file import loading
+from xlakit.checkpoint.format import archive
 
 
 def _trained(seed: int = 0):
@@ -169,7 +170,7 @@ def test_load_reads_xlakit_files_in_one_pass(tmp_path, monkeypatch):
 
 
 def test_restore_batches_stay_under_the_cap(tmp_path, monkeypatch):
-    from xlakit.checkpoint import restoring
+    from xlakit.checkpoint.file import restoring
 
     state = {f"t{i}": torch.full((1000,), float(i)) for i in range(10)}  # 4000 bytes each
     xlakit.save(state, tmp_path / "c.pt")

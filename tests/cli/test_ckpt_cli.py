@@ -19,7 +19,8 @@ import torch
 import xlakit
 from tests.support import ranks
 from xlakit import cli
-from xlakit.checkpoint import archive, folders, steps
+from xlakit.checkpoint.format import archive, folders
+from xlakit.checkpoint.stepstore import steps
 from tests.support import REPO, SUPPORT
 
 ROOT = REPO
@@ -342,7 +343,7 @@ def test_verify_never_says_ok_of_a_file_torch_load_refuses(tmp_path, capsys):
     # Regression: verify hashed the checksummed records only; a flipped byte in a local header's
     # signature, a central directory entry's method or name, the end records or the byte-order record
     # made torch.load refuse a file that verify called OK.
-    from xlakit.checkpoint import integrity
+    from xlakit.checkpoint.inspect import integrity
 
     good_path = tmp_path / "c.pt"
     xlakit.save({"a": torch.arange(10.0), "b": [torch.ones(3), 7]}, good_path)
@@ -431,7 +432,7 @@ def test_the_progress_bar_is_drawn_on_a_terminal_only(files):
 def test_verify_streams_in_bounded_memory(tmp_path):
     big = tmp_path / "big.pt"
     xlakit.save({"w": torch.ones(48 << 20)}, big)  # 192 MiB
-    probe = ("import resource, sys; from pathlib import Path; from xlakit.checkpoint import integrity;"
+    probe = ("import resource, sys; from pathlib import Path; from xlakit.checkpoint.inspect import integrity;"
              "_, r = integrity.plan(Path(sys.argv[1]));"
              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
              "done = integrity.check(r);"

@@ -102,7 +102,7 @@ def test_dcp_save_and_load_in_place(tpu, tmp_path):
 
 
 def test_deadline_expiring_mid_transfer_names_the_stage_and_commits_nothing(tpu, tmp_path, monkeypatch):
-    from xlakit.checkpoint import transfer
+    from xlakit.checkpoint.file import transfer
 
     previous = tmp_path / "ckpt.pt"
     xlakit.save({"w": torch.ones(4)}, previous)

@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xlakit.checkpoint import objstore
-from xlakit.checkpoint.options import LoadOptions, SaveOptions, resolve
+from xlakit.checkpoint.core.options import LoadOptions, SaveOptions, resolve
 
 if TYPE_CHECKING:
-    from xlakit.checkpoint.background import SaveHandle
+    from xlakit.checkpoint.file.background import SaveHandle
 
 
 def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = None,
@@ -87,7 +87,8 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
         >>> import torch, xlakit
         >>> xlakit.save({"w": torch.ones(2)}, getfixture("tmp_path") / "ckpt.pt")
     """
-    from xlakit.checkpoint import background, pipeline, workers
+    from xlakit.checkpoint.core import workers
+    from xlakit.checkpoint.file import background, pipeline
 
     opts: SaveOptions = resolve(SaveOptions, options, overrides)
     objstore.check_url(path)
@@ -96,11 +97,11 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
         return _save_url(obj, path, opts)
     final = Path(path)
     if opts.replica_parallel:
-        from xlakit.checkpoint import replicas
+        from xlakit.checkpoint.multirank import replicas
 
         return replicas.save(obj, final, opts)
     if opts.layout != "single":
-        from xlakit.checkpoint import ranks
+        from xlakit.checkpoint.multirank import ranks
 
         return ranks.save(obj, final, opts)  # checks for busy work on every rank, and tells them
     workers.check_idle()
@@ -111,10 +112,12 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
 
 
 def _save_url(obj: Any, url: str, opts: SaveOptions) -> "SaveHandle | None":
-    from xlakit.checkpoint import bucket_file, bucket_ranks, workers
+    from xlakit.checkpoint.core import workers
+    from xlakit.checkpoint.file import bucket_file
+    from xlakit.checkpoint.multirank import bucket_ranks
 
     if opts.replica_parallel:
-        from xlakit.checkpoint import bucket_replicas
+        from xlakit.checkpoint.multirank import bucket_replicas
 
         return bucket_replicas.save(obj, url, opts)
     if opts.layout != "single":
@@ -152,7 +155,7 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
         >>> xlakit.load(p)["w"]
         tensor([1., 1.])
     """
-    from xlakit.checkpoint import loading
+    from xlakit.checkpoint.file import loading
 
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
     if not opts.strict:
@@ -160,7 +163,7 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
                          "checkpoint's entries); xlakit.load returns every entry")
     objstore.check_url(path)
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_replicas
+        from xlakit.checkpoint.multirank import bucket_replicas
 
         return bucket_replicas.load(path, opts)  # a replica-parallel checkpoint; else bucket_ranks
     final = Path(path)
@@ -170,14 +173,15 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
         raise ValueError(f"shard={opts.shard} reads one shard of a sharded checkpoint folder; {final} "
                          f"is {'a file' if final.exists() else 'missing'}")
     if opts.layout == "replicated":
-        from xlakit.checkpoint import ranks
+        from xlakit.checkpoint.multirank import ranks
 
         return ranks.load(final, opts)
     return loading.load_file(final, opts)
 
 
 def _load_folder(folder: Path, opts: LoadOptions) -> Any:
-    from xlakit.checkpoint import agreement, folders, ranks, replicas
+    from xlakit.checkpoint.format import folders
+    from xlakit.checkpoint.multirank import agreement, ranks, replicas
 
     if replicas.is_replicated(folders.read_json_record(folder)):
         if opts.shard is not None:
@@ -245,14 +249,14 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
         >>> xlakit.restore(p, template, strict=False)["step"], template["w"]
         (7, tensor([1., 1.]))
     """
-    from xlakit.checkpoint import restoring
+    from xlakit.checkpoint.file import restoring
 
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
     if opts.mmap:
         raise ValueError("mmap does not apply to restore: the values go into the template's own memory")
     objstore.check_url(path)
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_replicas
+        from xlakit.checkpoint.multirank import bucket_replicas
 
         return bucket_replicas.restore(path, template, opts)  # a replica-parallel one; else bucket_ranks
     final = Path(path)
@@ -267,7 +271,9 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
 def _restore_folder(folder: Path, template: Any, opts: LoadOptions) -> Any:
     import dataclasses
 
-    from xlakit.checkpoint import agreement, folders, ranks, replicas, restoring
+    from xlakit.checkpoint.file import restoring
+    from xlakit.checkpoint.format import folders
+    from xlakit.checkpoint.multirank import agreement, ranks, replicas
 
     record = folders.read_json_record(folder)
     if replicas.is_replicated(record):
@@ -320,19 +326,20 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
         if given:
             raise ValueError(f"{name} applies to xlakit.save, not to dcp_save (DCP folders are "
                              f"always sharded by rank and written synchronously)")
-    from xlakit.checkpoint import agreement, background
+    from xlakit.checkpoint.file import background
+    from xlakit.checkpoint.multirank import agreement
 
     background.check_previous()
     objstore.check_url(path)
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_dcp
+        from xlakit.checkpoint.torch_dcp import bucket_dcp
 
         return bucket_dcp.save(state, path, opts)
     if agreement.world_size() > 1:
-        from xlakit.checkpoint import dcp_ranks
+        from xlakit.checkpoint.torch_dcp import dcp_ranks
 
         return dcp_ranks.save(state, Path(path), opts)
-    from xlakit.checkpoint import dcp
+    from xlakit.checkpoint.torch_dcp import dcp
 
     dcp.save(state, Path(path), opts)
     return None
@@ -375,18 +382,18 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
                         ("shard", opts.shard is not None)):
         if given:
             raise ValueError(f"{name} applies to xlakit.load's files, not to DCP folders")
-    from xlakit.checkpoint import agreement
+    from xlakit.checkpoint.multirank import agreement
 
     objstore.check_url(path)
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_dcp
+        from xlakit.checkpoint.torch_dcp import bucket_dcp
 
         return bucket_dcp.load(state, path, opts)
     if agreement.world_size() > 1:
-        from xlakit.checkpoint import dcp_ranks
+        from xlakit.checkpoint.torch_dcp import dcp_ranks
 
         return dcp_ranks.load(state, Path(path), opts)
-    from xlakit.checkpoint import dcp
+    from xlakit.checkpoint.torch_dcp import dcp
 
     dcp.load(state, Path(path), opts)
     return None
@@ -410,6 +417,6 @@ def wait_until_idle(timeout_s: float | None = None) -> bool:
         >>> xlakit.wait_until_idle(1.0)
         True
     """
-    from xlakit.checkpoint import workers
+    from xlakit.checkpoint.core import workers
 
     return workers.wait_until_idle(timeout_s)

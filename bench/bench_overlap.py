@@ -150,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                                  args.max_inflight_bytes, args.repeat)))
         return 0
     print(f"save of a synced XLA state against transfer alone and write alone (fp32 tensors of "
-          f"{args.tensor_mib or 'the state / 32, at most 64'} MiB, max_inflight_bytes {args.max_inflight_bytes // MiB} MiB, best of {args.rounds} interleaved "
-          f"round(s) x {args.repeat} per process; PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'CPU')})", flush=True)
+          f"{args.tensor_mib or 'the state / 32, at most 64'} MiB, max_inflight_bytes "
+          f"{args.max_inflight_bytes // MiB} MiB, best of {args.rounds} interleaved round(s) x {args.repeat} per "
+          f"process; PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'CPU')})", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.folder, prefix="bench-overlap-") as folder:
         for mib in (int(s) for s in args.sizes.split(",")):

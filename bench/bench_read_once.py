@@ -140,7 +140,7 @@ def _size(where: str, target: str, share: int | None) -> int:
             return os.path.getsize(target)
         record = json.loads(Path(target, "xlakit-commit.json").read_text())
         return record["shares"][share]["bytes"]
-    from xlakit.checkpoint import bucket_file
+    from xlakit.checkpoint.file import bucket_file
     from xlakit.checkpoint.objstore.client import Location
     import xlakit
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from xlakit.checkpoint.core import workers
+from xlakit.checkpoint.core.load_stats import LoadStats
 from xlakit.checkpoint.core.options import LoadOptions, Progress, ProgressCallback, SaveOptions
 from xlakit.errors import CheckpointTimeoutError
 
@@ -131,6 +132,7 @@ class Operation:
         self.stage, self.tensor = "start", None
         self.object: str | None = None  # the object-storage object a request is in flight for
         self.bytes_done, self.bytes_total = 0, bytes_total
+        self.stats = LoadStats()  # what a load read, counted where the bytes come in
         self.last_progress = self.started
         self.background = False  # an asynchronous save's write: waited for at exit
         self.done = threading.Event()

@@ -28,6 +28,7 @@ import torch
 import xxhash
 
 from xlakit.checkpoint.format import archive, structure
+from xlakit.checkpoint.core.load_stats import CountedFile
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.workers import collection_paused
 from xlakit.checkpoint.core.options import LoadOptions
@@ -56,7 +57,7 @@ def load_file(final: Path, opts: LoadOptions) -> Any:
 def read_file(op: Operation, path: Path, opts: LoadOptions) -> Any:
     """Verify (if asked) and read `path` as part of `op`."""
     if not opts.mmap:
-        with open(path, "rb", buffering=0) as f:
+        with CountedFile(path, op.stats) as f:
             found = open_index(f, path)
             if found is not None:
                 return read_records(op, f, path, found, opts.verify)

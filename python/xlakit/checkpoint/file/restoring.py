@@ -56,7 +56,7 @@ def restore(path: Path, template: Any, opts: LoadOptions) -> Any:
 
 
 def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any:
-    with open(path, "rb", buffering=0) as f:
+    with loading.CountedFile(path, op.stats) as f:
         index = loading.open_index(f, path)
         if index is None:
             op.enter("read")

@@ -43,6 +43,14 @@ _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 _EXTRA = {"gs": "gcs", "gcs": "gcs", "s3": "s3"}
 
 
+def _counted(op: "Operation | None", nbytes: int, requests: int) -> None:
+    """What a read brought in, added to its operation's `LoadStats` (core/load_stats.py); the compile
+    cache's tier runs requests under operations of its own, which keep none."""
+    stats = getattr(op, "stats", None)
+    if stats is not None:
+        stats.add(nbytes, requests)
+
+
 @dataclass(frozen=True)
 class Location:
     """An object or prefix: `gs://bucket/key`."""
@@ -360,7 +368,9 @@ class Store:
         async def cat_all() -> list[bytes | None]:
             return list(await asyncio.gather(*(cat(loc) for loc in locs)))
 
-        return self.run(op, f"reading {len(locs)} object(s) under {locs[0]}", cat_all) if locs else []
+        found = self.run(op, f"reading {len(locs)} object(s) under {locs[0]}", cat_all) if locs else []
+        _counted(op, sum(len(d) for d in found if d is not None), len(locs))
+        return found
 
     def exists(self, op: "Operation | None", loc: Location) -> bool:
         async def info() -> bool:
@@ -385,7 +395,9 @@ class Store:
         async def cat() -> bytes:
             return await self.fs._cat_file(loc.path, start=start, end=end)
 
-        return self.run(op, f"reading {loc}", cat)
+        data = self.run(op, f"reading {loc}", cat)
+        _counted(op, len(data), 1)
+        return data
 
     def get_into(self, op: "Operation | None", loc: Location, offset: int, dst: memoryview, *,
                  chunk_bytes: int, parallel: int) -> int:
@@ -405,7 +417,9 @@ class Store:
             got = await asyncio.gather(*(piece(s) for s in range(0, n, chunk_bytes)))
             return sum(got)
 
-        return self.run(op, f"reading {loc}", fetch)
+        got = self.run(op, f"reading {loc}", fetch)
+        _counted(op, got, -(-n // chunk_bytes))
+        return got
 
     def copy(self, op: "Operation | None", src: Location, dst: Location) -> None:
         """Copy an object within the store (the server copies: no bytes pass through here)."""

@@ -17,6 +17,9 @@ import io
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _lock = threading.Lock()
 _collectors: list["LoadStats"] = []
@@ -44,6 +47,15 @@ class LoadStats:
 
     def as_dict(self) -> dict:
         return {"bytes": self.bytes_read, "requests": self.requests}
+
+
+def counted(op: Any, result: T, nbytes: int, requests: int) -> T:
+    """`result` of a read that brought in `nbytes` in `requests`, counted in `op`'s stats (the object
+    store's reads; the compile cache's tier runs them under operations of its own, which keep none)."""
+    stats = getattr(op, "stats", None)
+    if stats is not None:
+        stats.add(nbytes, requests)
+    return result
 
 
 @contextlib.contextmanager

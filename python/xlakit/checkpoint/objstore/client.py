@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from xlakit import _knobs
+from xlakit.checkpoint.core.load_stats import counted
 from xlakit.errors import CheckpointTimeoutError
 
 if TYPE_CHECKING:
@@ -41,14 +42,6 @@ _POLL_S = 0.1
 _BACKOFF_S, _BACKOFF_MAX_S = 0.5, 8.0
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 _EXTRA = {"gs": "gcs", "gcs": "gcs", "s3": "s3"}
-
-
-def _counted(op: "Operation | None", nbytes: int, requests: int) -> None:
-    """What a read brought in, added to its operation's `LoadStats` (core/load_stats.py); the compile
-    cache's tier runs requests under operations of its own, which keep none."""
-    stats = getattr(op, "stats", None)
-    if stats is not None:
-        stats.add(nbytes, requests)
 
 
 @dataclass(frozen=True)
@@ -369,8 +362,7 @@ class Store:
             return list(await asyncio.gather(*(cat(loc) for loc in locs)))
 
         found = self.run(op, f"reading {len(locs)} object(s) under {locs[0]}", cat_all) if locs else []
-        _counted(op, sum(len(d) for d in found if d is not None), len(locs))
-        return found
+        return counted(op, found, sum(len(d) for d in found if d is not None), len(locs))
 
     def exists(self, op: "Operation | None", loc: Location) -> bool:
         async def info() -> bool:
@@ -396,8 +388,7 @@ class Store:
             return await self.fs._cat_file(loc.path, start=start, end=end)
 
         data = self.run(op, f"reading {loc}", cat)
-        _counted(op, len(data), 1)
-        return data
+        return counted(op, data, len(data), 1)
 
     def get_into(self, op: "Operation | None", loc: Location, offset: int, dst: memoryview, *,
                  chunk_bytes: int, parallel: int) -> int:
@@ -418,8 +409,7 @@ class Store:
             return sum(got)
 
         got = self.run(op, f"reading {loc}", fetch)
-        _counted(op, got, -(-n // chunk_bytes))
-        return got
+        return counted(op, got, got, -(-n // chunk_bytes))
 
     def copy(self, op: "Operation | None", src: Location, dst: Location) -> None:
         """Copy an object within the store (the server copies: no bytes pass through here)."""

@@ -54,15 +54,30 @@ class SaveHandle:
     Attributes:
         path: the checkpoint being written.
         blocked_s: how long `xlakit.save` blocked the caller (sync + copies to host).
+        transfer_s, write_s, overlap_s: seconds spent copying storages to the host (while the
+            caller waited), writing them (in the background), and both at once, so far.
     """
 
-    def __init__(self, path: Path, blocked_s: float, op: Operation):
+    def __init__(self, path: Path, blocked_s: float, op: Operation, staged: Operation | None = None):
         self.path, self.blocked_s = path, blocked_s
         self._op = op
+        self._ops = [o for o in (staged, op) if o is not None]
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._seen = False
         self._cancelled = False  # the caller gave it up (cancel(), or an interrupt in result())
+
+    @property
+    def transfer_s(self) -> float:
+        return sum(o.clock.seconds()[0] for o in self._ops)
+
+    @property
+    def write_s(self) -> float:
+        return sum(o.clock.seconds()[1] for o in self._ops)
+
+    @property
+    def overlap_s(self) -> float:
+        return sum(o.clock.seconds()[2] for o in self._ops)
 
     def done(self) -> bool:
         """True once the save committed or failed."""
@@ -136,7 +151,8 @@ def stage(op: Operation, job: pipeline.FileSave) -> Staged:
     """Sync and copy every storage to host memory the training loop cannot touch."""
     staged: dict[int, torch.Tensor] = {}
     viewed: list[StorageEntry] = []
-    for batch, hosts, backend in pipeline.device_batches(op, job.plan, job.opts):
+    # Nothing is written while staging: every batch is kept, so there is nothing to overlap with.
+    for batch, hosts, backend in pipeline.device_batches(op, job.plan, job.opts, overlap=False):
         for e, h in zip(batch, hosts):
             staged[e.index] = h
             if backend.returns_mutable_views:
@@ -164,7 +180,7 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
     second = Operation("save", job.final, watch, bytes_total=job.plan.nbytes, started=first.started,
                        gate=first.gate, rank=rank)
     second.background = True
-    handle = SaveHandle(job.final, time.monotonic() - first.started, second)
+    handle = SaveHandle(job.final, time.monotonic() - first.started, second, first)
 
     def owner() -> None:
         nonlocal staged

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure import MiB, PeakRss, best_of_rounds, fresh_process, rss  # noqa: E402
+from measure import MiB, PeakRss, best_of_rounds, fresh_process, report, rss  # noqa: E402
 
 BACKENDS = ("dlpack", "stock")
 
@@ -165,10 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
             rows += best_of_rounds(measure, methods(), args.rounds, on_row=lambda r: print(
                 f"  measured {r['mib']} MiB {r['method']}: {r['wall_s']:.2f} s", file=sys.stderr, flush=True))
-    print(table(rows, args.rounds))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return report(table(rows, args.rounds), rows, args.json)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from measure import report  # noqa: E402
 
 MiB = 1 << 20
 SHARE_MIB = 2
@@ -264,10 +267,7 @@ def main() -> int:
                 rows += run_where(where, server.bucket(), {**os.environ, **server.env()}, args.pairs, args.ranks)
             finally:
                 server.stop()
-    print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return report(table(rows), rows, args.json)
 
 
 if __name__ == "__main__":

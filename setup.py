@@ -139,7 +139,7 @@ def _esc(path) -> str:
 
 
 setup(
-    package_data={"xlakit": ["_pins.toml", "*.pyi", "data/*.toml"]},
+    package_data={"xlakit": ["_pins.toml", "*.pyi", "data/*.toml", "selftest/*.json"]},
     ext_modules=[Extension("xlakit._C", sources=_ext_sources(), language="c++")],
     cmdclass={"build_ext": NinjaBuildExt},
     # setuptools' default "build/" is our build CLI's folder; keep its

@@ -19,6 +19,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "xlakit.cli.cache",
     "xlakit.cli.pjrt",
     "xlakit.cli.ckpt",
+    "xlakit.cli.selftest",
 )
 
 

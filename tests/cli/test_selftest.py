@@ -115,7 +115,15 @@ def test_torch_on_the_cpu_checks_the_cache_and_memory_through_jax(tmp_path):
     checks = by_name(found)
     assert found["backend"]["cache_route"] == "jax" and "lammps_jax_pjrt_cpu" in found["backend"]["plugin"]
     assert checks["compile_cache"]["details"]["counts"][1]["Q"]["refused"] >= 1
-    assert "no nominal figure: the CPU backend" in checks["checkpoint"]["summary"]
+    assert "; no nominal figure: the CPU backend" in checks["checkpoint"]["summary"]
+
+
+def test_a_backend_this_machine_lacks_is_skipped_naming_what_is_missing(tmp_path):
+    found, _ = selftest(tmp_path, "--backend", "cuda", "--checks", "stack,checkpoint,memory", PJRT_DEVICE="CPU")
+    assert statuses(found)["stack"] == "pass"
+    for name in ("memory", "checkpoint"):
+        assert by_name(found)[name]["reason"].startswith("not run: torch ") and "sees no CUDA device" in \
+            by_name(found)[name]["reason"]
 
 
 def test_a_plugin_that_is_no_library_fails_the_stack_and_the_rest_say_why_they_did_not_run(tmp_path):

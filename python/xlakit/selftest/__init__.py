@@ -116,6 +116,47 @@ def _scratch(o: Options) -> tuple[Path | None, Path | None, str | None]:
         return None, None, f"cannot make a temporary folder in {where}: {type(e).__name__}: {e}"
 
 
+def _run_checks(o: Options, scratch: Path, base: Path, deadline: float, job: dict[str, Any], tier2: str,
+                say: Callable[[str], None]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None]:
+    """(the selected checks, the backend, the manifest), each check in its child process, in order."""
+    checks: list[dict[str, Any]] = []
+    backend: dict[str, Any] = {"name": o.backend, "description": None}
+    manifest = None
+    env = environment.child_env()
+    wanted = [n for n in _DEVICE_CHECKS if n in o.checks]
+    device = _device_params(wanted, o, scratch, deadline) if wanted else None
+    ran = None  # the child that ran the device checks, where one of the others did
+    if "stack" in o.checks or wanted or "compile_cache" in o.checks:
+        say("stack: the run contract, the manifest, the backend")
+        outcome = children.run("stack", {"backend": o.backend, "profile": o.profile, "pins": o.pins, "device": device,
+                                         "tier2": tier2},
+                               scratch=scratch, deadline=deadline, env=environment.child_env(set_aside=False))
+        stack, backend, manifest = check_stack.verdict(outcome, o.backend)
+        checks += [stack] if "stack" in o.checks else []
+        ran = outcome if outcome.parts.get("device ran") else None
+    if "compile_cache" in o.checks:
+        # TorchTPU counts compiles per process: its cache's processes compile nothing else.
+        merged = device if ran is None and backend.get("cache_route") != "torchtpu" else None
+        say("compile_cache: two fresh processes share a temporary cache" +
+            (f"; then {', '.join(wanted)} in the second" if merged else ""))
+        cache, second = check_compile_cache.run(backend, scratch=scratch, deadline=deadline, env=env, device=merged)
+        checks.append(cache)
+        if merged and second is not None and "device start" in second.parts:  # else: a device child of their own
+            ran = second
+    if wanted and backend.get("unusable"):
+        checks += [report.skipped(n, f"not run: {backend['unusable']}") for n in wanted]
+    elif wanted:
+        if ran is None:
+            say(f"{', '.join(wanted)}: on the device")
+            ran = children.run("device", {**device, "backend": backend}, scratch=scratch, deadline=deadline, env=env)
+        checks += _device_verdicts(ran, wanted, backend)
+    if "ranks" in o.checks:
+        say("ranks: agreement, a sharded save, the local tier's peer copies")
+        checks.append(check_ranks.run(job, quick=o.quick, tmp_base=base, shared_dir=o.shared_dir, scratch=scratch,
+                                      deadline=deadline, env=env))
+    return checks, backend, manifest
+
+
 def run(options: Options | None = None, *, say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the selected checks; the report (see `report.schema.json`). Never raises for what a check finds.
 
@@ -127,15 +168,12 @@ def run(options: Options | None = None, *, say: Callable[[str], None] | None = N
         The report: `schema`, `status`, `checks` (one per name), `backend`, `manifest`, `env`, `job`, ...
     """
     o = options or Options()
-    say = say or (lambda line: None)
     started, t0 = time.time(), time.monotonic()
-    deadline = t0 + o.timeout_s
     job = environment.job()
     job["cache_settings_set_aside"] = environment.cache_settings_set_aside()
     secrets = environment.secret_values()
-    chosen = o.backend if o.backend != "auto" else "auto"
     checks = [report.skipped(n, f"not selected (--checks {','.join(o.checks)})") for n in NAMES if n not in o.checks]
-    backend: dict[str, Any] = {"name": chosen, "description": None}
+    backend: dict[str, Any] = {"name": o.backend, "description": None}
     manifest = None
     scratch, base, no_folder = _scratch(o)
     tier2 = f"xlakit-selftest-{uuid.uuid4().hex}"  # TorchTPU's node-local cache for the stack child's device work
@@ -144,39 +182,9 @@ def run(options: Options | None = None, *, say: Callable[[str], None] | None = N
             fix = "pass --tmpdir DIR (a folder you can write, on a local disk), or set TMPDIR to one"
             checks += [report.failed(n, no_folder, fix) for n in o.checks]
         else:
-            env = environment.child_env()
-            wanted = [n for n in _DEVICE_CHECKS if n in o.checks]
-            device = _device_params(wanted, o, scratch, deadline) if wanted else None
-            ran = None  # the child that ran the device checks, where one of the others did
-            if "stack" in o.checks or wanted or "compile_cache" in o.checks:
-                say("stack: the run contract, the manifest, the backend")
-                outcome = children.run("stack", {"backend": o.backend, "profile": o.profile, "pins": o.pins,
-                                                 "device": device, "tier2": tier2},
-                                       scratch=scratch, deadline=deadline, env=environment.child_env(set_aside=False))
-                stack, backend, manifest = check_stack.verdict(outcome, chosen)
-                checks += [stack] if "stack" in o.checks else []
-                ran = outcome if outcome.parts.get("device ran") else None
-            if "compile_cache" in o.checks:
-                # TorchTPU counts compiles per process: its cache's processes compile nothing else.
-                merged = device if ran is None and backend.get("cache_route") != "torchtpu" else None
-                say("compile_cache: two fresh processes share a temporary cache" +
-                    (f"; then {', '.join(wanted)} in the second" if merged else ""))
-                cache, second = check_compile_cache.run(backend, scratch=scratch, deadline=deadline, env=env,
-                                                        device=merged)
-                checks.append(cache)
-                ran = second if merged and second is not None else ran
-            if wanted and backend.get("unusable"):
-                checks += [report.skipped(n, f"not run: {backend['unusable']}") for n in wanted]
-            elif wanted:
-                if ran is None:
-                    say(f"{', '.join(wanted)}: on the device")
-                    ran = children.run("device", {**device, "backend": backend}, scratch=scratch, deadline=deadline,
-                                       env=env)
-                checks += _device_verdicts(ran, wanted, backend)
-            if "ranks" in o.checks:
-                say("ranks: agreement, a sharded save, the local tier's peer copies")
-                checks.append(check_ranks.run(job, quick=o.quick, tmp_base=base, shared_dir=o.shared_dir,
-                                              scratch=scratch, deadline=deadline, env=env))
+            found, backend, manifest = _run_checks(o, scratch, base, t0 + o.timeout_s, job, tier2,
+                                                   say or (lambda line: None))
+            checks += found
     finally:
         from xlakit.runtime import torchtpu
 

@@ -131,6 +131,6 @@ def measure(backend: dict[str, Any], dev, nbytes: int, folder: Path, timeout_s: 
         speeds += f" (nominal {nominal['bytes_per_s'] / gb:.1f} GB/s, {nominal['link']}; the faster at {share:.0%})"
         details["share_of_nominal"] = share
     else:
-        speeds += f" (no nominal figure: {nominal['why_not']})"
+        speeds += f"; no nominal figure: {nominal['why_not']}"
     return report.check(NAME, report.PASS, f"{total / MiB:.0f} MiB on {dev.device} saved and restored bit-exact, "
                         f"synchronously and in the background; {speeds}", timings_s=timings, details=details)

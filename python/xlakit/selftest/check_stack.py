@@ -70,6 +70,8 @@ def _host_tensors(name: str) -> dict[str, Any]:
     import torch
 
     out: dict[str, Any] = {"device_type": name}
+    if name == "cuda" and not torch.cuda.is_available():
+        return {"unusable": f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"}
     if name == "cuda":
         out.update(devices=torch.cuda.device_count(), device_name=torch.cuda.get_device_name(0))
     plugin, why = devices.jax_plugin(name)

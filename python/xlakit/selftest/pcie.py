@@ -61,7 +61,6 @@ def nominal(backend: str, device_index: int = 0) -> dict[str, Any]:
     if backend in ("torch_xla", "torchtpu"):
         address = first_of_vendor(GOOGLE_VENDOR)
         if address is None:
-            return {"why_not": "no TPU chip on the PCI bus (a CPU plugin's device memory is the host's): no "
-                               "nominal link to compare with"}
+            return {"why_not": "no TPU chip on the PCI bus (a CPU plugin's device memory is host memory)"}
         return link(address) | {"note": "the link of the first TPU chip on the bus"}
     return {"why_not": "the CPU backend: tensors stay in host memory"}

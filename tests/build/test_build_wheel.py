@@ -41,6 +41,7 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("xlakit/_C.") and n.endswith(".so") for n in names), names
     assert "xlakit/_C.pyi" in names and "xlakit/_pins.toml" in names
+    assert "xlakit/selftest/report.schema.json" in names  # `xlakit selftest --json`'s schema ships with it
     assert "xlakit/_lib/libxlakit_pjrt_wrap.so" in names  # the PJRT wrapper, prebuilt: no compiler on the user's host
 
     # The fresh venv must see only what the wheel installed: a PYTHONPATH
@@ -60,6 +61,7 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(tmp_path):
         " torch_xla_revision='c', patch_series_id='d');"
         "print(c.verify_entry(e)['status']);"
         "import xlakit.runtime.pjrt_wrap as w; s = w.status(); assert s['built'] and s['built_api'], s;"
+        "from xlakit.selftest import report; assert report.schema()['properties']['schema']['const'];"
         "assert w.library_path().is_relative_to(%r)" % (str(venv), str(venv))
     )
     out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=60, env=env)

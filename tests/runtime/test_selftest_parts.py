@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from tests.support import REPO
 from xlakit import cli, selftest
 from xlakit.cli import selftest as cli_selftest
 from xlakit.selftest import check_ranks, children, environment, pcie, report
@@ -171,22 +174,53 @@ def test_a_rank_whose_peer_never_comes_fails_within_the_deadline_naming_it(tmp_p
     assert "every rank runs the self-test" in found["fix"] and time.monotonic() - start < 60
 
 
-@pytest.mark.slow
-def test_a_child_that_hangs_is_stopped_at_the_deadline_and_named(tmp_path, monkeypatch):
-    # A stand-in torch_xla whose import never returns (a fake: a real hang is a runtime stuck in its plugin).
+def _hanging_torch_xla(tmp_path: Path) -> dict[str, str]:
+    """The environment of a stand-in torch_xla whose import never returns (a fake: a real hang is a runtime
+    stuck in its plugin); the child writes its pid to tmp_path/pid first."""
     fake = tmp_path / "fake-site" / "torch_xla"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("import os, time\nopen(os.environ['MARK'], 'w').write(str(os.getpid()))\n"
                                       "time.sleep(600)\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("MARK", str(tmp_path / "pid"))
+    return {"PYTHONPATH": os.pathsep.join([str(fake.parent), str(REPO / "python"), str(REPO)]),
+            "MARK": str(tmp_path / "pid")}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+def test_a_child_that_hangs_is_stopped_at_the_deadline_and_named(tmp_path, monkeypatch):
+    for name, value in _hanging_torch_xla(tmp_path).items():
+        monkeypatch.setenv(name, value)
     start = time.monotonic()
     out = children.run("stack", {"backend": "torch_xla"}, scratch=tmp_path, deadline=time.monotonic() + 15,
                        env=environment.child_env())
     assert out.timed_out and out.running == "stack" and time.monotonic() - start < 40
     assert out.ended().startswith("did not finish within") and out.ended().endswith("and was stopped")
-    with pytest.raises(ProcessLookupError):  # the child is gone, not left running
-        os.kill(int((tmp_path / "pid").read_text()), 0)
+    assert _gone(int((tmp_path / "pid").read_text()))  # the child is gone, not left running
+
+
+@pytest.mark.slow
+def test_sigterm_from_a_launcher_stops_the_child_and_removes_the_folder(tmp_path):
+    # Regression (issue 34, found while building it): the child runs in a session of its own, so a SIGTERM
+    # that killed only the self-test would have left it running, holding the device.
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, **_hanging_torch_xla(tmp_path), "TMPDIR": str(tmp_path / "tmp")}
+    proc = subprocess.Popen([sys.executable, "-m", "xlakit", "selftest", "--checks", "stack"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    child = int((tmp_path / "pid").read_text())
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in out + err, err
+    assert _gone(child) and list((tmp_path / "tmp").iterdir()) == []
 
 
 @pytest.mark.slow
@@ -195,4 +229,3 @@ def test_a_child_that_crashes_is_told_with_its_last_error(tmp_path):
                        env=environment.child_env())
     assert out.returncode == 1 and not out.timed_out and out.ended() == "exited with status 1"
     assert out.last_error() == "KeyError: 'no-such-job'" and out.parts == {}
-    assert sys.executable  # the child ran this interpreter

@@ -3,7 +3,8 @@
 Progress goes to stderr, the report alone to stdout: while the checks run,
 this process's stdout is pointed at stderr, so that nothing else (a library
 writing to file descriptor 1) can get into `--json`. Exit status: 0 when no
-check failed, 1 when one did, 2 for a wrong argument, 130 on Ctrl-C.
+check failed, 1 when one did, 2 for a wrong argument, 130 on Ctrl-C or
+SIGTERM (the children stopped, the temporary folder removed).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +33,10 @@ def _stdout_to_stderr() -> Iterator[None]:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def report_path(given: str, job: dict) -> Path:
@@ -62,17 +68,23 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"xlakit selftest: {e}", file=sys.stderr)
         return 2
     say = lambda line: print(f"xlakit selftest: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    # A launcher stops its ranks with SIGTERM: unwind as for Ctrl-C, so that the child (in a session of its own,
+    # perhaps holding the chips) is stopped and the temporary folder removed.
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         with _stdout_to_stderr():
             found = selftest.run(options, say=say)
     except KeyboardInterrupt:
         print("xlakit selftest: interrupted; its child processes were stopped and its folder removed", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.report:
         try:
             say(f"report written to {report.write(found, report_path(args.report, found['job']))}")
         except OSError as e:
-            print(f"xlakit selftest: cannot write the report to {args.report}: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"xlakit selftest: cannot write the report to {args.report}: {type(e).__name__}: {e}",
+                  file=sys.stderr)
             print(json.dumps(found, indent=2) if args.json else report.render(found))
             return 2
     if kept := found["job"].get("kept_folder"):

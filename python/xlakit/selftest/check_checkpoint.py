@@ -50,7 +50,9 @@ def tensors(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def map_tensors(state: dict[str, Any], fn) -> dict[str, Any]:
-    return {k: map_tensors(v, fn) if isinstance(v, dict) else fn(v) if hasattr(v, "dtype") else v for k, v in state.items()}
+    """`state` with `fn` applied to each tensor (nested dicts followed; plain values kept)."""
+    return {k: map_tensors(v, fn) if isinstance(v, dict) else fn(v) if hasattr(v, "dtype") else v
+            for k, v in state.items()}
 
 
 def differences(expected: dict[str, Any], got: dict[str, Any]) -> list[str]:

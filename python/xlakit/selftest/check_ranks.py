@@ -146,7 +146,8 @@ def _run(params: dict[str, Any]) -> dict[str, Any]:
         if sharded is not None:
             problems += _sharded(dist, state, sharded, timeout_s, timings)
         else:
-            details["sharded_save"] = "not run: the ranks are on several hosts and no --shared-dir names a folder all see"
+            details["sharded_save"] = ("not run: the ranks are on several hosts and no --shared-dir names a folder "
+                                       "all see")
         tier_problems, tier = _local_tier(dist, state, base, hosts, timeout_s, timings)
         details.update(tier)
         everyone = _gather(dist, problems + tier_problems)

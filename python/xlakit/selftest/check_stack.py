@@ -146,7 +146,8 @@ def verdict(outcome: Outcome, chosen: str) -> tuple[dict[str, Any], dict[str, An
     details = {"profile": m["profile"], "contract": m["contract"], "drift": m["drift"]}
     if problems:
         fixes = "; ".join(p.split("; fix: ", 1)[1] for p in problems if "; fix: " in p)
-        return (report.failed(NAME, "; ".join(p.split("; fix: ", 1)[0] for p in problems), fixes or "install the pinned stack (VERSIONS.toml profile "
+        found = "; ".join(p.split("; fix: ", 1)[0] for p in problems)
+        return (report.failed(NAME, found, fixes or f"install the pinned stack (VERSIONS.toml profile "
                               f"{m['profile']['name']}) or name the right one with --profile; correct each item",
                               timings_s=timings, details=details), backend, m)
     return (report.check(NAME, report.PASS, f"{got['line']} (profile {m['profile']['name']}: {m['profile']['why']};"

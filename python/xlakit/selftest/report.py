@@ -96,7 +96,8 @@ def render(report: dict[str, Any]) -> str:
     counts = {s: sum(c["status"] == s for c in report["checks"]) for s in (PASS, FAIL, SKIP)}
     env = " ".join(f"{k}={v}" for k, v in report["env"].items())
     lines.append(f"env: {env or '(none of the variables that matter is set)'}")
-    lines.append(f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped in {report['duration_s']:.1f} s "
+    lines.append(f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped "
+                 f"in {report['duration_s']:.1f} s "
                  f"(report schema {report['schema']})")
     return "\n".join(lines)
 

@@ -74,6 +74,12 @@ def differences(expected: dict[str, Any], got: dict[str, Any]) -> list[str]:
     return out
 
 
+def op_timeout_s(nbytes: int, left_s: float) -> float:
+    """The deadline of one save or restore of `nbytes`: two minutes plus the bytes at 20 MB/s, within what is
+    left, so that a save that hangs fails named in minutes, not at the end of the whole self-test's deadline."""
+    return max(1.0, min(left_s, 120.0 + nbytes / 20e6))
+
+
 def _rate(nbytes: int, seconds: float) -> float:
     return nbytes / seconds if seconds > 0 else float("inf")
 
@@ -84,6 +90,7 @@ def measure(backend: dict[str, Any], dev, nbytes: int, folder: Path, timeout_s: 
 
     state = host_state(nbytes)
     total = sum(t.numel() * t.element_size() for t in tensors(state).values())
+    timeout_s = op_timeout_s(total, timeout_s)
     t0 = time.perf_counter()
     on_device = map_tensors(state, dev.put)
     timings = {"host_to_device": time.perf_counter() - t0}

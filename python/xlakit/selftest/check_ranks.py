@@ -143,12 +143,13 @@ def _run(params: dict[str, Any]) -> dict[str, Any]:
                                    "rank_bytes": sum(t.numel() * t.element_size()
                                                      for t in check_checkpoint.tensors(state).values())}
         dist.barrier()
+        op_timeout_s = check_checkpoint.op_timeout_s(details["rank_bytes"] * world, timeout_s)
         if sharded is not None:
-            problems += _sharded(dist, state, sharded, timeout_s, timings)
+            problems += _sharded(dist, state, sharded, op_timeout_s, timings)
         else:
             details["sharded_save"] = ("not run: the ranks are on several hosts and no --shared-dir names a folder "
                                        "all see")
-        tier_problems, tier = _local_tier(dist, state, base, hosts, timeout_s, timings)
+        tier_problems, tier = _local_tier(dist, state, base, hosts, op_timeout_s, timings)
         details.update(tier)
         everyone = _gather(dist, problems + tier_problems)
         dist.barrier()
@@ -180,8 +181,10 @@ def run(job: dict[str, Any], *, quick: bool, tmp_base: Path, shared_dir: str | N
     got = outcome.parts.get(NAME)
     if got is None or "error" in got:
         what = got["error"] if got else f"its process {outcome.ended()}: {outcome.last_error()}"
-        return report.failed(NAME, f"rank {job['rank']}: {what}", "check that every rank runs the self-test and can "
-                             "reach MASTER_ADDR:MASTER_PORT; the other ranks' reports name their own failures")
+        fix = ("a checkpoint operation failed on this rank: attach every rank's report to an issue"
+               if what.startswith("Checkpoint") else "check that every rank runs the self-test and can reach "
+               "MASTER_ADDR:MASTER_PORT; the other ranks' reports name their own failures")
+        return report.failed(NAME, f"rank {job['rank']}: {what}", fix)
     timings, details = got["timings"], got["details"]
     if got["problems"]:
         return report.failed(NAME, "; ".join(got["problems"]), "install the same stack on every host, and give "

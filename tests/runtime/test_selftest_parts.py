@@ -229,3 +229,15 @@ def test_a_child_that_crashes_is_told_with_its_last_error(tmp_path):
                        env=environment.child_env())
     assert out.returncode == 1 and not out.timed_out and out.ended() == "exited with status 1"
     assert out.last_error() == "KeyError: 'no-such-job'" and out.parts == {}
+
+
+def test_what_a_stopped_ranks_child_made_is_removed_by_its_parent_and_nothing_else(tmp_path):
+    # Regression (issue 34, found while building it): a ranks child SIGKILLed at the deadline or on SIGTERM
+    # left its folder in the temporary folder's parent, outside the self-test's own folder.
+    ours, theirs = tmp_path / "xlakit-selftest-ranks-abc", tmp_path / "data"
+    for folder in (ours, theirs):
+        (folder / "sub").mkdir(parents=True)
+    (tmp_path / "ranks.out.json").write_text(json.dumps({"parts": {"made": [str(ours), str(theirs)]}}))
+    check_ranks._remove_left(tmp_path / "ranks.out.json")
+    assert not ours.exists() and (theirs / "sub").is_dir()
+    check_ranks._remove_left(tmp_path / "missing.json")  # no outcome: nothing to do, no error

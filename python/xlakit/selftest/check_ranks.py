@@ -25,6 +25,7 @@ at the end by one rank per host.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -109,7 +110,7 @@ def _local_tier(dist, state: dict[str, Any], base: Path, hosts: list[str], timeo
     return problems, {"sources": sources, "local_tier_bytes_on_host": held}
 
 
-def _run(params: dict[str, Any]) -> dict[str, Any]:
+def _run(params: dict[str, Any], made) -> dict[str, Any]:
     import torch.distributed as dist
 
     timings: dict[str, float] = {}
@@ -137,6 +138,7 @@ def _run(params: dict[str, Any]) -> dict[str, Any]:
         sharded = shared / f"xlakit-selftest-sharded-{token[0]}" if shared is not None else None
         if rank == real_hosts.index(mine["host"]):  # one rank per real host removes what was made there
             ours += [base] + ([sharded] if sharded is not None and rank == 0 else [])
+            made(ours)  # told first: a child stopped by the deadline or a signal cannot remove them itself
         base.mkdir(mode=0o700, exist_ok=True)
         state = check_checkpoint.host_state(params["bytes"], seed=rank)
         details: dict[str, Any] = {"world": world, "hosts": sorted(set(real_hosts)), "simulated_hosts": simulated,
@@ -162,7 +164,19 @@ def _run(params: dict[str, Any]) -> dict[str, Any]:
 
 def child(params: dict[str, Any], results) -> None:
     with results.part(NAME) as got:
-        got.update(_run(params))
+        got.update(_run(params, lambda folders: results.put("made", [str(f) for f in folders])))
+
+
+def _remove_left(outcome_file: Path) -> None:
+    """Remove what a stopped child made and could not remove: the folders it named, each positively the
+    self-test's (named `xlakit-selftest-...` with this run's token)."""
+    try:
+        made = json.loads(outcome_file.read_text())["parts"].get("made") or []
+    except (OSError, ValueError, KeyError):
+        return
+    for folder in map(Path, made):
+        if folder.name.startswith("xlakit-selftest-"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def run(job: dict[str, Any], *, quick: bool, tmp_base: Path, shared_dir: str | None, scratch: Path,
@@ -177,7 +191,10 @@ def run(job: dict[str, Any], *, quick: bool, tmp_base: Path, shared_dir: str | N
                               "with torchrun, which sets them")
     params = {"timeout_s": max(10.0, deadline - time.monotonic() - 5), "tmp_base": str(tmp_base),
               "shared_dir": shared_dir, "bytes": (2 if quick else 32) << 20}
-    outcome = children.run("ranks", params, scratch=scratch, deadline=deadline, env=env)
+    try:
+        outcome = children.run("ranks", params, scratch=scratch, deadline=deadline, env=env)
+    finally:
+        _remove_left(scratch / "ranks.out.json")
     got = outcome.parts.get(NAME)
     if got is None or "error" in got:
         what = got["error"] if got else f"its process {outcome.ended()}: {outcome.last_error()}"

@@ -136,18 +136,13 @@ std::optional<RuntimeIdentity> Identity(PyObject* platform_name,
 }
 
 py::Ref KeyProblem(PyObject* args, PyObject* kwargs) {
-  static const char* kNames[] = {"key", nullptr};
-  PyObject* key = nullptr;
-  py::Parse(args, kwargs, "O", kNames, &key);
-  std::string problem = CacheKeyProblem(py::BytesView(key, "key"));
-  return problem.empty() ? py::None() : py::Text(problem);
+  PyObject* key = py::OneArg(args, kwargs, "key");
+  return py::TextOrNone(CacheKeyProblem(py::BytesView(key, "key")));
 }
 
 py::Ref KeyId(PyObject* args, PyObject* kwargs) {
-  static const char* kNames[] = {"key", nullptr};
-  PyObject* key = nullptr;
-  py::Parse(args, kwargs, "O", kNames, &key);
-  py::BytesView(key, "key");
+  PyObject* key = py::OneArg(args, kwargs, "key");
+  py::BytesView(key, "key");  // bytes, never None
   std::optional<PyEntryMac> mac = MacFor(key);
   return py::Text(CacheKeyId(*mac));
 }
@@ -258,11 +253,8 @@ py::Ref KeyMaterial(PyObject* args, PyObject* kwargs) {
 }
 
 py::Ref TempTarget(PyObject* args, PyObject* kwargs) {
-  static const char* kNames[] = {"name", nullptr};
-  PyObject* name = nullptr;
-  py::Parse(args, kwargs, "O", kNames, &name);
-  std::string target = TempFileTarget(py::String(name, "name"));
-  return target.empty() ? py::None() : py::Text(target);
+  PyObject* name = py::OneArg(args, kwargs, "name");
+  return py::TextOrNone(TempFileTarget(py::String(name, "name")));
 }
 
 py::Ref WriteAtomic(PyObject* args, PyObject* kwargs) {

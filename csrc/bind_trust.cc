@@ -12,10 +12,6 @@
 namespace xlakit {
 namespace {
 
-py::Ref OptionalText(const std::string& s) {
-  return s.empty() ? py::None() : py::Text(s);
-}
-
 py::Ref JudgeFolder(PyObject* args, PyObject* kwargs) {
   static const char* kNames[] = {"folder", "trust_shared", "entries", nullptr};
   PyObject *folder = nullptr, *trust_shared = nullptr, *entries = nullptr;
@@ -33,8 +29,8 @@ py::Ref JudgeFolder(PyObject* args, PyObject* kwargs) {
   py::Dict d;
   d.Set("folder", py::Text(t.folder));
   d.Set("state", py::Text(t.state));
-  d.Set("problem", OptionalText(t.problem));
-  d.Set("fix", OptionalText(t.fix));
+  d.Set("problem", py::TextOrNone(t.problem));
+  d.Set("fix", py::TextOrNone(t.fix));
   d.Set("shared", py::TupleOf(std::move(shared_items)));
   d.Set("not_a_folder", py::Bool(t.not_a_folder));
   return d.Done();

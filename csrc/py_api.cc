@@ -26,6 +26,8 @@ Ref Text(std::string_view s) {
       s.data(), static_cast<Py_ssize_t>(s.size()), "replace"));
 }
 
+Ref TextOrNone(std::string_view s) { return s.empty() ? None() : Text(s); }
+
 Ref TupleOf(std::vector<Ref> items) {
   Ref t = Ref::Steal(PyTuple_New(static_cast<Py_ssize_t>(items.size())));
   for (size_t i = 0; i < items.size(); ++i) {
@@ -157,6 +159,13 @@ std::vector<int64_t> Int64List(PyObject* o, const char* name) {
 
 std::vector<std::string> StringList(PyObject* o, const char* name) {
   return Items<std::string>(o, name, "a sequence of str", &String);
+}
+
+PyObject* OneArg(PyObject* args, PyObject* kwargs, const char* name) {
+  const char* names[] = {name, nullptr};
+  PyObject* arg = nullptr;
+  Parse(args, kwargs, "O", names, &arg);
+  return arg;
 }
 
 void AddStr(PyObject* m, const char* name, std::string_view value) {

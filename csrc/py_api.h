@@ -74,6 +74,8 @@ Ref Bytes(std::string_view s);
 // A str; bytes that are not UTF-8 (header fields read from disk may be
 // corrupt) are replaced, never a UnicodeDecodeError.
 Ref Text(std::string_view s);
+// Text(s), or None for "" (the core's "nothing to report").
+Ref TextOrNone(std::string_view s);
 Ref TupleOf(std::vector<Ref> items);
 Ref List(std::vector<Ref> items);
 template <typename... Item>
@@ -115,6 +117,9 @@ void Parse(PyObject* args, PyObject* kwargs, const char* format,
     throw ErrorSet{};
   }
 }
+
+// The one argument of a function that takes one, by position or `name`.
+PyObject* OneArg(PyObject* args, PyObject* kwargs, const char* name);
 
 // The GIL released for a scope (around every blocking native call).
 class NoGil {

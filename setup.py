@@ -171,6 +171,13 @@ class NinjaBuildExt(build_ext):
 
     def copy_extensions_to_source(self) -> None:
         super().copy_extensions_to_source()
+        # A per-version module an earlier (pybind11) build left in the tree would shadow the new
+        # _C.abi3.so: Python tries `.cpython-3XY-*.so` first. Only that build's own file is removed.
+        ext = next(e for e in self.extensions if e.name == "xlakit._C")
+        inplace_c = Path(self._get_inplace_equivalent(self.get_finalized_command("build_py"), ext)[0])
+        for stale in inplace_c.parent.glob("_C.cpython-*.so"):
+            print(f"removing {stale}: built for one Python before _C moved to the limited API")
+            stale.unlink()
         regular, inplace = self._pjrt_wrap_paths()
         os.makedirs(os.path.dirname(inplace), exist_ok=True)
         self.copy_file(regular, inplace, level=self.verbose)

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from xlakit._version import describe
 from xlakit.errors import XlakitError
 
 # Modules that define subcommands, in help order.
@@ -22,8 +23,20 @@ _COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+class _Version(argparse.Action):
+    """`--version` as one line (argparse's own would wrap it to the terminal)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(describe())
+        parser.exit()
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xlakit", description="xlakit: patched PyTorch/XLA runtime tools")
+    p.add_argument("--version", action=_Version, help="the version, and the commit and toolchain it was built with")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).add_parser(sub)

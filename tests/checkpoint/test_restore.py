@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -288,3 +289,68 @@ def test_tied_xla_parameters_are_reported_when_the_checkpoint_holds_them_apart(t
     xlakit.save({"0.weight": torch.ones(4, 3), "1.weight": torch.ones(4, 3)}, tmp_path / "equal.pt")
     xlakit.restore(tmp_path / "equal.pt", model.state_dict())
     assert torch.equal(model[1].weight.cpu(), torch.ones(4, 3))
+
+
+def _four_batches(tmp_path, device) -> tuple[dict, dict]:
+    state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(4)}  # 1 MiB each: 4 batches of 1 MiB
+    xlakit.save(state, tmp_path / "c.pt")
+    # Strided CPU templates are filled through the arena (not read in place); device ones always are.
+    template = {k: (torch.zeros(2 << 18)[::2] if device == "cpu" else torch.zeros(1 << 18, device=device))
+                for k in state}
+    return state, template
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("xla", marks=pytest.mark.xla)])
+def test_restore_of_many_batches_reuses_one_buffer_without_torchs_use_count(tmp_path, monkeypatch, device):
+    # Regression (issue 32): the arena waited for torch._C._storage_Use_Count to reach 1, which torch
+    # 2.13 never reports (a fresh tensor counts 2): a state of more than one batch hung to the deadline.
+    from xlakit.checkpoint import restoring
+
+    if device == "xla":
+        import torch_xla
+
+        device = torch_xla.device()
+    monkeypatch.setattr(torch._C, "_storage_Use_Count", lambda cdata: 2, raising=False)  # torch 2.13's answer
+    state, template = _four_batches(tmp_path, device)
+    buffers = []
+    real = restoring.Arena.fit
+
+    def fit(self, n, op):
+        lent = real(self, n, op)
+        buffers.append((self.buffer.data_ptr(), self.buffer.numel()))
+        return lent
+
+    monkeypatch.setattr(restoring.Arena, "fit", fit)
+    xlakit.restore(tmp_path / "c.pt", template, max_inflight_bytes=1 << 20, timeout_s=20)
+    assert len(buffers) == 4 and len(set(buffers)) == 1 and buffers[0][1] <= 1 << 20, buffers  # one buffer, the cap
+    assert all(torch.equal(template[k].cpu(), state[k]) for k in state)
+
+
+def test_a_batch_is_not_overwritten_while_a_copy_still_reads_it(tmp_path, monkeypatch):
+    # A copy that reads its source after the call returned, as torch_xla's host-to-device transfers do:
+    # a fake (CPU tensors have no such copy), each batch's host tensors released 0.2 s later by a thread.
+    import threading
+
+    from xlakit.checkpoint import restoring
+
+    state, template = _four_batches(tmp_path, "cpu")
+    seen: dict[str, torch.Tensor] = {}
+    real = restoring._apply
+
+    def later(op, pairs):
+        held = [(t.path, host) for t, host in pairs]
+
+        def read():  # the copy that completes late: what it reads then is what it writes
+            for name, host in held:
+                seen[name] = host.clone()
+            held.clear()
+
+        threading.Timer(0.2, read).start()
+        real(op, pairs)
+
+    monkeypatch.setattr(restoring, "_apply", later)
+    xlakit.restore(tmp_path / "c.pt", template, max_inflight_bytes=1 << 20, timeout_s=20)
+    deadline = time.monotonic() + 5
+    while len(seen) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(seen) == sorted(state) and all(torch.equal(seen[k], state[k]) for k in state)

@@ -134,3 +134,26 @@ def test_manager_on_a_bucket_from_tpu(tpu, bucket):
         assert mgr.restore(3, template={"w": target})["w"] is target
     assert torch.equal(target.cpu(), torch.full((4096,), 3.0))
 
+
+
+@pytest.mark.parametrize("into", ["tpu", "cpu", "strided cpu"])
+def test_restore_of_four_batches_in_place_and_into_cpu(tpu, tmp_path, monkeypatch, into):
+    # Regression (issue 32): the arena waited for torch._C._storage_Use_Count to reach 1, which torch 2.13
+    # never reports (a fresh tensor counts 2): a restore of more than one batch timed out at stage 'copy'
+    # (tpu) or 'verify' (cpu).
+    from xlakit.checkpoint import restoring
+
+    state = {f"t{i}": torch.full((1 << 18,), float(i)).to(tpu) for i in range(4)}  # 1 MiB each
+    xlakit.save(state, tmp_path / "c.pt")
+    make = {"tpu": lambda: torch.zeros(1 << 18, device=tpu), "cpu": lambda: torch.zeros(1 << 18),
+            "strided cpu": lambda: torch.zeros(2 << 18)[::2]}[into]
+    template = {k: make() for k in state}
+    before = {k: id(v) for k, v in template.items()}
+    sizes = []
+    real = restoring.Arena.fit
+    monkeypatch.setattr(restoring.Arena, "fit",
+                        lambda self, n, op: sizes.append(n) or real(self, n, op))
+    out = xlakit.restore(tmp_path / "c.pt", template, max_inflight_bytes=1 << 20, timeout_s=20)
+    assert {k: id(v) for k, v in out.items()} == before, "in place"
+    assert all(torch.equal(template[k].cpu(), state[k].cpu()) for k in state)
+    assert len(sizes) == 4 and max(sizes) <= 1 << 20, sizes  # four batches, each within the bound

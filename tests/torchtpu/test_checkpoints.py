@@ -157,3 +157,34 @@ def test_restore_of_four_batches_in_place_and_into_cpu(tpu, tmp_path, monkeypatc
     assert {k: id(v) for k, v in out.items()} == before, "in place"
     assert all(torch.equal(template[k].cpu(), state[k].cpu()) for k in state)
     assert len(sizes) == 4 and max(sizes) <= 1 << 20, sizes  # four batches, each within the bound
+
+
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+                                      lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)], ids=["adamw", "sgd-momentum"])
+def test_manager_restores_the_live_model_and_a_fresh_optimizer_on_tpu(tpu, tmp_path, make_opt):
+    # Regression (issue 32): the README's resume (a template from a fresh optimizer's state_dict(),
+    # which has no state) raised CheckpointMismatchError for AdamW and SGD with momentum, on TorchTPU too.
+    def built(seed: int, steps: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(tpu)
+        opt = make_opt(model.parameters())
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.ones(4, 8, device=tpu)).square().sum().backward()
+            opt.step()
+        return model, opt
+
+    model, opt = built(0, 2)
+    with xlakit.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(2, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        fresh, fresh_opt = built(1, 0)
+        params = [id(p) for p in fresh.parameters()]
+        mgr.restore(2, model=fresh, optimizer=fresh_opt)
+    assert [id(p) for p in fresh.parameters()] == params
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.parameters(), fresh.parameters()))
+    saved, restored = opt.state_dict(), fresh_opt.state_dict()
+    assert saved["param_groups"] == restored["param_groups"] and saved["state"].keys() == restored["state"].keys()
+    for i, s in saved["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v.cpu(), restored["state"][i][k].cpu()), (i, k)
+            assert restored["state"][i][k].device.type == ("cpu" if k == "step" else "tpu"), (i, k)

@@ -290,25 +290,11 @@ class CheckpointManager:
         """The state saved at `step` (default: the latest), verified.
 
         Without `template`, `model` or `optimizer`: `xlakit.load`'s result (CPU tensors; a
-        sharded step gives each rank its shard). With them: `xlakit.restore`'s (the
-        template's own tensors filled in place, any device, sharding kept; a module's
-        parameters in place, an optimizer's state created, filled and loaded);
-        `model=` and `optimizer=` are the template's entries "model" and "optimizer". A
-        "dcp" step needs a template and returns it. `options` go to the load
-        (`LoadOptions(strict=False)`: the template may hold part of the saved state,
-        e.g. the model without the optimizer).
-
-        Example:
-            >>> import torch, xlakit
-            >>> model = torch.nn.Linear(4, 2)
-            >>> opt = torch.optim.AdamW(model.parameters())
-            >>> model(torch.ones(1, 4)).sum().backward(); opt.step()
-            >>> with xlakit.CheckpointManager(getfixture("tmp_path")) as mgr:
-            ...     _ = mgr.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()})
-            ...     fresh = torch.nn.Linear(4, 2); fresh_opt = torch.optim.AdamW(fresh.parameters())
-            ...     _ = mgr.restore(1, model=fresh, optimizer=fresh_opt)
-            >>> torch.equal(fresh.weight, model.weight), fresh_opt.state_dict()["state"][0]["step"].item()
-            (True, 1.0)
+        sharded step gives each rank its shard). With them: `xlakit.restore`'s (tensors
+        filled in place, any device, sharding kept; an optimizer's state created, filled
+        and loaded); `model=` and `optimizer=` are the template's entries "model" and
+        "optimizer". A "dcp" step needs a template and returns it. `options` go to the
+        load (`LoadOptions(strict=False)`: the template may hold part of the saved state).
 
         Raises:
             FileNotFoundError: no committed step (or not this one); the steps found are named.

@@ -304,7 +304,7 @@ def _four_batches(tmp_path, device) -> tuple[dict, dict]:
 def test_restore_of_many_batches_reuses_one_buffer_without_torchs_use_count(tmp_path, monkeypatch, device):
     # Regression (issue 32): the arena waited for torch._C._storage_Use_Count to reach 1, which torch
     # 2.13 never reports (a fresh tensor counts 2): a state of more than one batch hung to the deadline.
-    from xlakit.checkpoint import restoring
+    from xlakit.checkpoint.file import restoring
 
     if device == "xla":
         import torch_xla
@@ -331,7 +331,7 @@ def test_a_batch_is_not_overwritten_while_a_copy_still_reads_it(tmp_path, monkey
     # a fake (CPU tensors have no such copy), each batch's host tensors released 0.2 s later by a thread.
     import threading
 
-    from xlakit.checkpoint import restoring
+    from xlakit.checkpoint.file import restoring
 
     state, template = _four_batches(tmp_path, "cpu")
     seen: dict[str, torch.Tensor] = {}

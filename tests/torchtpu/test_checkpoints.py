@@ -141,7 +141,7 @@ def test_restore_of_four_batches_in_place_and_into_cpu(tpu, tmp_path, monkeypatc
     # Regression (issue 32): the arena waited for torch._C._storage_Use_Count to reach 1, which torch 2.13
     # never reports (a fresh tensor counts 2): a restore of more than one batch timed out at stage 'copy'
     # (tpu) or 'verify' (cpu).
-    from xlakit.checkpoint import restoring
+    from xlakit.checkpoint.file import restoring
 
     state = {f"t{i}": torch.full((1 << 18,), float(i)).to(tpu) for i in range(4)}  # 1 MiB each
     xlakit.save(state, tmp_path / "c.pt")

@@ -290,11 +290,10 @@ class CheckpointManager:
         """The state saved at `step` (default: the latest), verified.
 
         Without `template`, `model` or `optimizer`: `xlakit.load`'s result (CPU tensors; a
-        sharded step gives each rank its shard). With them: `xlakit.restore`'s (tensors
-        filled in place, any device, sharding kept; an optimizer's state created, filled
-        and loaded); `model=` and `optimizer=` are the template's entries "model" and
-        "optimizer". A "dcp" step needs a template and returns it. `options` go to the
-        load (`LoadOptions(strict=False)`: the template may hold part of the saved state).
+        sharded step gives each rank its shard). With them: `xlakit.restore`'s (filled in
+        place; `model=`, `optimizer=` are the template's entries "model", "optimizer"). A
+        "dcp" step needs a template and returns it. `options` go to the load
+        (`LoadOptions(strict=False)`: the template may hold part of the saved state).
 
         Raises:
             FileNotFoundError: no committed step (or not this one); the steps found are named.
@@ -310,8 +309,8 @@ class CheckpointManager:
         if self.local is not None:  # each part from the fastest tier that holds it (tier_restore.py)
             return live.settle(self.local.restore(found, step, template, options, self.directory), objects)
         chosen = readonly.choose_step(found, step, self.directory, self._folder.step_path)
-        return live.settle(readonly.read_step(chosen, template, replicated=self._world > 1, options=options),
-                           objects)
+        state = readonly.read_step(chosen, template, replicated=self._world > 1, options=options)
+        return live.settle(state, objects)
 
     # -- preemption -------------------------------------------------------------------------------
     def install_preemption_handler(self, *, grace_s: float | None = None) -> None:

@@ -134,7 +134,11 @@ def _stdout_to_stderr() -> Iterator[None]:
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()
-    saved = os.dup(1)
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout to keep clean (a daemon's closed fd 1)
+        yield
+        return
     try:
         os.dup2(2, 1)
         with contextlib.redirect_stdout(sys.stderr):

@@ -54,6 +54,7 @@ $(SETUP_STAMP): VERSIONS.toml pyproject.toml setup.py
 	nodeps="$$($(XBR) --no-deps)"; test -z "$$nodeps" || $(VPY) -m pip install --no-deps $$nodeps
 	$(VPY) -m pip install -e '.[test]'
 	touch $@
+	$(if $(TORCHTPU),@$(VPY) -c 'from xlakit.runtime.torchtpu import setup_hint; print(setup_hint("$(VENV)"))')
 
 TEST_WORKERS ?= $(if $(TORCHTPU),,-n auto --maxprocesses 4 --dist loadfile)
 

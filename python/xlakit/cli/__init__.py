@@ -2,7 +2,12 @@
 
 Each area module exposes `add_parser(subparsers)` which registers its
 subcommand and sets `func(args) -> int`. Errors xlakit raises on purpose are
-printed as one line (no traceback) with exit status 2.
+printed as one line (no traceback) with exit status 2. Stdout is the report's:
+the commands that read files (`ckpt`, `cache`, `pjrt`) run with torch's
+device-backend autoload off, so torch imports no device backend (torch-tpu's
+import prints, and aborts a process without libtpu or TPU_LIBRARY_PATH), and
+the runtime's commands import torch with stdout sent to stderr
+(`runtime/torchtpu.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import sys
 
 from xlakit._version import describe
 from xlakit.errors import XlakitError
+from xlakit.runtime import torchtpu
 
 # Modules that define subcommands, in help order.
 _COMMAND_MODULES: tuple[str, ...] = (
@@ -21,6 +27,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "xlakit.cli.pjrt",
     "xlakit.cli.ckpt",
 )
+# The commands that need no device: no device backend is imported with torch while they run.
+_NO_DEVICE = frozenset({"cache", "pjrt", "ckpt"})
 
 
 class _Version(argparse.Action):
@@ -46,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.command in _NO_DEVICE:
+            with torchtpu.without_device_backends():
+                return int(args.func(args) or 0)
         return int(args.func(args) or 0)
     except XlakitError as e:
         print(f"xlakit {args.command}: {e}", file=sys.stderr)

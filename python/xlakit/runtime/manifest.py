@@ -41,7 +41,7 @@ def _short(rev: str | None) -> str | None:
 
 def _torch() -> dict[str, Any]:
     try:
-        import torch
+        torch = torchtpu.import_torch()  # what torch-tpu prints at its import goes to stderr: stdout is ours
     except Exception as e:  # a broken torch raises more than ImportError (OSError for a missing library)
         return {"version": None, "why_not": f"cannot import torch: {type(e).__name__}: {e}"}
     return {"version": torch.__version__, "git": torch.version.git_version}

@@ -23,8 +23,7 @@ LAYERS = [
     ("base", ["xlakit._C", "xlakit._version", "xlakit._knobs", "xlakit.errors"]),
     ("runtime", ["xlakit.runtime"]),
     # An operation (deadline, cancellation, its files) is what both the store and the entry points run under.
-    ("operation", ["xlakit.checkpoint.options", "xlakit.checkpoint.workers", "xlakit.checkpoint.operation",
-                   "xlakit.checkpoint.paths"]),
+    ("operation", ["xlakit.checkpoint.core"]),
     ("objstore", ["xlakit.checkpoint.objstore"]),
     # The compile cache's shared tier: the runtime's cache mirrored to a bucket through the store.
     ("cache tier", ["xlakit.cache_tier"]),

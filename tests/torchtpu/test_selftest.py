@@ -35,3 +35,19 @@ def test_selftest_on_torchtpu_passes_or_says_why_and_json_is_clean(tmp_path):
     assert "HBM figures need a TPU" in checks["memory"]["reason"]  # the CPU plugin keeps no statistics
     assert checks["checkpoint"]["details"]["device"] == "tpu:0"
     assert not list(tmp_path.glob("xlakit-selftest*"))  # its temporary folder removed (torch keeps its own there)
+
+
+@pytest.mark.multiproc
+def test_two_ranks_under_torchrun_on_torchtpu_pass_the_ranks_check(tmp_path):
+    # Regression (issue 32, found again by this check): xlakit.restore into CPU tensors waited for its deadline
+    # on torch 2.13, so the sharded save's restore of every rank timed out.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update(TMPDIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO / "python"), str(REPO)]))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "xlakit",
+                          "selftest", "--quick", "--checks", "ranks", "--report", str(tmp_path / "r.json")],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"r.rank{rank}.json").read_text())
+        ranks = {c["name"]: c for c in found["checks"]}["ranks"]
+        assert ranks["status"] == "pass" and ranks["details"]["sources"] == {"0": "peer", "1": "local"}, ranks

@@ -233,7 +233,7 @@ def _esc(path) -> str:
 
 setup(
     version=_stamp(),
-    package_data={"xlakit": ["_pins.toml", "_build.json", "*.pyi", "data/*.toml"]},
+    package_data={"xlakit": ["_pins.toml", "_build.json", "*.pyi", "data/*.toml", "selftest/*.json"]},
     ext_modules=[Extension("xlakit._C", sources=_ext_sources(), language="c++", py_limited_api=True)],
     cmdclass={"build_ext": NinjaBuildExt},
     options={

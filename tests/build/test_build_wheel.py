@@ -60,6 +60,7 @@ def test_the_sdist_builds_a_wheel_that_installs_into_a_fresh_venv_and_imports(tm
     assert "xlakit/_C.pyi" in names and "xlakit/_pins.toml" in names and "xlakit/_build.json" in names
     stamp = release.stamp_of(wheel)
     assert stamp["target"] == "host" and stamp["commit"] is None and "neither git nor" in stamp["why_not"], stamp
+    assert "xlakit/selftest/report.schema.json" in names  # `xlakit selftest --json`'s schema ships with it
     assert "xlakit/_lib/libxlakit_pjrt_wrap.so" in names  # the PJRT wrapper, prebuilt: no compiler on the user's host
 
     # The fresh venv must see only what the wheel installed: a PYTHONPATH
@@ -79,6 +80,7 @@ def test_the_sdist_builds_a_wheel_that_installs_into_a_fresh_venv_and_imports(tm
         " torch_xla_revision='c', patch_series_id='d');"
         "print(c.verify_entry(e)['status']);"
         "import xlakit.runtime.pjrt_wrap as w; s = w.status(); assert s['built'] and s['built_api'], s;"
+        "from xlakit.selftest import report; assert report.schema()['properties']['schema']['const'];"
         "assert w.library_path().is_relative_to(%r)" % (str(venv), str(venv))
     )
     out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=60, env=env)

@@ -26,6 +26,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "xlakit.cli.cache",
     "xlakit.cli.pjrt",
     "xlakit.cli.ckpt",
+    "xlakit.cli.selftest",
 )
 # The commands that need no device: no device backend is imported with torch while they run.
 _NO_DEVICE = frozenset({"cache", "pjrt", "ckpt"})

@@ -20,7 +20,7 @@ PACKAGE = REPO / "python" / "xlakit"
 
 # Layers, lowest first: a module may import its own layer and the ones before it, never a later one.
 LAYERS = [
-    ("base", ["xlakit._C", "xlakit._version", "xlakit._knobs", "xlakit.errors"]),
+    ("base", ["xlakit._C", "xlakit._version", "xlakit._knobs", "xlakit.errors", "xlakit._moved"]),
     ("runtime", ["xlakit.runtime"]),
     # An operation (deadline, cancellation, its files) is what both the store and the entry points run under.
     ("operation", ["xlakit.checkpoint.core"]),

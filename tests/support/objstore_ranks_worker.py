@@ -144,7 +144,8 @@ def _gone(pid: int) -> bool:
 def killat(url: str) -> None:
     import signal
 
-    from xlakit.checkpoint.multirank import agreement, bucket_ranks
+    from xlakit.checkpoint.coordination import agreement
+    from xlakit.checkpoint.multirank import bucket_ranks
 
     at = os.environ["XLAKIT_TEST_KILL_AT"]
     target = f"{url}/killat"

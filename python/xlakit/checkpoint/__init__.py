@@ -181,7 +181,8 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
 
 def _load_folder(folder: Path, opts: LoadOptions) -> Any:
     from xlakit.checkpoint.format import folders
-    from xlakit.checkpoint.multirank import agreement, ranks, replicas
+    from xlakit.checkpoint.coordination import agreement
+    from xlakit.checkpoint.multirank import ranks, replicas
 
     if replicas.is_replicated(folders.read_json_record(folder)):
         if opts.shard is not None:
@@ -273,7 +274,8 @@ def _restore_folder(folder: Path, template: Any, opts: LoadOptions) -> Any:
 
     from xlakit.checkpoint.file import restoring
     from xlakit.checkpoint.format import folders
-    from xlakit.checkpoint.multirank import agreement, ranks, replicas
+    from xlakit.checkpoint.coordination import agreement
+    from xlakit.checkpoint.multirank import ranks, replicas
 
     record = folders.read_json_record(folder)
     if replicas.is_replicated(record):
@@ -327,7 +329,7 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
             raise ValueError(f"{name} applies to xlakit.save, not to dcp_save (DCP folders are "
                              f"always sharded by rank and written synchronously)")
     from xlakit.checkpoint.file import background
-    from xlakit.checkpoint.multirank import agreement
+    from xlakit.checkpoint.coordination import agreement
 
     background.check_previous()
     objstore.check_url(path)
@@ -382,7 +384,7 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
                         ("shard", opts.shard is not None)):
         if given:
             raise ValueError(f"{name} applies to xlakit.load's files, not to DCP folders")
-    from xlakit.checkpoint.multirank import agreement
+    from xlakit.checkpoint.coordination import agreement
 
     objstore.check_url(path)
     if objstore.is_url(path):

@@ -41,7 +41,7 @@ from typing import Any
 
 from xlakit.checkpoint.file import background, loading, pipeline
 from xlakit.checkpoint.multirank import ranks
-from xlakit.checkpoint.multirank.agreement import Coordination, dist, world_size
+from xlakit.checkpoint.coordination.agreement import Coordination, dist, world_size
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.objstore import generations

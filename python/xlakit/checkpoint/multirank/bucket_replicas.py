@@ -20,7 +20,7 @@ from typing import Any
 
 from xlakit.checkpoint.file import bucket_file, pipeline
 from xlakit.checkpoint.multirank import bucket_ranks, replica_plan, replicas
-from xlakit.checkpoint.multirank.agreement import Coordination, world_size
+from xlakit.checkpoint.coordination.agreement import Coordination, world_size
 from xlakit.checkpoint.objstore.client import Location
 from xlakit.checkpoint.core.operation import Operation
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions

@@ -28,7 +28,7 @@ from typing import Any
 from xlakit.checkpoint.core import paths, workers
 from xlakit.checkpoint.file import background, loading, pipeline
 from xlakit.checkpoint.format import archive, folders
-from xlakit.checkpoint.multirank.agreement import Coordination
+from xlakit.checkpoint.coordination.agreement import Coordination
 from xlakit.checkpoint.core.operation import Operation, Watch, remove_path
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
 from xlakit.errors import CheckpointError, CheckpointIncompleteError, CheckpointPeerError, RuntimeFeatureError

@@ -36,7 +36,7 @@ from xlakit.checkpoint.core import paths
 from xlakit.checkpoint.file import loading, pipeline
 from xlakit.checkpoint.format import folders
 from xlakit.checkpoint.multirank import replica_plan
-from xlakit.checkpoint.multirank.agreement import Coordination, dist
+from xlakit.checkpoint.coordination.agreement import Coordination, dist
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.multirank.ranks import CoordinatedSave, _rename_shard, checked_part, shard_digest
@@ -181,7 +181,7 @@ def restore(folder: Path, template: Any, opts: LoadOptions, load_whole: Any = No
     """`xlakit.restore` of a replica-parallel checkpoint: loaded whole (in the job, each share read
     once and broadcast), then copied into the template as a plain file's state is; one deadline."""
     from xlakit.checkpoint.file import restoring
-    from xlakit.checkpoint.multirank.agreement import world_size
+    from xlakit.checkpoint.coordination.agreement import world_size
     from xlakit.checkpoint.file.matching import match
 
     start = time.monotonic()

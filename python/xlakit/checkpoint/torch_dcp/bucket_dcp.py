@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from xlakit.checkpoint.file import loading
 from xlakit.checkpoint.format import dcp_metadata
 from xlakit.checkpoint.torch_dcp import dcp, dcp_ranks
-from xlakit.checkpoint.multirank.agreement import Coordination, world_size
+from xlakit.checkpoint.coordination.agreement import Coordination, world_size
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.objstore import generations

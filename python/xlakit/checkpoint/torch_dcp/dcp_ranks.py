@@ -30,7 +30,7 @@ from pathlib import Path
 from xlakit.checkpoint.core import paths, workers
 from xlakit.checkpoint.format import folders
 from xlakit.checkpoint.torch_dcp import dcp
-from xlakit.checkpoint.multirank.agreement import Coordination
+from xlakit.checkpoint.coordination.agreement import Coordination
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
 from xlakit.errors import CheckpointError, CheckpointPeerError, CheckpointTimeoutError, RuntimeFeatureError

@@ -186,7 +186,7 @@ CHECKPOINT = "xlakit.checkpoint"
 # below checkpoint). ENTRY is the package's own __init__.py, the entry points: the layouts below
 # it are what it dispatches to; the manager and what `xlakit ckpt` reads call it.
 ENTRY = "(entry points)"
-CHECKPOINT_ORDER = ["core", "objstore", "format", "file", "coordination", "torch_dcp", "multirank",
+CHECKPOINT_ORDER = ["core", "objstore", "format", "store", "file", "coordination", "torch_dcp", "multirank",
                     ENTRY, "stepstore", "tier", "manager", "inspect"]
 MAX_SUBPACKAGE_MODULES = 12
 

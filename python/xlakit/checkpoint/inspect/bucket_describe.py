@@ -127,7 +127,7 @@ def read_state(url: str) -> tuple[Any, UrlKind]:
     if found.kind == DCP:
         from xlakit.checkpoint.inspect import tensors
 
-        bucket_dcp.verify(loc, record, opts)
+        bucket_file.verify(loc, record, opts)
         op = Operation("load", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED)
         read = lambda op: tensors.read_dcp(bucket_dcp.reader_for(op, loc, record, safe_metadata=True), loc.url)  # noqa: E731
         return op.run(read), found

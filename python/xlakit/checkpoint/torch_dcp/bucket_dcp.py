@@ -20,7 +20,7 @@ group) and votes with their sizes and hashes, and rank 0 checks that every
 voted file is in the bucket with its size, then creates the record at the
 agreed commit point: once every rank voted, never after one gave up. A load
 reads the generation rank 0 names; each rank first verifies its share of the
-files against the record (`verify`), then DCP reads and reshards.
+files against the record (`store.bucket.verify_object`), then DCP reads and reshards.
 """
 
 from __future__ import annotations
@@ -31,28 +31,25 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
-import xxhash
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
-from xlakit.checkpoint.file import loading
-from xlakit.checkpoint.format import dcp_metadata
-from xlakit.checkpoint.torch_dcp import dcp, dcp_ranks
 from xlakit.checkpoint.coordination.agreement import Coordination, world_size
+from xlakit.checkpoint.core import workers
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
+from xlakit.checkpoint.format import dcp_metadata
 from xlakit.checkpoint.objstore import generations
-from xlakit.checkpoint.core import workers
-from xlakit.checkpoint.file import bucket_file
 from xlakit.checkpoint.objstore.client import Location, Store, store_for
-from xlakit.checkpoint.objstore.reader import CHUNK_BYTES, PARALLEL, ObjectFile
+from xlakit.checkpoint.objstore.reader import ObjectFile
 from xlakit.checkpoint.objstore.upload import Upload
-from xlakit.errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
+from xlakit.checkpoint.store import bucket
+from xlakit.checkpoint.torch_dcp import dcp, dcp_ranks
+from xlakit.errors import CheckpointError, CheckpointIncompleteError
 
 KIND = "dcp"
 SUFFIX = ".dcp"
 _READ_BUFFER = 1 << 20  # torch.load reads a record's header in small pieces
-_VERIFY_BYTES = 4 * CHUNK_BYTES
 
 
 class _Stream(io.RawIOBase):
@@ -236,10 +233,10 @@ def save(state: dict, url: str, opts: SaveOptions) -> None:
             _check_present(op, store, loc, root, entries)
             record = {"kind": KIND, "generation": chosen["generation"], "operation": chosen["operation"],
                       "folder": chosen["folder"], "objects": entries}
-            bucket_file.commit(op, store, loc, record, [generations.Leftover(store, loc.child(n)) for n in entries])
+            bucket.commit_record(op, store, loc, record, [generations.Leftover(store, loc.child(n)) for n in entries])
             if coord is not None:
                 coord.finish({"ok": True})
-            bucket_file.tidy_after(op, store, loc, record)
+            bucket.tidy_after(op, store, loc, record)
 
     try:
         op.run(work)
@@ -284,7 +281,7 @@ def load(state: dict, url: str, opts: LoadOptions) -> None:
             op.bytes_total = sum(e["nbytes"] for e in objects.values())
             if opts.verify:  # each rank checks its share of the files
                 for name in sorted(objects)[rank::world]:
-                    verify_object(op, store, loc, name, objects[name])
+                    bucket.verify_object(op, store, loc, name, objects[name])
             if coord is not None:
                 coord.vote({}, "verified")
                 coord.votes(op, "verified")
@@ -299,35 +296,3 @@ def load(state: dict, url: str, opts: LoadOptions) -> None:
     finally:
         if coord is not None:
             coord.close()
-
-
-def verify(loc: Location, record: dict, opts: LoadOptions) -> None:
-    """Every file of the DCP checkpoint `record` (a commit record at `loc`) read and checked."""
-    store = store_for(loc)
-    op = Operation("verify", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED,
-                   bytes_total=sum(e["nbytes"] for e in record["objects"].values()))
-    op.run(lambda op: [verify_object(op, store, loc, n, e) for n, e in sorted(record["objects"].items())])
-
-
-def verify_object(op: Operation, store: Store, loc: Location, name: str, expected: dict) -> None:
-    """Read the object `name` whole and check its size and xxh3-64 against its commit record entry."""
-    op.enter("verify", name)
-    obj = loc.child(name)
-    try:
-        size = store.size(op, obj)
-    except FileNotFoundError as e:
-        raise bucket_file.replaced_error(loc, name) from e
-    h, n = xxhash.xxh3_64(), 0
-    buffer = memoryview(bytearray(max(min(size, _VERIFY_BYTES), 1)))
-    while n < size:
-        got = store.get_into(op, obj, n, buffer[:min(len(buffer), size - n)], chunk_bytes=CHUNK_BYTES,
-                             parallel=PARALLEL)
-        if got == 0:
-            break  # shorter than it was a moment ago
-        h.update(buffer[:got])
-        n += got
-        op.advance(got)
-    if n != expected["nbytes"] or h.hexdigest() != expected["xxh3_64"]:
-        raise CheckpointCorruptError(f"{obj}: expected {expected['nbytes']} bytes with xxh3_64 "
-                                     f"{expected['xxh3_64']}, found {n} bytes with {h.hexdigest()}; the object "
-                                     f"or its commit record was changed or damaged after the save committed")

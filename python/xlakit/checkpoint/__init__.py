@@ -320,21 +320,10 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
             raise ValueError(f"{name} applies to xlakit.save, not to dcp_save (DCP folders are "
                              f"always sharded by rank and written synchronously)")
     from xlakit.checkpoint.file import background
-    from xlakit.checkpoint.coordination import agreement
+    from xlakit.checkpoint.torch_dcp import dcp_ranks
 
     background.check_previous()
-    objstore.check_url(path)
-    if objstore.is_url(path):
-        from xlakit.checkpoint.torch_dcp import bucket_dcp
-
-        return bucket_dcp.save(state, path, opts)
-    if agreement.world_size() > 1:
-        from xlakit.checkpoint.torch_dcp import dcp_ranks
-
-        return dcp_ranks.save(state, Path(path), opts)
-    from xlakit.checkpoint.torch_dcp import dcp
-
-    dcp.save(state, Path(path), opts)
+    dcp_ranks.save(state, _dcp_store(path), opts)  # alone or on every rank, on disk or in a bucket
     return None
 
 
@@ -375,21 +364,22 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
                         ("shard", opts.shard is not None)):
         if given:
             raise ValueError(f"{name} applies to xlakit.load's files, not to DCP folders")
-    from xlakit.checkpoint.coordination import agreement
+    from xlakit.checkpoint.torch_dcp import dcp_ranks
 
+    dcp_ranks.load(state, _dcp_store(path), opts)
+    return None
+
+
+def _dcp_store(path: str | os.PathLike):
+    """Where a DCP checkpoint is: a folder, or a generation of a URL."""
     objstore.check_url(path)
     if objstore.is_url(path):
         from xlakit.checkpoint.torch_dcp import bucket_dcp
 
-        return bucket_dcp.load(state, path, opts)
-    if agreement.world_size() > 1:
-        from xlakit.checkpoint.torch_dcp import dcp_ranks
-
-        return dcp_ranks.load(state, Path(path), opts)
+        return bucket_dcp.BucketDcp(path)
     from xlakit.checkpoint.torch_dcp import dcp
 
-    dcp.load(state, Path(path), opts)
-    return None
+    return dcp.LocalDcp(Path(path))
 
 
 def wait_until_idle(timeout_s: float | None = None) -> bool:

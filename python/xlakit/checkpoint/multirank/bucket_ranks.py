@@ -101,9 +101,9 @@ def restore(url: str, template: Any, opts: LoadOptions) -> Any:
     loc = Location.parse(url)
     record = bucket_file.peek(loc, opts)
     if record.get("kind") == "dcp":
-        from xlakit.checkpoint.torch_dcp import bucket_dcp
+        from xlakit.checkpoint.torch_dcp import bucket_dcp, dcp_ranks
 
-        bucket_dcp.load(template, loc.url, dataclasses.replace(opts, shard=None, layout="auto"))
+        dcp_ranks.load(template, bucket_dcp.BucketDcp(loc.url), dataclasses.replace(opts, shard=None, layout="auto"))
         return template
     shard = opts.shard
     if shard is None and record.get("kind") == SHARDED and world_size() > 1:

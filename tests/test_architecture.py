@@ -243,3 +243,16 @@ def test_the_subpackage_order_check_sees_an_upward_import():
     assert _upward_subpackage_imports(graph) == [
         "xlakit.checkpoint.core.options (core) imports xlakit.checkpoint.file.pipeline (file)",
         f"xlakit.checkpoint.multirank.ranks (multirank) imports xlakit.checkpoint ({ENTRY})"]
+
+
+def test_the_architecture_map_draws_checkpoint_subpackages_in_their_order():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    tree = text[text.index("\n  checkpoint/\n") + 1:]
+    drawn = []
+    for line in tree.splitlines()[1:]:
+        if line.startswith("  ") and not line.startswith("    "):
+            break  # the next top-level folder
+        name = line[4:].split(" ", 1)[0] if line.startswith("    ") and not line.startswith("     ") else ""
+        if name:
+            drawn.append(ENTRY if name == "__init__.py" else name.rstrip("/"))
+    assert drawn == CHECKPOINT_ORDER

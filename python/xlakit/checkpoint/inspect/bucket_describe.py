@@ -2,6 +2,9 @@
 `describe.kind_of` and `tensors.read_state`.
 
 The object-storage sibling of `describe.py` (and of `tensors.read_state`); `xlakit ckpt` hands a URL here.
+It stays a sibling: a path is told apart by its files (a zip's magic, a folder's commit record,
+a step record) and read through memory maps, a URL by its newest commit record's kind and read
+through the loads of its layout.
 
 A URL is one of:
 

@@ -14,13 +14,11 @@ parts committed by the rename of its commit record.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import secrets
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +26,6 @@ from xlakit.checkpoint.core import paths
 from xlakit.checkpoint.core.operation import remove_path
 from xlakit.checkpoint.format import archive, folders
 from xlakit.checkpoint.store.base import FILE, Destination, Parts
-from xlakit.errors import CheckpointError
 
 if TYPE_CHECKING:
     from xlakit.checkpoint.core.operation import Operation
@@ -85,14 +82,8 @@ class LocalPart:
 class _Local(Destination):
     target: Path
 
-    @contextlib.contextmanager
-    def writing(self, op: "Operation") -> Iterator[None]:
-        try:
-            yield
-        except OSError as e:
-            if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
-                raise
-            raise paths.write_error(e, self.target, stage=op.stage, bytes_done=op.bytes_done) from e
+    def writing(self, op: "Operation"):
+        return paths.writing(self.target, op)
 
 
 class LocalFile(_Local):

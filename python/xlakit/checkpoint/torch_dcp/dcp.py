@@ -253,14 +253,8 @@ class LocalDcp(DcpStore):
         folders.write_commit_record(self.tmp, entries)
         commit_folder(op, self.tmp, self.final)
 
-    @contextlib.contextmanager
-    def writing(self, op: Operation) -> Iterator[None]:
-        try:
-            yield
-        except OSError as e:
-            if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
-                raise
-            raise paths.write_error(e, self.final, stage=op.stage, bytes_done=op.bytes_done) from e
+    def writing(self, op: Operation):
+        return paths.writing(self.final, op)
 
     def files(self, op: Operation, pinned: dict) -> dict[str, dict]:
         return folders.read_commit_record(self.final)["files"]

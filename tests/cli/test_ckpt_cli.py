@@ -635,3 +635,17 @@ def test_help_documents_the_exit_codes(capsys):
     with pytest.raises(SystemExit):
         cli.main(["ckpt", "verify", "--help"])
     assert "exit codes: 0 success; 1 verify found damage" in capsys.readouterr().out
+
+
+def test_verify_calls_a_file_damaged_only_from_its_checksums_never_from_a_failed_import(tmp_path):
+    # Regression (issue 32): where importing torch failed (TorchTPU's native check), `ckpt verify`
+    # exited 1, its "damaged" status, on a good file. A failed import is an error (2), named.
+    xlakit.save({"w": torch.ones(4)}, tmp_path / "c.pt")
+    broken = tmp_path / "broken" / "torch"  # a fake: a torch whose import fails
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('this torch cannot be imported')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "broken"), str(REPO / "python")]))
+    done = subprocess.run([sys.executable, "-m", "xlakit", "ckpt", "verify", str(tmp_path / "c.pt")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "this torch cannot be imported" in done.stderr, done
+    assert "DAMAGED" not in done.stdout

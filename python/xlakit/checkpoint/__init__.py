@@ -191,15 +191,21 @@ def _load_folder(folder: Path, opts: LoadOptions) -> Any:
     return ranks.load(folder, opts)
 
 
-def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | None = None,
-            **overrides: Any) -> Any:
+def restore(path: str | os.PathLike, template: Any = None, *, model: Any = None, optimizer: Any = None,
+            options: LoadOptions | None = None, **overrides: Any) -> Any:
     """Restore a checkpoint into the tensors of `template`, in place, on their devices.
 
     The fast way to resume: each tensor of `template` (a state dict as your model
-    and optimizer have it now: on the CPU, a CUDA device or an XLA device, SPMD-sharded
-    or not) receives the saved values where it is, keeping its device, dtype and
-    sharding. The file is read once, record by record, each hashed as it is read,
-    in batches of at most ``max_inflight_bytes`` that go to their devices (one
+    and optimizer have it now: on the CPU, a CUDA, XLA or TorchTPU device,
+    SPMD-sharded or not) receives the saved values where it is, keeping its
+    device, dtype and sharding. The template may hold the live model and
+    optimizer themselves (or pass them as ``model=`` / ``optimizer=``): the
+    module's parameters and buffers are filled in place, and the optimizer's state
+    (AdamW's moments, SGD's momentum buffers) is created if it has none yet, filled
+    on its devices and loaded with the saved hyper-parameters.
+
+    The file is read once, record by record, each hashed as it is read, in
+    batches of at most ``max_inflight_bytes`` that go to their devices (one
     batched host-to-device transfer per batch on XLA) before the next is read, so
     the host never holds more than one batch. Every difference between checkpoint
     and template (missing or extra keys, shapes, dtypes, tied template tensors the
@@ -212,9 +218,12 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
             shard with ``shard=N`` (inside the job, this rank's by default); a DCP folder
             is restored through `dcp_load`. Any of these by its
             ``gs://`` / ``s3://`` URL.
-        template: the state to fill, e.g. ``{"model": model.state_dict(),
-            "optimizer": opt.state_dict()}`` (an optimizer needs state to receive it:
-            take a step, or restore only the model with ``strict=False``).
+        template: the state to fill, e.g. ``{"model": model, "optimizer": opt,
+            "epoch": 0}``: state dicts, tensors and plain values, where any
+            `torch.nn.Module` or `torch.optim.Optimizer` stands for its state dict
+            (an optimizer's created first if it has none).
+        model: the entry ``"model"`` of the template (a module, or a state dict).
+        optimizer: the entry ``"optimizer"`` of the template (an optimizer, or a state dict).
         options: a `LoadOptions` (``mmap`` does not apply); keyword overrides win.
             ``strict=False`` restores part of a checkpoint: its entries the template
             lacks are skipped (not read, not in the result), logged and passed to
@@ -223,7 +232,9 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     Returns:
         The restored state: the checkpoint's structure with the template's own tensors
         (filled in place) and the checkpoint's other values (step counters, learning
-        rates), e.g. for ``opt.load_state_dict(state["optimizer"])``.
+        rates); a module's or optimizer's entry is its restored state dict (an
+        optimizer has loaded it already; a template of state dicts needs
+        ``opt.load_state_dict(state["optimizer"])``).
 
     Raises:
         CheckpointMismatchError: the checkpoint does not fit the template (`.problems`
@@ -241,12 +252,22 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
         >>> xlakit.restore(p, template, strict=False)["step"], template["w"]
         (7, tensor([1., 1.]))
     """
-    from xlakit.checkpoint.file import restoring
+    from xlakit.checkpoint.file import live
 
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
     if opts.mmap:
         raise ValueError("mmap does not apply to restore: the values go into the template's own memory")
     objstore.check_url(path)
+    template, objects = live.template_of(template, model=model, optimizer=optimizer)
+    if template is None:
+        raise TypeError("restore needs something to fill: a template, model= or optimizer= (xlakit.load "
+                        "reads a checkpoint without one)")
+    return live.settle(_restore(path, template, opts), objects)
+
+
+def _restore(path: str | os.PathLike, template: Any, opts: LoadOptions) -> Any:
+    from xlakit.checkpoint.file import restoring
+
     if objstore.is_url(path):
         from xlakit.checkpoint.multirank import bucket_replicas
 

@@ -135,7 +135,8 @@ def match(saved: Any, template: Any, path: Path, opts: LoadOptions,
                                       f"difference(s)); nothing was changed:\n  - {shown}",
                                       problems=problems)
         err.add_note("Build the template like the state that was saved (same model and optimizer "
-                     "configuration; an optimizer must have taken a step to have state), restore part "
+                     "configuration; pass the optimizer itself, e.g. optimizer=opt, rather than the "
+                     "state_dict() of one that has not stepped yet, which has no state), restore part "
                      "of it with strict=False (the checkpoint's entries the template lacks are then "
                      "skipped), or load the checkpoint with xlakit.load and pick what you need.")
         raise err

@@ -25,7 +25,9 @@ they are loaded to the host whole, then copied the same way.
 
 from __future__ import annotations
 
-import time
+import ctypes
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -123,28 +125,38 @@ def _batches(targets: list[Target], index: dict, cap: int) -> list[list[Target]]
 class Arena:
     """One reused host buffer for a batch's records: touched once, not once per batch.
 
-    A host-to-device transfer may still read the previous batch from it after the
-    call returned (torch_xla keeps the source alive until the transfer completes):
-    the buffer is reused only once nothing but the arena holds it.
+    A host-to-device transfer may still read a batch after the call that issued it
+    returned (torch_xla's keeps its source tensor until the transfer completes). So
+    each batch is lent out as a storage of its own over the buffer
+    (`torch.frombuffer` of an object xlakit made, which that storage holds until
+    its last user, the transfer included, lets go), and the buffer is reused only
+    once that object was freed: xlakit's own record of its copies, not a reference
+    counter of torch's (whose values changed between torch releases).
     """
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._returned = threading.Event()
+        self._returned.set()
 
     def fit(self, nbytes: int, op: Operation) -> torch.Tensor:
-        if self.buffer.numel() < nbytes or not self._released(op):
+        """A host tensor of `nbytes` bytes over the buffer, once the previous batch's copies are done."""
+        self._wait_returned(op)
+        if self.buffer.numel() < nbytes:
             self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
             self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self.buffer
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        lent = (ctypes.c_uint8 * nbytes).from_address(self.buffer.data_ptr())
+        lent.buffer = self.buffer  # the memory outlives the arena while a copy still reads it
+        returned = threading.Event()
+        weakref.finalize(lent, returned.set)
+        self._returned = returned
+        return torch.frombuffer(lent, dtype=torch.uint8)
 
-    def _released(self, op: Operation) -> bool:
-        use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: without it, no reuse
-        if use_count is None:
-            return False
-        while use_count(self.buffer.untyped_storage()._cdata) > 1:
-            op.check()
-            time.sleep(0.001)
-        return True
+    def _wait_returned(self, op: Operation) -> None:
+        while not self._returned.wait(0.01):
+            op.check()  # the deadline: the owner cancels; what is in flight is named by the stage
 
 
 def _restore_batch(op: Operation, reader: loading.RecordReader, index: dict, batch: list[Target],

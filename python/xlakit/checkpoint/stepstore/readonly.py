@@ -137,24 +137,29 @@ class ReadOnlyCheckpointManager:
         """The metrics recorded with committed step `step`."""
         return choose_step(self._scan(), step, self.directory, self._folder.step_path).metrics
 
-    def restore(self, step: int | None = None, *, template: Any = None, shard: int | None = None,
-                options: LoadOptions | None = None) -> Any:
+    def restore(self, step: int | None = None, *, template: Any = None, model: Any = None,
+                optimizer: Any = None, shard: int | None = None, options: LoadOptions | None = None) -> Any:
         """The state saved at `step` (default: the latest), verified; as `CheckpointManager.restore`.
 
-        With `template`, its tensors are filled in place (`xlakit.restore`); a "dcp" step
-        needs one. `shard=N` reads one shard of a "sharded" step; `options` as for
-        `xlakit.restore` (e.g. `LoadOptions(strict=False)` to restore part of the state). The latest step is read
-        even while retention deletes it: the reader moves on to the new latest.
+        With `template`, its tensors are filled in place (`xlakit.restore`; `model=` and
+        `optimizer=` are its entries "model" and "optimizer", live objects filled as
+        `xlakit.restore` fills them); a "dcp" step needs one. `shard=N` reads one shard
+        of a "sharded" step; `options` as for `xlakit.restore` (e.g.
+        `LoadOptions(strict=False)` to restore part of the state). The latest step is
+        read even while retention deletes it: the reader moves on to the new latest.
 
         Raises:
             FileNotFoundError: no committed step (or not this one), or this step was deleted
                 by the writer's retention while it was read; the steps committed now are named.
             CheckpointIncompleteError: `step` was never committed (an interrupted save).
         """
+        from xlakit.checkpoint.file import live
+
+        template, objects = live.template_of(template, model=model, optimizer=optimizer)
         for _ in range(_ATTEMPTS):
             chosen = choose_step(self._scan(), step, self.directory, self._folder.step_path)
             try:
-                return read_step(chosen, template, shard=shard, options=options)
+                return live.settle(read_step(chosen, template, shard=shard, options=options), objects)
             except Exception as e:  # noqa: BLE001 - raised again unless retention took the step
                 found = self._scan()
                 if chosen.step in found.committed:

@@ -62,6 +62,11 @@ class LocalPart:
         op.enter("open")
         self.f = open(self.tmp, "xb")
 
+    @property
+    def name(self) -> str:
+        """The temporary file's name, as the file object's."""
+        return self.f.name
+
     def write(self, data) -> int:
         return self.f.write(data)
 

@@ -74,8 +74,10 @@ ifneq ($(TORCHTPU),)
 	$(VPY) bench/bench_torchtpu.py $(BENCH_ARGS)
 else
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_save.py $(BENCH_ARGS)
+	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_overlap.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_async.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_load.py
+	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_read_once.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_compile.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_cache_tier.py
 	PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(VPY) bench/bench_objstore.py

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 import threading
@@ -88,3 +89,11 @@ def best_of_rounds(measure, methods: list[str], rounds: int, on_row=None) -> lis
             if on_row is not None:
                 on_row(row)
     return [dict(best[m], walls_s=walls[m], rounds=rounds) for m in methods]
+
+
+def report(table: str, rows: list[dict], json_path: str | None) -> int:
+    """Print a benchmark's table; write its rows as JSON too where asked. The exit status."""
+    print(table)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+    return 0

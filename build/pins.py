@@ -86,9 +86,11 @@ def requirements(name: str, data: dict | None = None, *, no_deps: bool = False) 
 
 
 def test_tool_requirements(data: dict | None = None) -> list[str]:
-    """pip requirement lines (exact pins) for the PJRT wrapper's test plugins and the framework driving them."""
+    """pip requirement lines (exact pins) for the PJRT wrapper's test plugins and the framework driving them,
+    and for the peers `make bench` measures xlakit against."""
     data = data if data is not None else load()
-    return [f"{pkg}=={version}" for pkg, version in data.get("pjrt_wrap", {}).get("test_packages", {}).items()]
+    tools = {**data.get("pjrt_wrap", {}).get("test_packages", {}), **data.get("bench", {}).get("packages", {})}
+    return [f"{pkg}=={version}" for pkg, version in tools.items()]
 
 
 def wheel_tools(data: dict | None = None) -> dict[str, str]:

@@ -245,7 +245,8 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("requirements", help="print pip requirement lines for a profile")
     r.add_argument("--profile", default="cpu-dev")
     r.add_argument("--test-tools", action="store_true",
-                   help="add the PJRT wrapper's test plugins and framework (VERSIONS.toml [pjrt_wrap.test_packages])")
+                   help="add the PJRT wrapper's test plugins and framework (VERSIONS.toml [pjrt_wrap.test_packages]) "
+                        "and the bench's peers ([bench.packages])")
     r.add_argument("--no-deps", action="store_true",
                    help="only the profile's `no_deps` packages, for a second `pip install --no-deps`")
     r.set_defaults(func=cmd_requirements)

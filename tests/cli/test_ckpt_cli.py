@@ -292,6 +292,16 @@ def test_verify_passes_intact_checkpoints_of_every_kind(files, sharded, tmp_path
         assert data["kind"] == ("step" if path.name == "1" else kind)
 
 
+def test_verify_json_says_what_it_read_each_byte_once(tmp_path, capsys):
+    state = {f"big{i}": torch.full((1 << 18,), float(i)) for i in range(3)}
+    state.update({f"small{i}": torch.full((256,), float(i)) for i in range(3)})
+    xlakit.save(state, tmp_path / "f.pt")
+    code, data = ckpt_json(capsys, "verify", tmp_path / "f.pt")
+    size = (tmp_path / "f.pt").stat().st_size
+    assert code == 0 and 0 < data["read_requests"], data
+    assert sum(t.numel() * 4 for t in state.values()) <= data["read_bytes"] <= size, (data, size)
+
+
 def test_verify_names_the_first_bad_tensor_and_exits_1(files, capsys):
     flip_byte(files["xlakit"], storage_offset(files["xlakit"], "model/b") + 3)
     code, data = ckpt_json(capsys, "verify", files["xlakit"])

@@ -132,3 +132,20 @@ def test_an_old_single_object_replicated_checkpoint_still_loads_from_a_bucket(bu
     for rank, r in results.items():
         assert r.get("digest") == r.get("expected"), (rank, r)
     assert replica_state.digest(xlakit.load(url + "-old.pt")) == replica_state.digest(replica_state.state(3))
+
+
+def _read_once(results: dict[int, dict], slack: int) -> None:
+    for rank, r in results.items():
+        assert r.get("bit_exact"), (rank, r)
+        assert r["bytes_read"] <= r["share_bytes"] + slack, (rank, r)
+
+
+def test_a_broadcast_restore_reads_each_share_once_on_disk(tmp_path):
+    # Regression (issue 35): a broadcast restore of 2 MiB shares read each share about twice.
+    _read_once(run_ranks("read-once", tmp_path), 0)
+
+
+@pytest.mark.slow
+def test_a_broadcast_restore_downloads_each_share_once_from_a_bucket(bucket, tmp_path):
+    # Regression (issue 35): the same, on gs:// and s3://; the commit records it reads are small.
+    _read_once(run_ranks("read-once", tmp_path, env={"XLAKIT_TEST_TARGET": f"{bucket}/run"}), 64 << 10)

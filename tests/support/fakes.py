@@ -16,9 +16,10 @@ from xlakit.checkpoint.file.transfer import HostTransfer
 
 
 class FakeSlowDevice(HostTransfer):
-    """Each batch takes `delay_s` to reach the host."""
+    """Each batch takes `delay_s` to reach the host (a copy, as a device's: overlapped with the write)."""
 
     name = "fake-slow"
+    copies = True
 
     def __init__(self, delay_s: float):
         self.delay_s = delay_s
@@ -32,6 +33,7 @@ class FakeHungDevice(HostTransfer):
     """A device whose sync or device-to-host copy never returns until `release()`."""
 
     name = "fake-hung"
+    copies = True
 
     def __init__(self, *, hang_in: str = "transfer"):
         assert hang_in in ("sync", "transfer")

@@ -46,9 +46,9 @@ def _count_reads() -> list[str]:
 
     read, real_file, real_object = [], loading.read_file, bucket_file.read_object
 
-    def counting_file(op, path, opts):
+    def counting_file(op, path, opts, *check):
         read.append(Path(path).name)
-        return real_file(op, path, opts)
+        return real_file(op, path, opts, *check)
 
     def counting_object(op, store, loc, name, entry, opts):
         read.append(name)
@@ -109,9 +109,34 @@ def load_only(target: str) -> dict:
             "expected": replica_state.digest(replica_state.state(2))}
 
 
+def read_once(target: str) -> dict:
+    """A replica-parallel checkpoint of one 2 MiB tensor per share, restored (broadcast) in the job:
+    the bytes this rank read, counted where they came in (`load_stats`), and its share's size."""
+    from xlakit.checkpoint.core import load_stats
+    from xlakit.checkpoint.multirank import replicas
+
+    state = {f"layer{r}": torch.full((1 << 19,), float(r)) for r in range(WORLD)}
+    xlakit.save(state, target, layout="replicated", replica_parallel=True, timeout_s=60)
+    template = {k: torch.zeros_like(v) for k, v in state.items()}
+    with load_stats.collecting() as stats:
+        xlakit.restore(target, template)
+    if "://" in target:
+        from xlakit.checkpoint.file import bucket_file
+        from xlakit.checkpoint.objstore.client import Location
+
+        record = bucket_file.peek(Location.parse(target), xlakit.LoadOptions())
+        share = record["objects"][record["shares"][RANK]]["nbytes"]
+    else:
+        share = replicas.read_record(Path(target))["shares"][RANK]["bytes"]
+    return {"rank": RANK, "bytes_read": stats.bytes_read, "requests": stats.requests, "share_bytes": share,
+            "bit_exact": all(torch.equal(template[k], v) for k, v in state.items())}
+
+
 def run(scenario: str, folder: Path) -> dict:
     out: dict = {"rank": RANK}
     target = os.environ.get("XLAKIT_TEST_TARGET") or str(folder / "ckpt")
+    if scenario == "read-once":
+        return read_once(target)
     if scenario == "manager":
         return manager(target)
     if scenario == "manager-2-dies":

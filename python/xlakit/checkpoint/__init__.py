@@ -305,7 +305,8 @@ def _restore_folder(folder: Path, template: Any, opts: LoadOptions) -> Any:
             raise ValueError(f"{folder} is a sharded checkpoint: pass shard=N (inside the job that "
                              f"wrote it, each rank restores its own shard)")
         shard = agreement.dist().get_rank()
-    return restoring.restore(ranks.shard_path(folder, commit, shard, opts), template, opts)
+    path, check_index = ranks.shard_path(folder, commit, shard)
+    return restoring.restore(path, template, opts, check_index)
 
 
 def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | None = None,

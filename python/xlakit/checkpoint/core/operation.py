@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from xlakit.checkpoint.core import workers
+from xlakit.checkpoint.core.load_stats import LoadStats
+from xlakit.checkpoint.core.stage_clock import StageClock
 from xlakit.checkpoint.core.options import LoadOptions, Progress, ProgressCallback, SaveOptions
 from xlakit.errors import CheckpointTimeoutError
 
@@ -131,6 +133,8 @@ class Operation:
         self.stage, self.tensor = "start", None
         self.object: str | None = None  # the object-storage object a request is in flight for
         self.bytes_done, self.bytes_total = 0, bytes_total
+        self.stats = LoadStats()  # what a load read, counted where the bytes come in
+        self.clock = StageClock()  # a save's transfer and write seconds, and their overlap
         self.last_progress = self.started
         self.background = False  # an asynchronous save's write: waited for at exit
         self.done = threading.Event()
@@ -154,7 +158,7 @@ class Operation:
 
     def progress(self) -> Progress:
         return Progress(self.path, self.stage, self.tensor, self.bytes_done, self.bytes_total,
-                        time.monotonic() - self.started)
+                        time.monotonic() - self.started, *self.clock.seconds())
 
     def describe(self) -> str:
         where = f"stage {self.stage!r}" + (f", tensor {self.tensor!r}" if self.tensor else "")

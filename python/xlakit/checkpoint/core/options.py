@@ -21,7 +21,12 @@ from xlakit import _knobs
 
 @dataclass(frozen=True)
 class Progress:
-    """A snapshot of a running save or load, passed to `progress_callback`."""
+    """A snapshot of a running save or load, passed to `progress_callback`.
+
+    A save also reports its parts: `transfer_s` (copying storages to the host), `write_s`
+    (hashing and writing them) and `overlap_s` (both at once: an overlapped save copies the next
+    batch while it writes this one), each counting the batches done so far.
+    """
 
     path: str
     stage: str
@@ -29,6 +34,9 @@ class Progress:
     bytes_done: int
     bytes_total: int
     elapsed_s: float
+    transfer_s: float = 0.0
+    write_s: float = 0.0
+    overlap_s: float = 0.0
 
     @property
     def rate_bytes_per_s(self) -> float:

@@ -16,11 +16,13 @@ every page read once, before any tensor maps the file).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import mmap
 import os
 import pickle
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -28,6 +30,7 @@ import torch
 import xxhash
 
 from xlakit.checkpoint.format import archive, structure
+from xlakit.checkpoint.core.load_stats import CountedFile
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.workers import collection_paused
 from xlakit.checkpoint.core.options import LoadOptions
@@ -38,31 +41,40 @@ log = logging.getLogger("xlakit")
 NOTHING_CHANGED = "nothing on disk was changed"
 SMALL = 64 << 10  # records below this are read through the window
 _WINDOW = 4 << 20
+_GAP = 512  # the most bytes between two records a window reads over: zip headers and descriptors
 _from_buffer = torch.UntypedStorage.from_buffer
 _hexdigest = xxhash.xxh3_64_hexdigest  # archive.digest, without a Python call around it
 _memmove = ctypes.memmove
 
 
-def load_file(final: Path, opts: LoadOptions) -> Any:
+CheckIndex = Callable[[dict], None]  # raises when an index is not the one expected (a folder's part)
+
+
+def load_file(final: Path, opts: LoadOptions, check_index: CheckIndex | None = None) -> Any:
     """Load and verify one checkpoint file in this process."""
     if not final.is_file():
         raise FileNotFoundError(2, f"no checkpoint at {final}", str(final))
     op = Operation("load", final, Watch.of(opts), bytes_total=final.stat().st_size,
                    untouched=NOTHING_CHANGED)
     with collection_paused():
-        return op.run(lambda op: read_file(op, final, opts))
+        return op.run(lambda op: read_file(op, final, opts, check_index))
 
 
-def read_file(op: Operation, path: Path, opts: LoadOptions) -> Any:
-    """Verify (if asked) and read `path` as part of `op`."""
+def read_file(op: Operation, path: Path, opts: LoadOptions, check_index: CheckIndex | None = None) -> Any:
+    """Verify (if asked) and read `path` as part of `op`; with `verify`, `check_index(index)` first
+    (a part of a folder checkpoint: the index the commit record names), on the index read for the load."""
     if not opts.mmap:
-        with open(path, "rb", buffering=0) as f:
+        with CountedFile(path, op.stats) as f:
             found = open_index(f, path)
             if found is not None:
+                if opts.verify and check_index is not None:
+                    check_index(found)
                 return read_records(op, f, path, found, opts.verify)
     if opts.verify:
         op.enter("verify")
-        verify_file(path, op)
+        meta = verify_file(path, op)
+        if check_index is not None:
+            check_index(meta)
     op.enter("read")
     return torch_load(path, opts.mmap)
 
@@ -98,7 +110,13 @@ def storage_view(storage: torch.UntypedStorage) -> memoryview:
 
 
 class RecordReader:
-    """Reads records of one file; small neighbours come through one shared read window."""
+    """Reads records of one file, each byte once; small neighbours come through one read window.
+
+    The window reads ahead only over what the load will use: told the records it will read
+    (`expect`), a window that starts at one of them runs on over the small ones that follow it
+    (with only zip headers between) and stops before anything else, a large record (read straight
+    into its buffer) or one the load skips. Without that plan a window is one record.
+    """
 
     def __init__(self, f: BinaryIO, path: Path):
         self.f, self.path = f, path
@@ -106,6 +124,14 @@ class RecordReader:
         self._view = memoryview(self._window)
         self._start = self._end = 0
         self._address: int | None = None  # of the window, once asked for
+        self._starts: list[int] = []  # the small records the load reads, by offset
+        self._ends: list[int] = []
+
+    def expect(self, extents: Iterable[tuple[int, int]]) -> None:
+        """The records (offset, nbytes) the load reads from here on."""
+        small = sorted((o, o + n) for o, n in extents if 0 < n < SMALL)
+        self._starts = [o for o, _ in small]
+        self._ends = [e for _, e in small]
 
     def read_into(self, offset: int, dst: memoryview, what: str, tensor: str | None) -> None:
         """Fill `dst` with the `len(dst)` bytes at `offset`."""
@@ -125,12 +151,26 @@ class RecordReader:
     def window(self, offset: int, n: int, what: str, tensor: str | None) -> int:
         """Where the `n` (< 64 KiB) bytes at `offset` start in the window, reading it if needed."""
         if not (self._start <= offset and offset + n <= self._end):
+            end = self._ahead(offset, offset + n)
             self.f.seek(offset)
-            got = self.f.readinto(self._window) or 0
+            got = self.f.readinto(self._view[:end - offset]) or 0
             self._start, self._end = offset, offset + got
             if offset + n > self._end:
                 raise self._truncated(offset, n, what, tensor)
         return offset - self._start
+
+    def _ahead(self, offset: int, end: int) -> int:
+        """Where a window from `offset` (a record ending at `end`) stops: after the expected small
+        records that follow, each at most `_GAP` after the last, all within `_WINDOW`."""
+        starts, ends = self._starts, self._ends
+        i = bisect.bisect_left(starts, offset)
+        if i == len(starts) or starts[i] != offset:
+            return end
+        limit, j = offset + _WINDOW, i + 1
+        while j < len(starts) and starts[j] - end <= _GAP and ends[j] <= limit:
+            end = ends[j]
+            j += 1
+        return max(end, ends[i])
 
     def read_small_to(self, offset: int, n: int, address: int, tensor: str, expected: str | None,
                       row: int) -> None:
@@ -218,6 +258,12 @@ def read_storages(op: Operation, reader: RecordReader, index: dict, rows: list[i
     return out
 
 
+def header_extents(index: dict, verify: bool) -> list[tuple[int, int]]:
+    """The records `read_structure` reads: the structure, and verifying, the pickle."""
+    records = [index["pickle"], index["structure"]] if verify else [index["structure"]]
+    return [(r["offset"], r["nbytes"]) for r in records]
+
+
 def read_structure(op: Operation, reader: RecordReader, index: dict, verify: bool) -> bytes:
     """The structure record; and, verifying, the pickle's digest too (torch.load reads it)."""
     path = reader.path
@@ -238,8 +284,10 @@ def read_structure(op: Operation, reader: RecordReader, index: dict, verify: boo
 def read_records(op: Operation, f: BinaryIO, path: Path, index: dict, verify: bool) -> Any:
     """The whole state of an xlakit file, on the CPU."""
     reader = RecordReader(f, path)
+    cols = index["storages"]
+    reader.expect([*header_extents(index, verify), *zip(cols["offset"], cols["nbytes"])])
     layout = read_structure(op, reader, index, verify)
-    storages = read_storages(op, reader, index, range(len(index["storages"]["offset"])), verify)
+    storages = read_storages(op, reader, index, range(len(cols["offset"])), verify)
     op.enter("build")
     return structure.decode(layout, structure.materialize, str(path), storages=storages)
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from xlakit.checkpoint.core import paths, workers
-from xlakit.checkpoint.file import transfer
+from xlakit.checkpoint.file import overlap as overlapped, transfer
 from xlakit.checkpoint.format import archive, pickled, state, structure
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import SaveOptions
@@ -74,21 +74,28 @@ def stage_groups(storages: list[StorageEntry], opts: SaveOptions
             for g in groups]
 
 
-def device_batches(op: Operation, plan: Plan, opts: SaveOptions) -> Iterator[
+def device_batches(op: Operation, plan: Plan, opts: SaveOptions, *, overlap: bool = True) -> Iterator[
         tuple[list[StorageEntry], list[torch.Tensor], transfer.HostTransfer]]:
     """Sync every device once, then yield (batch, host tensors, backend) under the deadline.
 
-    The consumer drops each batch's host tensors before asking for the next, so
-    at most one batch (`max_inflight_bytes`) is held at a time.
+    The consumer drops each batch's host tensors before asking for the next, so at most
+    `max_inflight_bytes` of them are held at a time. Where a backend copies (and `overlap`),
+    the next batch is copied while the consumer writes this one (`overlap.py`, same bound).
     """
     groups = stage_groups(plan.storages, opts)
     for group, backend in groups:
         op.enter("sync")
         backend.prepare(transfer.TensorsOf(group))
+    if overlap and any(backend.copies for _, backend in groups):
+        yield from overlapped.batches(op, groups, opts)
+        return
     for group, backend in groups:
         for batch in transfer.batches(group, opts.max_inflight_bytes):
             op.enter("transfer", batch[0].path)
-            yield batch, transfer.batch_to_host(backend, batch, timeout_s=max(op.remaining(), 0.001)), backend
+            with op.clock.timing("transfer"):
+                hosts = transfer.batch_to_host(backend, batch, timeout_s=max(op.remaining(), 0.001))
+            yield batch, hosts, backend
+            del hosts
 
 
 # -- write and commit ---------------------------------------------------------------------------
@@ -123,9 +130,15 @@ def write_archive(op: Operation, job: FileSave, f: Any, items: HostItems) -> Non
     """Stream the archive of `job` into the writable binary `f` (a file, or an object's upload)."""
     writer = archive.ArchiveWriter(f, compute_crc32=job.opts.compute_crc32)
     writer.write_header(job.pickled, job.structure)
-    for batch, hosts, *_ in items:
-        write_batch(op, writer, batch, hosts)
-        del hosts
+    try:
+        for batch, hosts, *_ in items:
+            with op.clock.timing("write"):
+                write_batch(op, writer, batch, hosts)
+            del hosts
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:  # the transfer thread of an overlapped save stops now, not when collected
+            close()
     writer.finish()
 
 

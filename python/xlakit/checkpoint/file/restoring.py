@@ -47,41 +47,49 @@ PARTLY = ("nothing on disk was changed; tensors restored before the failure hold
           "again from a good checkpoint before using the template")
 
 
-def restore(path: Path, template: Any, opts: LoadOptions) -> Any:
-    """See `xlakit.restore`."""
+def restore(path: Path, template: Any, opts: LoadOptions, check_index: loading.CheckIndex | None = None) -> Any:
+    """See `xlakit.restore`; `check_index` as for `loading.read_file` (a shard)."""
     if not path.is_file():
         raise FileNotFoundError(2, f"no checkpoint at {path}", str(path))
     check_idle(writing_ok=True)  # a stuck transfer of an earlier save must not be queued behind
     op = Operation("restore", path, Watch.of(opts), bytes_total=path.stat().st_size, untouched=PARTLY)
     with collection_paused():
-        return op.run(lambda op: _restore(op, path, template, opts))
+        return op.run(lambda op: _restore(op, path, template, opts, check_index))
 
 
-def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions) -> Any:
-    with open(path, "rb", buffering=0) as f:
+def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions,
+             check_index: loading.CheckIndex | None) -> Any:
+    with loading.CountedFile(path, op.stats) as f:
         index = loading.open_index(f, path)
         if index is None:
             op.enter("read")
             if opts.verify:
-                loading.verify_file(path, op)
+                meta = loading.verify_file(path, op)
+                if check_index is not None:
+                    check_index(meta)
             saved = loading.torch_load(path, False)
             targets, restored = match(saved, template, path, opts, None)
             op.enter("copy")
             _apply(op, [(t, t.source) for t in targets])
             return restored
+        if opts.verify and check_index is not None:
+            check_index(index)
         return restore_records(op, f, path, index, template, opts)
 
 
 def restore_records(op: Operation, f, path: Path, index: dict, template: Any, opts: LoadOptions) -> Any:
     """Restore from an open xlakit file `f` with index `index` (a local file, or an object's reader)."""
     reader = loading.RecordReader(f, path)
+    reader.expect(loading.header_extents(index, opts.verify))
     layout = loading.read_structure(op, reader, index, opts.verify)
     saved = structure.decode(layout, structure.spec, str(path))
     targets, restored = match(saved, template, path, opts, index["storages"][HASH])
     users: dict[int, int] = {}  # how many template tensors each storage fills
     for t in targets:
         users[t.source.storage] = users.get(t.source.storage, 0) + 1
-    op.bytes_total = sum(index["storages"]["nbytes"][r] for r in users)
+    cols = index["storages"]
+    reader.expect((cols["offset"][r], cols["nbytes"][r]) for r in users)  # only what the template takes
+    op.bytes_total = sum(cols["nbytes"][r] for r in users)
     arena = Arena()
     filled = 0
     try:

@@ -43,6 +43,7 @@ class HostTransfer:
     """Base backend: `prepare` once for all tensors, then `to_host` per batch."""
 
     name = "cpu"
+    copies = False  # True when to_host copies bytes (worth overlapping with the write: file/overlap.py)
     # True when to_host returns views of memory the training loop may change in place
     # (CPU tensors); an asynchronous save copies those into its staging arena. XLA
     # buffers exported zero-copy are immutable: a step writes new buffers, and PJRT
@@ -98,6 +99,7 @@ class DeviceTransfer(HostTransfer):
     """CUDA and other storage-backed accelerators."""
 
     name = "device-copy"
+    copies = True
     returns_mutable_views = False
 
     def to_host(self, tensors, *, timeout_s):
@@ -111,6 +113,7 @@ class TpuTransfer(HostTransfer):
     """TorchTPU tensors (device `tpu`): plain storages behind a PJRT client, no lazy graph."""
 
     name = "tpu"
+    copies = True
     returns_mutable_views = False
 
     def __init__(self, mode: str = "auto"):
@@ -157,6 +160,7 @@ class XlaTransfer(HostTransfer):
         self.mode = mode
         self.name = f"xla-{mode}"
         self.returns_mutable_views = False
+        self.copies = mode != "dlpack"  # the CPU client's DLPack export is zero-copy
 
     def prepare(self, tensors):
         import torch_xla

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import xxhash
 
+from xlakit.checkpoint.core.load_stats import CountedFile, LoadStats
 from xlakit.checkpoint.format import archive, zip_structure
 from xlakit.checkpoint.inspect import describe
 from xlakit.checkpoint.format.archive import HASH
@@ -159,9 +160,10 @@ def check(ranges: list[Range], progress: Progress | None = None) -> int:
     done = 0
     buffer = bytearray(CHUNK_BYTES)
     view = memoryview(buffer)
+    stats = LoadStats()  # what was read, for `xlakit ckpt verify --json` (load_stats.collecting)
     for r in ranges:
         hasher = xxhash.xxh3_64()
-        with open(r.file, "rb") as f:
+        with CountedFile(r.file, stats) as f:
             f.seek(r.offset)
             left = r.nbytes
             while left:

@@ -34,7 +34,7 @@ from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.store import local
 from xlakit.checkpoint.store.base import FILE, Destination, Parts
-from xlakit.checkpoint.store.local import shard_digest
+from xlakit.checkpoint.store.local import index_digest
 from xlakit.errors import CheckpointError, CheckpointIncompleteError, RuntimeFeatureError
 
 SHARD_PREFIX = "shard-"
@@ -198,28 +198,33 @@ def loading_format_error(folder: Path, record: dict) -> Exception:
                                  f"not {folders.SHARDED_FORMAT!r}; it is not a checkpoint xlakit.load reads")
 
 
-def shard_path(folder: Path, record: dict, shard: int, opts: LoadOptions) -> Path:
+def shard_path(folder: Path, record: dict, shard: int) -> tuple[Path, loading.CheckIndex]:
     if not 0 <= shard < record["world"]:
         raise ValueError(f"{folder} has shards 0..{record['world'] - 1}, not {shard}")
-    return checked_part(folder, record["shards"][shard], f"shard {shard}", opts)
+    return checked_part(folder, record["shards"][shard], f"shard {shard}")
 
 
-def checked_part(folder: Path, entry: dict, what: str, opts: LoadOptions) -> Path:
+def checked_part(folder: Path, entry: dict, what: str) -> tuple[Path, loading.CheckIndex]:
     """A part of a folder checkpoint (a shard, a share), checked against its commit record's entry:
-    present at the size it names, and with the checksums it names when verifying."""
+    present at the size it names; and the check, for a verifying load, that it holds the checksums the
+    entry names (run on the index the load reads, so that no byte is read twice)."""
     path = folder / entry["file"]
     if not path.is_file() or path.stat().st_size != entry["bytes"]:
         raise CheckpointIncompleteError(f"{folder}: {what} ({entry['file']}) is missing or not the size "
                                         f"the commit record names ({entry['bytes']} bytes)")
-    if opts.verify and shard_digest(path) != entry["checksums"]:
-        raise CheckpointIncompleteError(f"{folder}: {what} ({entry['file']}) is not the one the commit "
-                                        f"record names")
-    return path
+
+    def check_index(index: dict) -> None:
+        if index_digest(index) != entry["checksums"]:
+            raise CheckpointIncompleteError(f"{folder}: {what} ({entry['file']}) is not the one the commit "
+                                            f"record names")
+
+    return path, check_index
 
 
 def load_shard(folder: Path, shard: int, opts: LoadOptions) -> Any:
     """One verified shard of a committed sharded checkpoint, without coordination."""
-    return loading.load_file(shard_path(folder, read_commit(folder), shard, opts), opts)
+    path, check_index = shard_path(folder, read_commit(folder), shard)
+    return loading.load_file(path, opts, check_index)
 
 
 def load(path: Path, opts: LoadOptions) -> Any:
@@ -235,7 +240,8 @@ def load(path: Path, opts: LoadOptions) -> Any:
         if sharded:
             record = read_commit(path)
             check_world(path, record["world"], coord.world)
-            return loading.read_file(op, shard_path(path, record, coord.rank, opts), opts)
+            shard, check_index = shard_path(path, record, coord.rank)
+            return loading.read_file(op, shard, opts, check_index)
         return loading.read_file(op, path, opts)
 
     def work(op: Operation) -> Any:

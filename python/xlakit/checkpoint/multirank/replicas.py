@@ -96,9 +96,14 @@ def read_record(folder: Path) -> dict:
     return record
 
 
-def share_path(folder: Path, record: dict, rank: int, opts: LoadOptions) -> Path:
-    """Share `rank`'s file, checked against the commit record (size; digest when verifying)."""
-    return checked_part(folder, record["shares"][rank], f"share {rank}", opts)
+def share_path(folder: Path, record: dict, rank: int) -> tuple[Path, loading.CheckIndex]:
+    """Share `rank`'s file, checked against the commit record (its size), and the check of its index."""
+    return checked_part(folder, record["shares"][rank], f"share {rank}")
+
+
+def _load_args(part: tuple[Path, loading.CheckIndex], opts: LoadOptions) -> tuple:
+    """(path, opts, check_index): the arguments of `loading.load_file` / `read_file` for a part."""
+    return part[0], opts, part[1]
 
 
 def assemble(shares: dict[int, dict]) -> Any:
@@ -114,7 +119,7 @@ def assemble(shares: dict[int, dict]) -> Any:
 def load_all(folder: Path, opts: LoadOptions) -> Any:
     """Outside the job: every share, read and verified here, as the whole state."""
     record = read_record(folder)
-    return assemble({r: loading.load_file(share_path(folder, record, r, opts), opts)
+    return assemble({r: loading.load_file(*_load_args(share_path(folder, record, r), opts))
                       for r in range(record["world"])})
 
 
@@ -135,7 +140,7 @@ def load(folder: Path, opts: LoadOptions) -> Any:
     def part() -> tuple[tuple, dict]:
         record = read_record(folder)
         return (record["id"], record["world"]), {
-            s: loading.read_file(op, share_path(folder, record, s, opts), opts)
+            s: loading.read_file(op, *_load_args(share_path(folder, record, s), opts))
             for s, reader in readers(record["world"], coord.world).items() if reader == coord.rank}
 
     def work(op: Operation) -> Any:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from xlakit import _knobs
+from xlakit.checkpoint.core.load_stats import counted
 from xlakit.errors import CheckpointTimeoutError
 
 if TYPE_CHECKING:
@@ -360,7 +361,8 @@ class Store:
         async def cat_all() -> list[bytes | None]:
             return list(await asyncio.gather(*(cat(loc) for loc in locs)))
 
-        return self.run(op, f"reading {len(locs)} object(s) under {locs[0]}", cat_all) if locs else []
+        found = self.run(op, f"reading {len(locs)} object(s) under {locs[0]}", cat_all) if locs else []
+        return counted(op, found, sum(len(d) for d in found if d is not None), len(locs))
 
     def exists(self, op: "Operation | None", loc: Location) -> bool:
         async def info() -> bool:
@@ -385,7 +387,8 @@ class Store:
         async def cat() -> bytes:
             return await self.fs._cat_file(loc.path, start=start, end=end)
 
-        return self.run(op, f"reading {loc}", cat)
+        data = self.run(op, f"reading {loc}", cat)
+        return counted(op, data, len(data), 1)
 
     def get_into(self, op: "Operation | None", loc: Location, offset: int, dst: memoryview, *,
                  chunk_bytes: int, parallel: int) -> int:
@@ -405,7 +408,8 @@ class Store:
             got = await asyncio.gather(*(piece(s) for s in range(0, n, chunk_bytes)))
             return sum(got)
 
-        return self.run(op, f"reading {loc}", fetch)
+        got = self.run(op, f"reading {loc}", fetch)
+        return counted(op, got, got, -(-n // chunk_bytes))
 
     def copy(self, op: "Operation | None", src: Location, dst: Location) -> None:
         """Copy an object within the store (the server copies: no bytes pass through here)."""

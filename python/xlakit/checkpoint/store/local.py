@@ -50,7 +50,12 @@ def _rename_shard(op: "Operation", tmp: Path, final: Path) -> None:
 def shard_digest(shard: Path) -> str:
     """xxh3 of a part's index: it covers the digest of every byte of the part."""
     meta, _ = archive.read_index(str(shard))
-    return archive.digest(json.dumps(meta, sort_keys=True).encode())
+    return index_digest(meta)
+
+
+def index_digest(index: dict) -> str:
+    """xxh3 of an index as parsed (`shard_digest` of the file it was read from)."""
+    return archive.digest(json.dumps(index, sort_keys=True).encode())
 
 
 class LocalPart:

@@ -33,6 +33,19 @@ class _Bar:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from xlakit.checkpoint.core import load_stats
+
+    with load_stats.collecting() as read:  # every byte the check reads, counted where it came in
+        args.read = read
+        return _verify(args)
+
+
+def _read(args: argparse.Namespace) -> dict:
+    """What the check read: `read_bytes` and `read_requests` (a file's read calls, a store's requests)."""
+    return {"read_bytes": args.read.bytes_read, "read_requests": args.read.requests}
+
+
+def _verify(args: argparse.Namespace) -> int:
     from xlakit.checkpoint import objstore
     from xlakit.checkpoint.inspect import describe, integrity
 
@@ -55,7 +68,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         emit(args, {"path": str(path), "status": "damaged", "tensor": getattr(e, "tensor", None),
                      "message": str(e)}, [f"DAMAGED: {e}"])
         return DIFFERENT
-    emit(args, {"path": str(path), "kind": kind.kind, "status": "ok", "checksums": len(ranges), "bytes": checked},
+    emit(args, {"path": str(path), "kind": kind.kind, "status": "ok", "checksums": len(ranges), "bytes": checked,
+                **_read(args)},
           [f"OK: {path} ({kind.kind}): {len(ranges)} checksum(s) over {size(checked)} match"])
     return OK
 
@@ -78,7 +92,7 @@ def _verify_url(args: argparse.Namespace) -> int:
         emit(args, {"path": args.path, "status": "damaged", "tensor": getattr(e, "tensor", None),
                      "message": str(e)}, [f"DAMAGED: {e}"])
         return DIFFERENT
-    emit(args, {"path": found.url, "kind": url_kind(kind), "status": "ok", "bytes": checked},
+    emit(args, {"path": found.url, "kind": url_kind(kind), "status": "ok", "bytes": checked, **_read(args)},
           [f"OK: {found.url} ({url_kind(kind)} on object storage): every checksum over {size(checked)} "
            f"matches"])
     return OK
@@ -113,7 +127,8 @@ def _verify_manager_url(args: argparse.Namespace, found) -> int:
                          "message": str(e)}, [f"DAMAGED: step {step}: {e}"])
             return DIFFERENT
         total += checked
-    emit(args, {"path": url, "kind": "manager", "status": "ok", "steps": sorted(found.committed), "bytes": total},
+    emit(args, {"path": url, "kind": "manager", "status": "ok", "steps": sorted(found.committed), "bytes": total,
+                **_read(args)},
           [f"OK: {url} (manager on object storage): {len(found.committed)} committed step(s), every checksum "
            f"over {size(total)} matches"])
     return OK

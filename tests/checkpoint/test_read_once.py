@@ -1,0 +1,102 @@
+"""One pass on load: every byte of a checkpoint read at most once, counted where the bytes come in.
+
+The count is the store layer's (`core/load_stats.py`: a local file's read calls, an object store's
+ranged requests), added up over the load with `load_stats.collecting()`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import xlakit
+from xlakit.checkpoint.core import load_stats
+
+MiB = 1 << 20
+
+
+def alternating(pairs: int) -> dict:
+    """1 MiB and 1 KiB fp32 tensors in turn: small records between large ones."""
+    out = {}
+    for i in range(pairs):
+        out[f"big{i}"] = torch.full((MiB // 4,), float(i))
+        out[f"small{i}"] = torch.full((256,), float(i))
+    return out
+
+
+def read_by(fn) -> load_stats.LoadStats:
+    with load_stats.collecting() as stats:
+        fn()
+    return stats
+
+
+def test_a_load_reads_every_byte_of_the_file_at_most_once(tmp_path):
+    # Regression (issue 35): a record under 64 KiB read a 4 MiB window, and the 1 MiB tensors inside
+    # it were read again: a load of this file read twice its size.
+    path = tmp_path / "alt.pt"
+    state = alternating(8)
+    xlakit.save(state, path)
+    size = path.stat().st_size
+    loaded = {}
+    stats = read_by(lambda: loaded.update(xlakit.load(path)))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert size * 0.99 <= stats.bytes_read <= size, (stats, size)
+
+
+def test_a_restore_reads_every_byte_once_and_skips_what_it_does_not_restore(tmp_path):
+    path = tmp_path / "alt.pt"
+    state = {**alternating(4), "skipped": torch.ones(3 * MiB // 4)}  # 3 MiB the template does not want
+    xlakit.save(state, path)
+    size = path.stat().st_size
+    template = {k: torch.zeros_like(v) for k, v in state.items()}
+    stats = read_by(lambda: xlakit.restore(path, template))
+    assert all(torch.equal(template[k], v) for k, v in state.items())
+    assert stats.bytes_read <= size, (stats, size)
+    del template["skipped"]
+    stats = read_by(lambda: xlakit.restore(path, template, strict=False))
+    assert stats.bytes_read <= size - 3 * MiB, (stats, size)  # read-ahead only where its bytes are used
+
+
+def test_a_folder_of_shares_is_read_once_outside_the_job(tmp_path):
+    # Regression (issue 35): each share's index was read twice (once to check it against the commit
+    # record, once to load), and its 2 MiB record twice more through the read window.
+    state = {f"layer{i}": torch.full((MiB // 2,), float(i)) for i in range(3)}
+    folder = tmp_path / "shares"
+    import torch.distributed as dist
+
+    from tests.support.objstore_servers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        xlakit.save(state, folder, layout="replicated", replica_parallel=True)
+    finally:
+        dist.destroy_process_group()
+    record = json.loads((folder / "xlakit-commit.json").read_text())
+    shares = sum(s["bytes"] for s in record["shares"])
+    loaded = {}
+    stats = read_by(lambda: loaded.update(xlakit.load(folder)))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert stats.bytes_read <= shares, (stats, shares)
+
+
+@pytest.mark.slow
+def test_a_load_from_a_bucket_downloads_every_byte_at_most_once(bucket):
+    # Regression (issue 35): the plain load of this object downloaded twice its size.
+    url = f"{bucket}/alt.pt"
+    state = alternating(6)
+    xlakit.save(state, url)
+    from xlakit.checkpoint.file import bucket_file
+    from xlakit.checkpoint.objstore.client import Location
+
+    record = bucket_file.peek(Location.parse(url), xlakit.LoadOptions())
+    size = next(iter(record["objects"].values()))["nbytes"]
+    loaded = {}
+    stats = read_by(lambda: loaded.update(xlakit.load(url)))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    # the object once, and the commit records that say which object it is (a few hundred bytes each)
+    assert stats.bytes_read <= size + (64 << 10), (stats, size)
+    template = {k: torch.zeros_like(v) for k, v in state.items()}
+    stats = read_by(lambda: xlakit.restore(url, template))
+    assert stats.bytes_read <= size + (64 << 10), (stats, size)

@@ -47,7 +47,7 @@ def test_local_and_persistent_saves_keep_their_own_interval_and_retention(tmp_pa
         assert due == [2, 4, 5, 6, 8, 10]
         assert mgr.all_steps() == [10]  # persistent: every 5, max_to_keep=1
         assert local_steps(shm) == [8, 10]  # local: every 2, keep=2
-        assert parts(shm, 10) == ["part-00000-of-00001.pt"]
+        assert parts(shm, 10) == ["part-00000-of-00001.pt", "xlakit-local-step.json"]
         assert mgr.local.last_error is None
         assert 0 < mgr.local.bytes_used() < 3 * 5000  # two steps of one small part each, nothing else
         # The local part is an ordinary xlakit file, readable (and verified) by xlakit.load.
@@ -217,13 +217,13 @@ def test_a_failed_local_save_keeps_the_last_whole_step_and_leaves_no_step_folder
         assert mgr.restore()["step"] == 2
         (host_dir(shm) / "4" / "part-00000-of-00001.pt").rmdir()
         (host_dir(shm) / "4").rmdir()
-        from xlakit.checkpoint import tiered
+        from xlakit.checkpoint import tier_rounds
 
         def full(*args, **kwargs):  # a fake full /dev/shm (running as root, a read-only folder is not)
             raise OSError(errno.ENOSPC, "No space left on device")
 
         with monkeypatch.context() as m:
-            m.setattr(tiered.pipeline, "save_file", full)
+            m.setattr(tier_rounds.pipeline, "save_file", full)
             assert not mgr.save(6, state(6))  # keep=1: step 2 is the only whole step
         assert "the local tier is full" in mgr.local.last_error
         assert mgr.restore()["step"] == 2 and mgr.local.restored_from["parts"] == {0: "local"}
@@ -232,7 +232,7 @@ def test_a_failed_local_save_keeps_the_last_whole_step_and_leaves_no_step_folder
 
 
 def test_a_full_local_tier_names_only_the_fixes_that_apply():
-    from xlakit.checkpoint.tiered import _described
+    from xlakit.checkpoint.tier_rounds import described as _described
 
     full = OSError(errno.ENOSPC, "No space left on device")
     one = _described(full, "/dev/shm/x/part", xlakit.LocalTier("/dev/shm/x", keep=1), world=1)
@@ -258,7 +258,8 @@ def test_a_rollback_to_a_local_step_and_a_local_save_below_the_latest(tmp_path):
         assert "retire_steps_after(4)" in "".join(info.value.__notes__)
         assert local_steps(shm) == [5, 6, 7]  # nothing was written
         assert mgr.restore(5)["step"] == 5 and mgr.local.restored_from["parts"] == {0: "local"}
-        assert mgr.retire_steps_after(5) == []  # the persistent tier has nothing newer
+        # Issue 32: the local steps it removed were left out of what it returned.
+        assert mgr.retire_steps_after(5) == [6, 7]  # the persistent tier has nothing newer, the local one has
         assert local_steps(shm) == [5]
         assert mgr.save(6, state(60))
         with pytest.raises(ValueError, match="not committed there .* nor whole in a local tier"):
@@ -316,7 +317,7 @@ def test_retention_does_not_run_once_the_deadline_passed(tmp_path):
         assert local_steps(shm) == [2]
         mgr.local.folder.make_step(3)
         xlakit.save(state(3), host_dir(shm) / "3" / "part-00000-of-00001.pt")
-        errors = mgr.local._settle_folder(3, [], True, deadline=time.monotonic() - 1)
+        errors = mgr.local._settle_folder(3, True, deadline=time.monotonic() - 1)
         assert "did not run" in errors[0] and "deadline" in errors[0]
         assert local_steps(shm) == [2, 3]  # nothing removed after the deadline
 

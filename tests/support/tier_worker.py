@@ -22,6 +22,11 @@ Scenarios:
            middle of the peer copy of step 4; the others report and exit without a clean teardown
   late     keep=1, timeout_s=6, local saves at steps 1 and 2; at step 2 each received chunk
            lands 0.5 s late (a fake slow disk) and rank 3 reaches the digest exchange at 7.5 s
+  stall    keep=2, timeout_s=6, a local save every step to step STALL_STEP + 4; rank 3 sends
+           itself SIGSTOP just before the save of STALL_STEP (the test sends SIGCONT); each save
+           is reported as an event {"event": "saved", "step", "whole", "seconds", "error"};
+           with TIER_SYNC=1 each step all-reduces first (a training step's collective); with
+           TIER_END=stall every rank stops after the stalled save and waits to be killed
 """
 
 from __future__ import annotations
@@ -189,23 +194,52 @@ def late(folder: Path) -> dict:
 
     mgr = manager(folder, local_every=1, persistent_every=1000, keep=1, timeout_s=6)
     mgr.save(1, state(1))
-    real_gather, real_land, calls, t0 = peer_copy.gather, peer_copy._land, [], time.monotonic()
+    real_transfer, real_land, t0 = peer_copy.transfer, peer_copy._land, time.monotonic()
 
     def slow_land(r, buf, writers):  # a fake slow receiver: each chunk lands 0.5 s late
         time.sleep(0.5)
         return real_land(r, buf, writers)
 
-    def late_gather(group, value):  # rank 3 reaches the digest exchange after the deadline
-        calls.append(1)
-        if RANK == 3 and len(calls) == 2:
+    def late_transfer(*args, **kwargs):  # rank 3 reaches the digest exchange after the deadline
+        sent = real_transfer(*args, **kwargs)
+        if RANK == 3:
             time.sleep(max(0.0, t0 + 7.5 - time.monotonic()))
-        return real_gather(group, value)
+        return sent
 
-    peer_copy.gather, peer_copy._land, peer_copy.CHUNK_BYTES = late_gather, slow_land, 1 << 18
+    peer_copy.transfer, peer_copy._land, peer_copy.CHUNK_BYTES = late_transfer, slow_land, 1 << 18
     t0 = time.monotonic()
     whole = mgr.save(2, state(2))
-    peer_copy.gather, peer_copy._land = real_gather, real_land
-    out = {"whole": whole, "error": mgr.local.last_error, "held": held(mgr)}
+    peer_copy.transfer, peer_copy._land = real_transfer, real_land
+    time.sleep(max(0.0, t0 + 8 - time.monotonic()))  # rank 3's copy has ended: what it left is seen
+    out = {"whole": whole, "error": mgr.local.last_error, "held": held(mgr), "steps": mgr.local.folder.steps()}
+    mgr.close()
+    return out
+
+
+STALL_STEP = 3
+
+
+def stall(folder: Path) -> dict:
+    import signal
+
+    import torch.distributed as dist
+
+    mgr = manager(folder, local_every=1, persistent_every=1000, keep=2, timeout_s=6)
+    last = STALL_STEP if os.environ.get("TIER_END") == "stall" else STALL_STEP + 4
+    for step in range(1, last + 1):
+        if os.environ.get("TIER_SYNC") == "1":
+            dist.all_reduce(torch.ones(4))
+        time.sleep(0.1)
+        if RANK == 3 and step == STALL_STEP:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        t0 = time.monotonic()
+        whole = mgr.save(step, state(step))
+        say(event="saved", step=step, whole=whole, seconds=round(time.monotonic() - t0, 2),
+            error=mgr.local.last_error, held=held(mgr))
+    if last == STALL_STEP:
+        while True:  # the test kills this process
+            time.sleep(1)
+    out = {"held": held(mgr), "steps": sorted(mgr.local.folder.steps())}
     mgr.close()
     return out
 
@@ -223,6 +257,8 @@ def main(scenario: str, folder: Path) -> dict:
         return die(folder)
     if scenario == "late":
         return late(folder)
+    if scenario == "stall":
+        return stall(folder)
     raise SystemExit(f"unknown scenario {scenario!r}")
 
 

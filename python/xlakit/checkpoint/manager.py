@@ -89,6 +89,9 @@ class CheckpointManager:
                  asynchronous: bool = False, replica_parallel: bool = False, options: SaveOptions | None = None,
                  local: LocalTier | None = None):
         self.policy = retention.Retention(max_to_keep, keep_every_n_steps, best_metric, best_mode)
+        if local is not None and not isinstance(local, LocalTier):
+            raise TypeError(f"local must be an xlakit.LocalTier (or None), got {local!r} "
+                            f"({type(local).__name__}): e.g. local=xlakit.LocalTier('/dev/shm/ckpt')")
         _count("save_interval_steps", save_interval_steps, minimum=1)
         if layout not in steps.LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(map(repr, steps.LAYOUTS))}, got {layout!r}")
@@ -136,12 +139,20 @@ class CheckpointManager:
 
     # -- queries ----------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
-        """The committed steps, oldest first (read from the folder)."""
+        """The committed steps, oldest first (read from the folder; the persistent tier's only)."""
         return sorted(self._scan().committed)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
-        return self._scan().latest
+        """The newest committed step, or None; with a local tier, the newest step of either tier.
+
+        With `local=`, the newest step the job saved whole in the local tier counts too (the
+        ranks agreed on it; no collective here): `restore(latest_step())` resumes there, unless
+        every copy of some part of it was damaged since (then `restore()` takes the newest step
+        that can be restored, and `local.restored_from["step"]` says which).
+        """
+        latest = self._scan().latest
+        local = self.local.latest() if self.local is not None else None
+        return max((s for s in (latest, local) if s is not None), default=None)
 
     def best_step(self) -> int | None:
         """The committed step with the best `best_metric`; None without one (or without a metric)."""
@@ -188,10 +199,10 @@ class CheckpointManager:
         preempt = self._preempting(step, deciding=True)
         local = self._local_due(step, preempt)  # at a preemption: the local tier first (docs/manager.md)
         if not (force or preempt or self._regular(step)):
-            return local and self.local.save(step, state)
+            return local and self.local.save(step, state, persistent=self._steps)
         with self._answering(step):
             refused = local and self.local.save_before_persistent(
-                step, state, preempt, self._preemption.remaining_s() if preempt else None)
+                step, state, preempt, self._preemption.remaining_s() if preempt else None, self._steps)
             saved = self._save(step, state, metrics, preempt)
             if refused:
                 raise refused
@@ -253,7 +264,9 @@ class CheckpointManager:
         the newer steps go as retention's do, once every rank agreed (`rollback.py`).
 
         Returns:
-            The steps deleted, oldest first (empty when `step` is the latest).
+            The steps deleted, oldest first (empty when `step` is the latest): the persistent
+            tier's and, with a local tier, the local steps removed on any host. Every rank
+            returns only once every host removed them, so the next save starts after.
 
         Raises:
             ValueError: `step` is not committed, nor whole in the local tier; nothing is deleted.
@@ -274,12 +287,13 @@ class CheckpointManager:
         held = self.local is not None and self.local.holds(step)  # a step restored from the local tier
         doomed = rollback.retire(self._folder, step, found, self._scan, self._watch(), held_locally=held)
         self._steps = set(found.committed).difference(doomed)
+        removed = []
         if self.local is not None:  # the local tier's newer steps go too: a restore must not resume there
-            self.local.retire_after(step)
+            removed = self.local.retire_after(step)
         self._last = max(self._steps, default=None)
         if self._rank == 0:
             self._folder.clean()  # the retired steps' trash
-        return doomed
+        return sorted(set(doomed) | set(removed))
 
     # -- restoring --------------------------------------------------------------------------------
     def restore(self, step: int | None = None, *, template: Any = None,

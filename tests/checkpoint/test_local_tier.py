@@ -65,6 +65,9 @@ def test_restore_takes_the_newest_step_of_any_tier(tmp_path):
         assert mgr.local.restored_from["parts"] == {0: "local"}
         assert mgr.restore(3)["step"] == 3  # only the persistent tier holds it now
         assert mgr.local.restored_from["parts"] == {0: "persistent"}
+        # Issue 32: a persistent part's "host" was the persistent folder's path.
+        assert mgr.local.restored_from["hosts"] == {0: None}
+        assert mgr.local.restored_from["persistent"] == str(tmp_path / "ckpt")
         template = {"w": torch.zeros(1024), "step": 0}
         got = mgr.restore(6, template=template)  # filled in place
         assert got["step"] == 6 and template["w"][0] == 6.0 and mgr.local.restored_from["parts"] == {0: "local"}
@@ -355,3 +358,44 @@ def test_a_part_copied_into_another_steps_folder_is_not_restored_as_that_step(tm
         assert "expected {'step': 6" in mgr.local.restored_from["damaged"][0]
         template = {"w": torch.zeros(1024), "step": 0}
         assert mgr.restore(5, template=template)["step"] == 5 and template["w"][0] == 5.0
+
+
+def test_a_local_that_is_not_a_local_tier_is_a_type_error(tmp_path):
+    # Issue 32: local="a string" gave AttributeError ('str' object has no attribute 'config').
+    for wrong in ("/dev/shm/ckpt", {"directory": "/dev/shm/ckpt"}):
+        with pytest.raises(TypeError, match=r"local must be an xlakit.LocalTier .* local=xlakit.LocalTier\('/dev/shm/ckpt'\)"):
+            xlakit.CheckpointManager(tmp_path / "ckpt", local=wrong)
+    with xlakit.CheckpointManager(tmp_path / "ckpt") as mgr:  # nothing was held
+        assert mgr.all_steps() == []
+
+
+def test_a_save_at_the_newest_local_step_is_refused_naming_retire_steps_after(tmp_path):
+    # Issue 32: at the newest local step the refusal advised "save the next one", never the rollback.
+    shm = tmp_path / "shm"
+    tier = xlakit.LocalTier(shm, interval_steps=1, keep=3)
+    with xlakit.CheckpointManager(tmp_path / "ckpt", save_interval_steps=1000, local=tier) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state(s))
+    with xlakit.CheckpointManager(tmp_path / "ckpt", save_interval_steps=1000, local=tier) as mgr:
+        with pytest.raises(ValueError, match=r"step 3 is already committed in the local tier .* "
+                                             r"`mgr.retire_steps_after\(2\)` first"):
+            mgr.save(3, state(30))
+        assert mgr.restore()["w"][0] == 3.0  # nothing was written
+
+
+def test_latest_step_sees_the_local_tier_so_the_resume_loop_goes_on(tmp_path):
+    # Issue 32: latest_step() saw only persistent steps, so the resume loop restored step 4 and its next
+    # local save was refused (the local tier held 7).
+    shm = tmp_path / "shm"
+    tier = xlakit.LocalTier(shm, interval_steps=1, keep=2)
+    with xlakit.CheckpointManager(tmp_path / "ckpt", save_interval_steps=4, local=tier) as mgr:
+        for s in range(1, 8):
+            mgr.save(s, state(s))
+    with xlakit.CheckpointManager(tmp_path / "ckpt", save_interval_steps=4, local=tier) as mgr:
+        assert mgr.all_steps() == [4]  # the persistent tier's steps
+        start = mgr.latest_step()  # docs/manager.md's resume loop, as written
+        assert start == 7 and mgr.restore(start)["step"] == 7
+        for step in range(start + 1, 10):
+            if mgr.should_save(step):
+                assert mgr.save(step, state(step)) and mgr.local.last_error is None
+        assert mgr.latest_step() == 9 and mgr.all_steps() == [4, 8]

@@ -27,6 +27,8 @@ Scenarios:
            is reported as an event {"event": "saved", "step", "whole", "seconds", "error"};
            with TIER_SYNC=1 each step all-reduces first (a training step's collective); with
            TIER_END=stall every rank stops after the stalled save and waits to be killed
+  retire   local saves to step 7, then three times: restore(5), retire_steps_after(5), save 6 and 7
+  odd      odd settings: peers=3 with 2 hosts; keep differs on rank 3; host1's tier folder blocked
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def restore(folder: Path) -> dict:
     report = mgr.local.restored_from
     out = {"step": report["step"], "parts": {str(k): v for k, v in report["parts"].items()},
            "hosts": {str(k): v for k, v in report["hosts"].items()}, "damaged": report["damaged"],
+           "persistent": report.get("persistent"),
            "exact": digest(got) == digest(state(report["step"])), "got_step": got["step"]}
     mgr.close()
     return out
@@ -228,19 +231,73 @@ def stall(folder: Path) -> dict:
     last = STALL_STEP if os.environ.get("TIER_END") == "stall" else STALL_STEP + 4
     for step in range(1, last + 1):
         if os.environ.get("TIER_SYNC") == "1":
-            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(4))  # the training step's collective
         time.sleep(0.1)
         if RANK == 3 and step == STALL_STEP:
             os.kill(os.getpid(), signal.SIGSTOP)
         t0 = time.monotonic()
         whole = mgr.save(step, state(step))
         say(event="saved", step=step, whole=whole, seconds=round(time.monotonic() - t0, 2),
-            error=mgr.local.last_error, held=held(mgr))
+            error=mgr.local.last_error)
     if last == STALL_STEP:
         while True:  # the test kills this process
             time.sleep(1)
-    out = {"held": held(mgr), "steps": sorted(mgr.local.folder.steps())}
+    mgr.local.holds(last)  # a round every rank passes once every host's last save is settled
+    out = {"held": held(mgr), "steps": mgr.local.folder.steps(), "latest": mgr.latest_step()}
     mgr.close()
+    return out
+
+
+def retire(folder: Path) -> dict:
+    """Local saves every step to 7 (persistent every 4), then three times: back to step 5 (restore,
+    retire_steps_after) and on again with new states, saving 6 and 7 at once."""
+    mgr = manager(folder, local_every=1, persistent_every=4, keep=3, timeout_s=30)
+    for step in range(1, 8):
+        mgr.save(step, state(step))
+    rounds = []
+    for i in range(1, 4):
+        got = mgr.restore(5)
+        retired = mgr.retire_steps_after(5)
+        saved = {s: [mgr.save(s, state(s * 10 * i)), mgr.local.last_error] for s in (6, 7)}
+        rounds.append({"restored": got["step"], "retired": retired, "saved": saved})
+    got = mgr.restore()
+    out = {"rounds": rounds, "last": mgr.local.restored_from["step"], "exact": digest(got) == digest(state(70 * 3))}
+    mgr.close()
+    return out
+
+
+def odd(folder: Path) -> dict:
+    """Odd settings, one manager each: peers=3 with 2 hosts; a setting one rank has otherwise;
+    host1's folder of the tier blocked by a file (it cannot be made)."""
+    import logging
+
+    from xlakit.checkpoint.local_tier import run_name
+
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("xlakit").addHandler(handler)
+    out: dict = {}
+    tier = xlakit.LocalTier(folder / "shm", peers=3, keep=1, timeout_s=30)
+    with xlakit.CheckpointManager(folder / "a", layout=LAYOUT, save_interval_steps=1000, local=tier) as mgr:
+        out["clamped"] = {"copies": getattr(mgr.local, "copies", None), "peers": mgr.local.peers, "whole": mgr.save(1, state(1)),
+                          "warned": [w for w in warned if "peers=3" in w]}
+
+    def refused(directory: Path, tier: xlakit.LocalTier) -> dict:
+        t0 = time.monotonic()
+        try:
+            xlakit.CheckpointManager(directory, layout=LAYOUT, save_interval_steps=1000, local=tier)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            return {"error": type(e).__name__, "message": str(e), "notes": getattr(e, "__notes__", []),
+                    "seconds": time.monotonic() - t0}
+        return {"error": None}
+
+    out["disagree"] = refused(folder / "b", xlakit.LocalTier(folder / "shm", keep=3 if RANK == 3 else 2))
+    blocked = folder / "shm" / run_name(folder / "c") / "host1"
+    if RANK == 2:  # before the managers start: in the way of host1's folder when ranks 2 and 3 make it
+        blocked.parent.mkdir(parents=True, exist_ok=True)
+        blocked.write_text("not a folder")
+    out["blocked"] = refused(folder / "c", xlakit.LocalTier(folder / "shm", timeout_s=10))
     return out
 
 
@@ -259,6 +316,10 @@ def main(scenario: str, folder: Path) -> dict:
         return late(folder)
     if scenario == "stall":
         return stall(folder)
+    if scenario == "retire":
+        return retire(folder)
+    if scenario == "odd":
+        return odd(folder)
     raise SystemExit(f"unknown scenario {scenario!r}")
 
 

@@ -22,8 +22,9 @@ Scenarios:
            middle of the peer copy of step 4; the others report and exit without a clean teardown
   late     keep=1, timeout_s=6, local saves at steps 1 and 2; at step 2 each received chunk
            lands 0.5 s late (a fake slow disk) and rank 3 reaches the digest exchange at 7.5 s
-  stall    keep=2, timeout_s=6, a local save every step to step STALL_STEP + 4; rank 3 sends
-           itself SIGSTOP just before the save of STALL_STEP (the test sends SIGCONT); each save
+  stall    keep=2, timeout_s=6, a local save every step to step STALL_STEP + 4; rank 3 (or
+           TIER_STALL_RANK) sends itself SIGSTOP just before the save of STALL_STEP (with
+           TIER_STALL_AT=copy: as its peer copy begins), the test sends SIGCONT; each save
            is reported as an event {"event": "saved", "step", "whole", "seconds", "error"};
            with TIER_SYNC=1 each step all-reduces first (a training step's collective); with
            TIER_END=stall every rank stops after the stalled save and waits to be killed
@@ -227,13 +228,25 @@ def stall(folder: Path) -> dict:
 
     import torch.distributed as dist
 
+    from xlakit.checkpoint import peer_copy
+
     mgr = manager(folder, local_every=1, persistent_every=1000, keep=2, timeout_s=6)
     last = STALL_STEP if os.environ.get("TIER_END") == "stall" else STALL_STEP + 4
+    stalls = RANK == int(os.environ.get("TIER_STALL_RANK", "3"))
+    if stalls and os.environ.get("TIER_STALL_AT") == "copy":  # in the middle of the save instead
+        real = peer_copy.transfer
+
+        def stopping(*args, **kwargs):
+            if mgr.local.last_step == STALL_STEP:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(*args, **kwargs)
+
+        peer_copy.transfer = stopping
     for step in range(1, last + 1):
         if os.environ.get("TIER_SYNC") == "1":
             dist.all_reduce(torch.ones(4))  # the training step's collective
         time.sleep(0.1)
-        if RANK == 3 and step == STALL_STEP:
+        if stalls and step == STALL_STEP and os.environ.get("TIER_STALL_AT") != "copy":
             os.kill(os.getpid(), signal.SIGSTOP)
         t0 = time.monotonic()
         whole = mgr.save(step, state(step))

@@ -40,6 +40,7 @@ import time
 from typing import Any
 
 from xlakit.checkpoint import local_tier, peer_copy, pipeline
+from xlakit.checkpoint.agreed_gate import _CLAIM_WAIT_S, _VERDICT_GRACE_S
 from xlakit.checkpoint.agreement import Coordination
 from xlakit.checkpoint.operation import COMMIT, Operation, Watch
 from xlakit.errors import CheckpointError, CheckpointPeerError, CheckpointWriteError
@@ -136,7 +137,7 @@ def save(run, step: int, state: Any, deadline: float) -> Outcome:
     except Exception as e:  # noqa: BLE001 - the local tier is a cache: said, never fatal
         if coord.gate.outcome == COMMIT:  # decided whole; only its confirmation came late here
             return Outcome(True)
-        return Outcome(False, _why(run, coord, e, late, step))
+        return Outcome(False, _why(run, coord, e, late, step, deadline))
     finally:
         coord.close()
 
@@ -244,11 +245,9 @@ def partners(run) -> str:
             f"an OOM kill); the step is not kept in the local tier, the older steps stay")
 
 
-def _why(run, coord: Coordination, e: Exception, late: list[dict], step: int) -> str:
+def _why(run, coord: Coordination, e: Exception, late: list[dict], step: int, deadline: float) -> str:
     """Why the save is not whole, with every rank and host concerned (alike on every rank where it can)."""
-    if isinstance(e, NotWhole):
-        return str(e)
-    if isinstance(e, PartNotWritten):
+    if isinstance(e, (NotWhole, PartNotWritten)):
         return str(e)
     failed = [p["error"].removeprefix(f"{PartNotWritten.__name__}: ") for _, p in sorted(coord.proposals.items())
               if "error" in p]
@@ -256,25 +255,30 @@ def _why(run, coord: Coordination, e: Exception, late: list[dict], step: int) ->
         return "; ".join(failed)
     text = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     held = getattr(e, "decision", None) or coord.gate.held or (late[0] if late else None)
+    claimer = None
     if held and held.get("decision") != COMMIT:
         claimer = held.get("rank")
-        culprits = [r for r in held.get("culprits", []) if r != claimer] if held.get("timeout") else []
-        if not culprits and isinstance(claimer, int) and 0 <= claimer < run.world:
+        culprits = [r for r in held.get("culprits", []) if isinstance(r, int) and 0 <= r < run.world
+                    and r != claimer] if held.get("timeout") else []
+        if culprits:  # several: one stalled, the others may have been copying with it
+            named = ", ".join(f"rank {r} on {run.hosts[r]}" for r in culprits)
+            who = "died or stalled" if len(culprits) == 1 else "each died, stalled, or was copying with one that did"
+            text = (f"{named} did not answer within the deadline of {run.tier.timeout_s:g} s (LocalTier."
+                    f"timeout_s): {who} (look at the logs, e.g. for an OOM kill); the step is not kept in the "
+                    f"local tier, the older steps stay [{text}]")
+        elif isinstance(claimer, int) and 0 <= claimer < run.world:
             reason = str(held.get("error")).removeprefix(f"{PartNotWritten.__name__}: ")
             text = f"rank {claimer} on {run.hosts[claimer]} gave the save up: {reason}"
-        culprits = [r for r in culprits if isinstance(r, int) and 0 <= r < run.world]
-        if culprits:
-            named = ", ".join(f"rank {r} on {run.hosts[r]}" for r in culprits)
-            text = (f"{named} did not answer within the deadline of {run.tier.timeout_s:g} s (LocalTier."
-                    f"timeout_s): died or stalled (look at its log, e.g. for an OOM kill); the step is not kept "
-                    f"in the local tier, the older steps stay [{text}]")
     starts = {r: p["deadline_unix"] for r, p in coord.proposals.items() if "deadline_unix" in p}
     if starts and max(starts.values()) - min(starts.values()) > 1.0:  # one rank came late, not too late
         last = max(starts, key=starts.get)
         text += (f"; rank {last} on {run.hosts[last]} reached this save {max(starts.values()) - min(starts.values()):.1f} s "
                  f"after the first rank (stalled?), too late to finish before the first rank's deadline")
-    if late:
-        text = (f"rank {run.rank} on {run.host} reached the local-tier save of step {step} after the other "
-                f"ranks had given it up (it was stalled past their deadline) and dropped it at once, "
-                f"writing nothing; {text}")
+    overdue = time.monotonic() - deadline
+    if late or (overdue > _CLAIM_WAIT_S + _VERDICT_GRACE_S + 1 and claimer != run.rank):  # this rank stalled
+        text = (f"rank {run.rank} on {run.host} " + (f"reached the local-tier save of step {step} after the other "
+                f"ranks had given it up" if late else f"came back {overdue:.1f} s after the deadline of the "
+                f"local-tier save of step {step}, which the other ranks had given up")
+                + " (it was stalled: SIGSTOP, swapping, a debugger?) and dropped it at once"
+                + (", writing nothing" if late else "") + f"; {text}")
     return text

@@ -138,6 +138,10 @@ def save(run, step: int, state: Any, deadline: float) -> Outcome:
         if coord.gate.outcome == COMMIT:  # decided whole; only its confirmation came late here
             return Outcome(True)
         return Outcome(False, _why(run, coord, e, late, step, deadline))
+    except BaseException:  # Ctrl-C while writing the part: given up here, so given up everywhere
+        if not late:
+            op.cancel("interrupted")
+        raise
     finally:
         coord.close()
 

@@ -19,6 +19,8 @@
 #                                                         [VERSIONS.toml URL]
 #   BUILD_ARGS     extra arguments for build/xlakit_build.py, e.g. --dry-run []
 #   INSTALL_PYTHON interpreter whose environment `make install` fills [python3]
+#   WHEELHOUSE     folder of the wheels `make test-installed` installs with
+#                  --no-index (`make wheelhouse` downloads them)  [build/_out/wheelhouse]
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -30,6 +32,7 @@ TORCH_XLA_GIT ?=
 PYTORCH_GIT ?=
 BUILD_ARGS ?=
 INSTALL_PYTHON ?= python3
+WHEELHOUSE ?= build/_out/wheelhouse
 
 VPY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.xlakit-setup
@@ -37,7 +40,8 @@ XBR := $(PYTHON) build/xlakit_build.py requirements --profile $(PROFILE)
 TORCHTPU := $(filter torchtpu%,$(PROFILE))
 TEST_TOOLS := $(if $(TORCHTPU),,--test-tools)
 
-.PHONY: setup test faults demo bench clean build patches-check cxx-check wheel install preflight
+.PHONY: setup test faults demo bench clean build patches-check cxx-check wheel wheel-check wheelhouse \
+	test-installed install preflight
 
 setup: $(SETUP_STAMP)
 
@@ -50,6 +54,7 @@ $(SETUP_STAMP): VERSIONS.toml pyproject.toml setup.py
 	nodeps="$$($(XBR) --no-deps)"; test -z "$$nodeps" || $(VPY) -m pip install --no-deps $$nodeps
 	$(VPY) -m pip install -e '.[test]'
 	touch $@
+	$(if $(TORCHTPU),@$(VPY) -c 'from xlakit.runtime.torchtpu import setup_hint; print(setup_hint("$(VENV)"))')
 
 TEST_WORKERS ?= $(if $(TORCHTPU),,-n auto --maxprocesses 4 --dist loadfile)
 
@@ -97,8 +102,23 @@ patches-check:
 cxx-check: setup
 	$(XB) cxx-check --torch-xla-git="$(TORCH_XLA_GIT)" --python "$(abspath $(VPY))" $(BUILD_ARGS)
 
-wheel:
-	$(XB) wheel $(BUILD_ARGS)
+# The release: sdist + one manylinux wheel into wheels/, built by the pinned zig
+# (VERSIONS.toml [wheel]), which `setup` installs; `wheel-check`: auditwheel on
+# every wheel in wheels/, failing on a tag newer than the floor.
+wheel: setup
+	$(VPY) build/xlakit_build.py wheel $(BUILD_ARGS)
+
+wheel-check: setup
+	$(VPY) build/xlakit_build.py wheel-check $(BUILD_ARGS)
+
+wheelhouse: setup
+	$(VPY) build/xlakit_build.py wheelhouse --dest "$(WHEELHOUSE)" $(BUILD_ARGS)
+
+# The wheel installed as a user installs it, offline, outside the checkout
+# (tests/build/test_installed_wheel.py).
+test-installed: wheel wheelhouse
+	XLAKIT_WHEELHOUSE="$(abspath $(WHEELHOUSE))" $(VPY) -m pytest -p no:cacheprovider -s \
+		tests/build/test_installed_wheel.py
 
 install:
 	$(XB) install --python $(INSTALL_PYTHON) $(BUILD_ARGS)

@@ -92,7 +92,7 @@ def rank_main(args) -> None:
 
     restore("local")
     if rank == world - 1:
-        from xlakit.checkpoint.local_tier import run_name
+        from xlakit.checkpoint.tier.local_tier import run_name
 
         shutil.rmtree(shm / run_name(persistent) / "host1")  # host1 recreated: its RAM is empty
     dist.barrier()

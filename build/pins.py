@@ -91,6 +91,33 @@ def test_tool_requirements(data: dict | None = None) -> list[str]:
     return [f"{pkg}=={version}" for pkg, version in data.get("pjrt_wrap", {}).get("test_packages", {}).items()]
 
 
+def wheel_tools(data: dict | None = None) -> dict[str, str]:
+    """The release build's tools (`make wheel`): package -> exact version."""
+    data = data if data is not None else load()
+    return dict(data.get("wheel", {}).get("tools", {}))
+
+
+def wheel_tool_requirements(data: dict | None = None) -> list[str]:
+    return [f"{pkg}=={version}" for pkg, version in wheel_tools(data).items()]
+
+
+def wheel_pythons(data: dict | None = None) -> list[str]:
+    """The Python versions the wheel is proven on ("3.11", ...), lowest first."""
+    data = data if data is not None else load()
+    found = data.get("wheel", {}).get("pythons", [])
+    if not found or any(not re.fullmatch(r"3\.\d+", v) for v in found):
+        raise PinError(f"wheel.pythons must list versions such as \"3.11\", found {found!r}")
+    return sorted(found, key=lambda v: int(v.split(".")[1]))
+
+
+def xlakit_version(data: dict | None = None) -> str:
+    data = data if data is not None else load()
+    version = data.get("xlakit", {}).get("version")
+    if not version:
+        raise PinError("xlakit.version is missing (the package's version lives there)")
+    return str(version)
+
+
 def patch_level(data: dict | None = None) -> int:
     data = data if data is not None else load()
     return int(data["xlakit"]["patch_level"])

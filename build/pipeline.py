@@ -211,8 +211,15 @@ def verify_sums(wheels: Path) -> dict[str, str]:
     return sums
 
 
+def read_info(wheels: Path) -> dict:
+    """build-info.json as the last build left it ({} if none)."""
+    info = wheels / "build-info.json"
+    return json.loads(info.read_text()) if info.exists() else {}
+
+
 def write_sums(wheels: Path, extra: dict | None = None) -> None:
-    names = sorted(p.name for p in wheels.glob("*.whl"))
+    # The wheels and the xlakit sdist: every release file.
+    names = sorted(p.name for p in [*wheels.glob("*.whl"), *wheels.glob("xlakit-*.tar.gz")])
     (wheels / "SHA256SUMS").write_text("".join(f"{sha256_file(wheels / n)}  {n}\n" for n in names))
     if extra is not None:
         (wheels / "build-info.json").write_text(json.dumps({**extra, "wheels": names}, indent=2) + "\n")

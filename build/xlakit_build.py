@@ -7,7 +7,10 @@ runner that logs it, so `--dry-run` prints the whole pipeline in order.
 stamp, torch wheel, patched torch_xla wheel, xlakit wheel, SHA256SUMS +
 build-info.json); the other subcommands are its steps, runnable alone.
 `cxx-check` compiles the C++ against real XLA headers and runs it against a
-real PJRT client without bazel (cxx_check.py).
+real PJRT client without bazel (cxx_check.py). `wheel` is xlakit's release
+(sdist + manylinux wheel, wheel.py), `wheel-check` judges every wheel's tag
+with auditwheel, `wheelhouse` downloads what the installed-wheel test
+installs offline.
 Git sources default to VERSIONS.toml and are overridden by --pytorch-git /
 --torch-xla-git (the Makefile passes PYTORCH_GIT / TORCH_XLA_GIT), e.g. to a
 local mirror on an air-gapped host.
@@ -20,6 +23,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,6 +35,7 @@ import pins  # noqa: E402
 import pipeline  # noqa: E402
 import preflight  # noqa: E402
 import series  # noqa: E402
+import wheel  # noqa: E402
 from runner import CommandError, Runner  # noqa: E402
 
 ROOT = pipeline.ROOT
@@ -46,7 +51,8 @@ def cmd_requirements(args: argparse.Namespace) -> int:
     if args.no_deps:
         print("\n".join(pins.requirements(args.profile, no_deps=True)))
         return 0
-    lines = pins.requirements(args.profile) + (pins.test_tool_requirements() if args.test_tools else [])
+    tools = pins.test_tool_requirements() + pins.wheel_tool_requirements() if args.test_tools else []
+    lines = pins.requirements(args.profile) + tools
     print("\n".join(lines))
     return 0
 
@@ -108,7 +114,7 @@ def cmd_cxx_check(args: argparse.Namespace) -> int:
                              fresh=args.fresh)
 
 
-def _build_steps(runner: Runner, cfg: pipeline.Config) -> None:
+def _build_steps(runner: Runner, cfg: pipeline.Config) -> dict:
     src = cfg.sources()
     patches = series.read()
     dist = cfg.work / "dist"
@@ -136,11 +142,18 @@ def _build_steps(runner: Runner, cfg: pipeline.Config) -> None:
                     "BUILD_CPP_TESTS": "0"})
     runner.run(["find", str(dist), "-maxdepth", "1", "(", "-name", "torch-*.whl", "-o", "-name", "torch_xla-*.whl",
                 ")", "-exec", "cp", "{}", str(cfg.wheels), ";"])
-    _xlakit_wheel(runner, cfg)
+    return _xlakit_wheel(runner, cfg)
 
 
-def _xlakit_wheel(runner: Runner, cfg: pipeline.Config) -> None:
-    runner.run([cfg.python, "-m", "pip", "wheel", "--no-deps", "-w", str(cfg.wheels), str(ROOT)])
+def _xlakit_wheel(runner: Runner, cfg: pipeline.Config) -> dict:
+    """The sdist and the manylinux wheel into wheels/ (replacing earlier xlakit ones); build-info's record."""
+    sdist, built = wheel.build(runner, cfg.work / "xlakit-wheel", cfg.python)
+    tag = wheel.audit(runner, built, wheel.floor()) if not runner.dry_run else "<auditwheel show>"
+    earlier = [*cfg.wheels.glob("xlakit-*.whl"), *cfg.wheels.glob("xlakit-*.tar.gz")]
+    if earlier:
+        runner.run(["rm", "-f", *map(str, earlier)])
+    runner.run(["cp", str(sdist), str(built), str(cfg.wheels)])
+    return {} if runner.dry_run else wheel.record(cfg.wheels / sdist.name, cfg.wheels / built.name, tag, cfg.python)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -151,10 +164,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         return 0
     runner.run([cfg.python, str(Path(__file__).resolve()), "preflight", "--work", str(cfg.work),
                 *(f"--{k.replace('_', '-')}-git={v}" for k, v in cfg.git_urls.items())])
-    _build_steps(runner, cfg)
+    xlakit = _build_steps(runner, cfg)
     runner.note(f"write {cfg.wheels}/SHA256SUMS and build-info.json")
     if not args.dry_run:
-        pipeline.write_sums(cfg.wheels, {**pipeline.build_info(cfg), "inputs_sha256": pipeline.inputs_digest()})
+        pipeline.write_sums(cfg.wheels, {**pipeline.build_info(cfg), "inputs_sha256": pipeline.inputs_digest(),
+                                         "xlakit": xlakit})
     return 0
 
 
@@ -162,9 +176,32 @@ def cmd_wheel(args: argparse.Namespace) -> int:
     cfg = _config(args)
     runner = Runner(dry_run=args.dry_run)
     runner.run(["mkdir", "-p", str(cfg.wheels)])
-    _xlakit_wheel(runner, cfg)
+    xlakit = _xlakit_wheel(runner, cfg)
+    runner.note(f"write {cfg.wheels}/SHA256SUMS and build-info.json")
     if not args.dry_run:
-        pipeline.write_sums(cfg.wheels)
+        # A source build's record (`make build`) stays; the xlakit part is this build's.
+        pipeline.write_sums(cfg.wheels, {**pipeline.read_info(cfg.wheels), "xlakit": xlakit})
+        print(f"wheel: {cfg.wheels / xlakit['wheel']} ({xlakit['auditwheel']}), {xlakit['sources']['sdist']}")
+    return 0
+
+
+def cmd_wheel_check(args: argparse.Namespace) -> int:
+    wheel.check(Runner(), Path(args.wheels).resolve())
+    return 0
+
+
+def cmd_wheelhouse(args: argparse.Namespace) -> int:
+    """What the installed-wheel test installs with --no-index: the cpu-dev stack, the stand-in libtpu, and
+    xlakit's own dependencies for every Python the wheel is proven on."""
+    runner = Runner(dry_run=args.dry_run)
+    dest = str(Path(args.dest).resolve())
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    stand_in = [r for r in pins.test_tool_requirements() if r.startswith("xla-cpu-pjrt==")]
+    download = [args.python, "-m", "pip", "download", "--only-binary=:all:", "--dest", dest]
+    runner.run([*download, *pins.requirements("cpu-dev"), *stand_in, *deps])
+    for version in pins.wheel_pythons():
+        runner.run([*download, "--python-version", version, *deps])
     return 0
 
 
@@ -176,7 +213,9 @@ def cmd_install(args: argparse.Namespace) -> int:
     # after our check still fails the install.
     reqs = cfg.work / "install-requirements.txt"
     reqs.parent.mkdir(parents=True, exist_ok=True)
-    reqs.write_text("".join(f"{(cfg.wheels / n).as_uri()} --hash=sha256:{d}\n" for n, d in sorted(sums.items())))
+    # The wheels only: the sdist beside them is for those who build from source.
+    reqs.write_text("".join(f"{(cfg.wheels / n).as_uri()} --hash=sha256:{d}\n" for n, d in sorted(sums.items())
+                            if n.endswith(".whl")))
     runner.run([args.python, "-m", "pip", "install", "--no-deps", "--require-hashes", "-r", str(reqs)])
     return 0
 
@@ -227,7 +266,9 @@ def parser() -> argparse.ArgumentParser:
         ("patches-check", cmd_patches_check, "apply the series to the pinned torch_xla in a temp tree"),
         ("cxx-check", cmd_cxx_check, "compile the C++ against real XLA headers; run it on a real PJRT client"),
         ("build", cmd_build, "the full source build into wheels/"),
-        ("wheel", cmd_wheel, "build the xlakit wheel into wheels/"),
+        ("wheel", cmd_wheel, "build the xlakit sdist and manylinux wheel into wheels/"),
+        ("wheel-check", cmd_wheel_check, "auditwheel show on every wheel in wheels/; fail on a tag past the floor"),
+        ("wheelhouse", cmd_wheelhouse, "download what the installed-wheel test installs offline"),
         ("install", cmd_install, "install wheels/ after checking SHA256SUMS"),
         ("fetch", cmd_step, "fetch pytorch and torch_xla at the pins"),
         ("verify", cmd_step, "check the checkouts against VERSIONS.toml"),
@@ -242,6 +283,9 @@ def parser() -> argparse.ArgumentParser:
             q.add_argument("--force", action="store_true", help="rebuild even if inputs are unchanged")
         if name == "install":
             q.add_argument("--python", default=sys.executable, help="interpreter whose environment gets the wheels")
+        if name == "wheelhouse":
+            q.add_argument("--dest", default=str(ROOT / "build" / "_out" / "wheelhouse"), help="folder of wheels")
+            q.add_argument("--python", default=sys.executable, help="interpreter whose tags to download for")
         if name == "cxx-check":
             q.add_argument("--python", default=sys.executable, help="interpreter with the cpu-dev torch (headers)")
             q.add_argument("--cache", default=None, help="download cache [$XLAKIT_CXX_CACHE or ~/.cache/xlakit/cxx]")

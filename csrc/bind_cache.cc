@@ -1,15 +1,12 @@
 // Python bindings for the cache entry envelope and atomic writes.
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
+// Python.h (through bindings.h) comes first, as CPython requires.
+#include "bindings.h"
 
 #include <optional>
 #include <string>
 
-#include "bindings.h"
 #include "core/atomic_file.h"
 #include "core/envelope.h"
-
-namespace py = pybind11;
 
 namespace xlakit {
 namespace {
@@ -21,24 +18,15 @@ EntryKind KindFromName(const std::string& name) {
   if (name == EntryKindName(EntryKind::kHloModule)) {
     return EntryKind::kHloModule;
   }
-  throw py::value_error("kind must be 'executable' or 'hlo_module', got '" +
-                        name + "'");
+  py::Raise(PyExc_ValueError,
+            "kind must be 'executable' or 'hlo_module', got '" + name + "'");
 }
 
-// Header strings come from disk and may be corrupt; never let a bad byte turn
-// a report into a UnicodeDecodeError.
-py::object Text(const std::string& s) {
-  PyObject* obj = PyUnicode_DecodeUTF8(
-      s.data(), static_cast<Py_ssize_t>(s.size()), "replace");
-  if (obj == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(obj);
-}
-
-py::dict ResultToDict(const DecodeResult& r) {
-  py::dict d;
-  d["status"] = EntryStatusName(r.status);
-  d["ok"] = r.status == EntryStatus::kOk;
-  d["message"] = Text(r.message);
+py::Ref ResultToDict(const DecodeResult& r) {
+  py::Dict d;
+  d.Set("status", py::Text(EntryStatusName(r.status)));
+  d.Set("ok", py::Bool(r.status == EntryStatus::kOk));
+  d.Set("message", py::Text(r.message));
   // Header fields are only meaningful once the header parsed.
   bool parsed = r.status == EntryStatus::kOk ||
                 r.status == EntryStatus::kChecksumMismatch ||
@@ -49,26 +37,20 @@ py::dict ResultToDict(const DecodeResult& r) {
                 r.status == EntryStatus::kTorchXlaRevisionMismatch ||
                 r.status == EntryStatus::kKeyMismatch;
   const EntryHeader& h = r.header;
-  d["format_version"] = parsed ? py::cast(h.format_version) : py::none();
-  d["kind"] = parsed ? py::cast(EntryKindName(h.kind)) : py::none();
-  d["platform_name"] = parsed ? Text(h.platform_name) : py::none();
-  d["platform_version"] = parsed ? Text(h.platform_version) : py::none();
-  d["torch_xla_revision"] = parsed ? Text(h.torch_xla_revision) : py::none();
-  d["patch_series_id"] = parsed ? Text(h.patch_series_id) : py::none();
-  d["cache_key"] = parsed ? Text(h.cache_key) : py::none();
-  d["payload_length"] = parsed ? py::cast(h.payload_length) : py::none();
-  d["authenticated"] = r.authenticated;
-  d["tag_checked"] = r.tag_checked;
-  return d;
-}
-
-std::string_view View(const py::bytes& b) {
-  char* data = nullptr;
-  Py_ssize_t size = 0;
-  if (PyBytes_AsStringAndSize(b.ptr(), &data, &size) != 0) {
-    throw py::error_already_set();
-  }
-  return std::string_view(data, static_cast<size_t>(size));
+  auto text = [parsed](const std::string& s) {
+    return parsed ? py::Text(s) : py::None();
+  };
+  d.Set("format_version", parsed ? py::UInt(h.format_version) : py::None());
+  d.Set("kind", parsed ? py::Text(EntryKindName(h.kind)) : py::None());
+  d.Set("platform_name", text(h.platform_name));
+  d.Set("platform_version", text(h.platform_version));
+  d.Set("torch_xla_revision", text(h.torch_xla_revision));
+  d.Set("patch_series_id", text(h.patch_series_id));
+  d.Set("cache_key", text(h.cache_key));
+  d.Set("payload_length", parsed ? py::UInt(h.payload_length) : py::None());
+  d.Set("authenticated", py::Bool(r.authenticated));
+  d.Set("tag_checked", py::Bool(r.tag_checked));
+  return d.Done();
 }
 
 // EntryMac over Python's hmac (HMAC-SHA256), so xlakit._C links no crypto
@@ -76,218 +58,270 @@ std::string_view View(const py::bytes& b) {
 // the GIL held; its methods take the GIL, so they may run in a nogil section.
 class PyEntryMac : public EntryMac {
  public:
-  explicit PyEntryMac(const py::bytes& key) {
-    py::module_ hmac = py::module_::import("hmac");
-    mac_ = hmac.attr("new")(key, py::arg("digestmod") = "sha256");
-    compare_ = hmac.attr("compare_digest");
+  explicit PyEntryMac(PyObject* key) {
+    py::Ref hmac = py::Ref::Steal(PyImport_ImportModule("hmac"));
+    py::Ref make = py::Ref::Steal(PyObject_GetAttrString(hmac.get(), "new"));
+    py::Ref args = py::Tuple(py::Ref::Borrow(key));
+    py::Dict kwargs;
+    kwargs.Set("digestmod", py::Text("sha256"));
+    mac_ = py::Ref::Steal(
+        PyObject_Call(make.get(), args.get(), kwargs.Done().get()));
+    compare_ =
+        py::Ref::Steal(PyObject_GetAttrString(hmac.get(), "compare_digest"));
+  }
+  ~PyEntryMac() override {
+    py::WithGil gil;
+    mac_ = py::Ref();
+    compare_ = py::Ref();
   }
   void Update(std::string_view data) override {
-    py::gil_scoped_acquire gil;
-    mac_.attr("update")(py::memoryview::from_memory(data.data(),
-                                                     data.size()));
+    py::WithGil gil;
+    py::Ref view = py::Ref::Steal(PyMemoryView_FromMemory(
+        const_cast<char*>(data.data()), static_cast<Py_ssize_t>(data.size()),
+        PyBUF_READ));
+    py::Ref::Steal(PyObject_CallMethod(mac_.get(), "update", "(O)", view.get()));
   }
   std::string Tag() override {
-    py::gil_scoped_acquire gil;
-    return mac_.attr("digest")().cast<std::string>();
+    py::WithGil gil;
+    return std::string(py::BytesView(Digest().get(), "digest()"));
   }
   bool Matches(std::string_view tag) override {
-    py::gil_scoped_acquire gil;
-    return compare_(mac_.attr("digest")(), py::bytes(tag.data(), tag.size()))
-        .cast<bool>();
+    py::WithGil gil;
+    py::Ref found = Digest();
+    py::Ref wanted = py::Bytes(tag);
+    py::Ref same = py::Ref::Steal(PyObject_CallFunctionObjArgs(
+        compare_.get(), found.get(), wanted.get(), nullptr));
+    return py::Truth(same.get(), false);
   }
 
  private:
-  py::object mac_;
-  py::object compare_;
+  py::Ref Digest() {
+    return py::Ref::Steal(PyObject_CallMethod(mac_.get(), "digest", nullptr));
+  }
+  py::Ref mac_;
+  py::Ref compare_;
 };
 
-std::optional<PyEntryMac> MacFor(const std::optional<py::bytes>& key) {
-  if (!key) return std::nullopt;
-  if (View(*key).empty()) throw py::value_error("key must not be empty");
-  return std::optional<PyEntryMac>(std::in_place, *key);
+std::optional<PyEntryMac> MacFor(PyObject* key) {
+  if (key == nullptr || key == Py_None) return std::nullopt;
+  if (py::BytesView(key, "key").empty()) {
+    py::Raise(PyExc_ValueError, "key must not be empty");
+  }
+  return std::optional<PyEntryMac>(std::in_place, key);
 }
 
 // All three identity fields, or none (check integrity only); the torch_xla
 // revision, compared when given, only together with them.
-std::optional<RuntimeIdentity> Identity(
-    const std::optional<std::string>& platform_name,
-    const std::optional<std::string>& platform_version,
-    const std::optional<std::string>& patch_series_id,
-    const std::optional<std::string>& torch_xla_revision) {
-  int given = !!platform_name + !!platform_version + !!patch_series_id;
-  if ((given != 0 && given != 3) || (given == 0 && torch_xla_revision)) {
-    throw py::value_error(
-        "pass all of platform_name, platform_version and "
-        "patch_series_id to check an entry against a runtime, or none "
-        "(torch_xla_revision only together with them)");
+std::optional<RuntimeIdentity> Identity(PyObject* platform_name,
+                                        PyObject* platform_version,
+                                        PyObject* patch_series_id,
+                                        PyObject* torch_xla_revision) {
+  std::optional<std::string> name =
+      py::OptionalString(platform_name, "platform_name");
+  std::optional<std::string> version =
+      py::OptionalString(platform_version, "platform_version");
+  std::optional<std::string> series =
+      py::OptionalString(patch_series_id, "patch_series_id");
+  std::optional<std::string> revision =
+      py::OptionalString(torch_xla_revision, "torch_xla_revision");
+  int given = !!name + !!version + !!series;
+  if ((given != 0 && given != 3) || (given == 0 && revision)) {
+    py::Raise(PyExc_ValueError,
+              "pass all of platform_name, platform_version and "
+              "patch_series_id to check an entry against a runtime, or none "
+              "(torch_xla_revision only together with them)");
   }
   if (given == 0) return std::nullopt;
-  return RuntimeIdentity{*platform_name, *platform_version, *patch_series_id,
-                         torch_xla_revision.value_or("")};
+  return RuntimeIdentity{*name, *version, *series, revision.value_or("")};
 }
+
+py::Ref KeyProblem(PyObject* args, PyObject* kwargs) {
+  PyObject* key = py::OneArg(args, kwargs, "key");
+  return py::TextOrNone(CacheKeyProblem(py::BytesView(key, "key")));
+}
+
+py::Ref KeyId(PyObject* args, PyObject* kwargs) {
+  PyObject* key = py::OneArg(args, kwargs, "key");
+  py::BytesView(key, "key");  // bytes, never None
+  std::optional<PyEntryMac> mac = MacFor(key);
+  return py::Text(CacheKeyId(*mac));
+}
+
+py::Ref Encode(PyObject* args, PyObject* kwargs) {
+  static const char* kNames[] = {
+      "payload",         "kind", "platform_name", "platform_version",
+      "torch_xla_revision", "patch_series_id", "key", "cache_key", nullptr};
+  PyObject *payload = nullptr, *kind = nullptr, *platform_name = nullptr,
+           *platform_version = nullptr, *torch_xla_revision = nullptr,
+           *patch_series_id = nullptr, *key = nullptr, *cache_key = nullptr;
+  py::Parse(args, kwargs, "O|$OOOOOOO", kNames, &payload, &kind,
+            &platform_name, &platform_version, &torch_xla_revision,
+            &patch_series_id, &key, &cache_key);
+  std::string_view data = py::BytesView(payload, "payload");
+  EntryHeader h;
+  h.kind = KindFromName(py::String(kind, "kind"));
+  h.platform_name = py::String(platform_name, "platform_name");
+  h.platform_version = py::String(platform_version, "platform_version");
+  h.torch_xla_revision = py::String(torch_xla_revision, "torch_xla_revision");
+  h.patch_series_id = py::String(patch_series_id, "patch_series_id");
+  h.cache_key = cache_key ? py::String(cache_key, "cache_key") : "";
+  std::optional<PyEntryMac> mac = MacFor(key);
+  return py::Bytes(mac ? EncodeAuthenticatedEntry(h, data, *mac)
+                       : EncodeEntry(h, data));
+}
+
+py::Ref InspectHeader(PyObject* args, PyObject* kwargs) {
+  static const char* kNames[] = {"prefix", "total_size", nullptr};
+  PyObject *prefix = nullptr, *total_size = nullptr;
+  py::Parse(args, kwargs, "OO", kNames, &prefix, &total_size);
+  return ResultToDict(DecodeCacheHeader(
+      py::BytesView(prefix, "prefix"), py::UInt64(total_size, "total_size")));
+}
+
+py::Ref Verify(PyObject* args, PyObject* kwargs) {
+  static const char* kNames[] = {
+      "data", "platform_name", "platform_version", "patch_series_id",
+      "torch_xla_revision", "key", "expected_key", nullptr};
+  PyObject *data = nullptr, *platform_name = nullptr,
+           *platform_version = nullptr, *patch_series_id = nullptr,
+           *torch_xla_revision = nullptr, *key = nullptr,
+           *expected_key = nullptr;
+  py::Parse(args, kwargs, "O|$OOOOOO", kNames, &data, &platform_name,
+            &platform_version, &patch_series_id, &torch_xla_revision, &key,
+            &expected_key);
+  std::string_view view = py::BytesView(data, "data");
+  std::optional<RuntimeIdentity> self = Identity(
+      platform_name, platform_version, patch_series_id, torch_xla_revision);
+  std::optional<std::string> expected =
+      py::OptionalString(expected_key, "expected_key");
+  std::optional<PyEntryMac> mac = MacFor(key);
+  DecodeResult r;
+  {
+    // The checksum walks the whole payload; let other threads run.
+    py::NoGil nogil;
+    r = VerifyCacheEntry(view, self ? &*self : nullptr, mac ? &*mac : nullptr,
+                         expected ? &*expected : nullptr);
+  }
+  return ResultToDict(r);
+}
+
+py::Ref VerifyFile(PyObject* args, PyObject* kwargs) {
+  static const char* kNames[] = {
+      "path", "platform_name", "platform_version", "patch_series_id",
+      "torch_xla_revision", "key", "chunk_bytes", "expected_key", nullptr};
+  PyObject *path = nullptr, *platform_name = nullptr,
+           *platform_version = nullptr, *patch_series_id = nullptr,
+           *torch_xla_revision = nullptr, *key = nullptr,
+           *chunk_bytes = nullptr, *expected_key = nullptr;
+  py::Parse(args, kwargs, "O|$OOOOOOO", kNames, &path, &platform_name,
+            &platform_version, &patch_series_id, &torch_xla_revision, &key,
+            &chunk_bytes, &expected_key);
+  std::string file = py::String(path, "path");
+  std::optional<RuntimeIdentity> self = Identity(
+      platform_name, platform_version, patch_series_id, torch_xla_revision);
+  uint64_t chunk =
+      chunk_bytes ? py::UInt64(chunk_bytes, "chunk_bytes") : uint64_t{1} << 20;
+  if (chunk == 0) py::Raise(PyExc_ValueError, "chunk_bytes must be > 0");
+  std::optional<std::string> expected =
+      py::OptionalString(expected_key, "expected_key");
+  std::optional<PyEntryMac> mac = MacFor(key);
+  DecodeResult r;
+  std::string error;
+  {
+    py::NoGil nogil;
+    r = VerifyEntryFile(file, self ? &*self : nullptr, mac ? &*mac : nullptr,
+                        static_cast<size_t>(chunk), &error,
+                        expected ? &*expected : nullptr);
+  }
+  if (!error.empty()) py::Raise(PyExc_OSError, error);
+  return ResultToDict(r);
+}
+
+py::Ref KeyMaterial(PyObject* args, PyObject* kwargs) {
+  static const char* kNames[] = {"platform_name", "platform_version",
+                                 "patch_series_id", "key_id", nullptr};
+  PyObject *platform_name = nullptr, *platform_version = nullptr,
+           *patch_series_id = nullptr, *key_id = nullptr;
+  py::Parse(args, kwargs, "|$OOOO", kNames, &platform_name, &platform_version,
+            &patch_series_id, &key_id);
+  // The revision is not part of the key material (the series id covers it).
+  RuntimeIdentity self{py::String(platform_name, "platform_name"),
+                       py::String(platform_version, "platform_version"),
+                       py::String(patch_series_id, "patch_series_id"), ""};
+  return py::Bytes(
+      CacheKeyMaterial(self, key_id ? py::String(key_id, "key_id") : ""));
+}
+
+py::Ref TempTarget(PyObject* args, PyObject* kwargs) {
+  PyObject* name = py::OneArg(args, kwargs, "name");
+  return py::TextOrNone(TempFileTarget(py::String(name, "name")));
+}
+
+py::Ref WriteAtomic(PyObject* args, PyObject* kwargs) {
+  static const char* kNames[] = {"path", "data", nullptr};
+  PyObject *path = nullptr, *data = nullptr;
+  py::Parse(args, kwargs, "OO", kNames, &path, &data);
+  std::string file = py::String(path, "path");
+  std::string_view view = py::BytesView(data, "data");
+  std::string error;
+  {
+    py::NoGil nogil;
+    error = WriteFileAtomic(file, view);
+  }
+  if (!error.empty()) py::Raise(PyExc_OSError, error);
+  return py::None();
+}
+
+PyMethodDef kMethods[] = {
+    py::Method<KeyProblem>("cache_key_problem",
+                           "cache_key_problem(key) -> why the job key may not "
+                           "be used, or None"),
+    py::Method<KeyId>("cache_key_id",
+                      "cache_key_id(key) -> the key's id (reveals nothing of "
+                      "it)"),
+    py::Method<Encode>(
+        "encode_entry",
+        "encode_entry(payload, *, kind, platform_name, platform_version, "
+        "torch_xla_revision, patch_series_id, key=None, cache_key='') -> "
+        "bytes"),
+    py::Method<InspectHeader>("inspect_header",
+                              "inspect_header(prefix, total_size) -> dict"),
+    py::Method<Verify>(
+        "verify_entry",
+        "verify_entry(data, *, platform_name=None, platform_version=None, "
+        "patch_series_id=None, torch_xla_revision=None, key=None, "
+        "expected_key=None) -> dict"),
+    py::Method<VerifyFile>(
+        "verify_entry_file",
+        "verify_entry_file(path, *, platform_name=None, "
+        "platform_version=None, patch_series_id=None, "
+        "torch_xla_revision=None, key=None, chunk_bytes=1 << 20, "
+        "expected_key=None) -> dict; OSError when it cannot be read"),
+    py::Method<KeyMaterial>(
+        "cache_key_material",
+        "cache_key_material(*, platform_name, platform_version, "
+        "patch_series_id, key_id='') -> bytes"),
+    py::Method<TempTarget>("temp_file_target",
+                           "temp_file_target(name) -> the file an atomic "
+                           "write's temporary is for, or None"),
+    py::Method<WriteAtomic>("write_file_atomic",
+                            "write_file_atomic(path, data); OSError naming "
+                            "the path"),
+    {nullptr, nullptr, 0, nullptr},
+};
 
 }  // namespace
 
-void BindCache(py::module_& m) {
-  m.attr("ENVELOPE_MAGIC") = py::bytes(kEnvelopeMagic, 4);
-  m.attr("ENVELOPE_FORMAT_VERSION") = kEnvelopeFormatVersion;
-  m.attr("TEMP_PREFIX") = kTempPrefix;
-  m.attr("AUTH_MAGIC") = py::bytes(kAuthMagic, 4);
-  m.attr("CACHE_KEY_ENV") = kCacheKeyEnv;
-  m.attr("MIN_CACHE_KEY_BYTES") = kMinCacheKeyBytes;
-
-  m.def(
-      "cache_key_problem",
-      [](py::bytes key) -> std::optional<std::string> {
-        std::string problem = CacheKeyProblem(View(key));
-        if (problem.empty()) return std::nullopt;
-        return problem;
-      },
-      py::arg("key"));
-
-  m.def(
-      "cache_key_id",
-      [](py::bytes key) {
-        std::optional<PyEntryMac> mac = MacFor(key);
-        return CacheKeyId(*mac);
-      },
-      py::arg("key"));
-
-  m.def(
-      "encode_entry",
-      [](py::bytes payload, const std::string& kind,
-         const std::string& platform_name, const std::string& platform_version,
-         const std::string& torch_xla_revision,
-         const std::string& patch_series_id, std::optional<py::bytes> key,
-         const std::string& cache_key) {
-        EntryHeader h;
-        h.kind = KindFromName(kind);
-        h.platform_name = platform_name;
-        h.platform_version = platform_version;
-        h.torch_xla_revision = torch_xla_revision;
-        h.patch_series_id = patch_series_id;
-        h.cache_key = cache_key;
-        std::optional<PyEntryMac> mac = MacFor(key);
-        std::string out = mac ? EncodeAuthenticatedEntry(h, View(payload), *mac)
-                              : EncodeEntry(h, View(payload));
-        return py::bytes(out);
-      },
-      py::arg("payload"), py::kw_only(), py::arg("kind"),
-      py::arg("platform_name"), py::arg("platform_version"),
-      py::arg("torch_xla_revision"), py::arg("patch_series_id"),
-      py::arg("key") = py::none(), py::arg("cache_key") = "");
-
-  m.def(
-      "inspect_header",
-      [](py::bytes prefix, uint64_t total_size) {
-        return ResultToDict(DecodeCacheHeader(View(prefix), total_size));
-      },
-      py::arg("prefix"), py::arg("total_size"));
-
-  m.def(
-      "verify_entry",
-      [](py::bytes data, std::optional<std::string> platform_name,
-         std::optional<std::string> platform_version,
-         std::optional<std::string> patch_series_id,
-         std::optional<std::string> torch_xla_revision,
-         std::optional<py::bytes> key,
-         std::optional<std::string> expected_key) {
-        std::optional<RuntimeIdentity> self = Identity(
-            platform_name, platform_version, patch_series_id,
-            torch_xla_revision);
-        std::optional<PyEntryMac> mac = MacFor(key);
-        std::string_view view = View(data);
-        DecodeResult r;
-        {
-          // The checksum walks the whole payload; let other threads run.
-          py::gil_scoped_release nogil;
-          r = VerifyCacheEntry(view, self ? &*self : nullptr,
-                               mac ? &*mac : nullptr,
-                               expected_key ? &*expected_key : nullptr);
-        }
-        return ResultToDict(r);
-      },
-      py::arg("data"), py::kw_only(), py::arg("platform_name") = py::none(),
-      py::arg("platform_version") = py::none(),
-      py::arg("patch_series_id") = py::none(),
-      py::arg("torch_xla_revision") = py::none(), py::arg("key") = py::none(),
-      py::arg("expected_key") = py::none());
-
+void BindCache(PyObject* m) {
+  py::AddBytes(m, "ENVELOPE_MAGIC", std::string_view(kEnvelopeMagic, 4));
+  py::AddInt(m, "ENVELOPE_FORMAT_VERSION", kEnvelopeFormatVersion);
+  py::AddStr(m, "TEMP_PREFIX", kTempPrefix);
+  py::AddBytes(m, "AUTH_MAGIC", std::string_view(kAuthMagic, 4));
+  py::AddStr(m, "CACHE_KEY_ENV", kCacheKeyEnv);
+  py::AddInt(m, "MIN_CACHE_KEY_BYTES", kMinCacheKeyBytes);
   // Enough bytes to decode any header, plain or authenticated.
-  m.attr("MAX_HEADER_BYTES") = kAuthPrefixBytes + kMaxHeaderBytes;
-
-  m.def(
-      "verify_entry_file",
-      [](const std::string& path, std::optional<std::string> platform_name,
-         std::optional<std::string> platform_version,
-         std::optional<std::string> patch_series_id,
-         std::optional<std::string> torch_xla_revision,
-         std::optional<py::bytes> key, size_t chunk_bytes,
-         std::optional<std::string> expected_key) {
-        std::optional<RuntimeIdentity> self = Identity(
-            platform_name, platform_version, patch_series_id,
-            torch_xla_revision);
-        if (chunk_bytes == 0) throw py::value_error("chunk_bytes must be > 0");
-        std::optional<PyEntryMac> mac = MacFor(key);
-        DecodeResult r;
-        std::string error;
-        {
-          py::gil_scoped_release nogil;
-          r = VerifyEntryFile(path, self ? &*self : nullptr,
-                              mac ? &*mac : nullptr, chunk_bytes, &error,
-                              expected_key ? &*expected_key : nullptr);
-        }
-        if (!error.empty()) {
-          PyErr_SetString(PyExc_OSError, error.c_str());
-          throw py::error_already_set();
-        }
-        return ResultToDict(r);
-      },
-      py::arg("path"), py::kw_only(), py::arg("platform_name") = py::none(),
-      py::arg("platform_version") = py::none(),
-      py::arg("patch_series_id") = py::none(),
-      py::arg("torch_xla_revision") = py::none(), py::arg("key") = py::none(),
-      py::arg("chunk_bytes") = size_t{1} << 20,
-      py::arg("expected_key") = py::none());
-
-  m.def(
-      "cache_key_material",
-      [](const std::string& platform_name, const std::string& platform_version,
-         const std::string& patch_series_id, const std::string& key_id) {
-        // The revision is not part of the key material (the series id covers
-        // it).
-        return py::bytes(CacheKeyMaterial(
-            RuntimeIdentity{platform_name, platform_version, patch_series_id,
-                            ""},
-            key_id));
-      },
-      py::kw_only(), py::arg("platform_name"), py::arg("platform_version"),
-      py::arg("patch_series_id"), py::arg("key_id") = "");
-
-  m.def(
-      "temp_file_target",
-      [](const std::string& name) -> std::optional<std::string> {
-        std::string target = TempFileTarget(name);
-        if (target.empty()) return std::nullopt;
-        return target;
-      },
-      py::arg("name"));
-
-  m.def(
-      "write_file_atomic",
-      [](const std::string& path, py::bytes data) {
-        std::string_view view = View(data);
-        std::string error;
-        {
-          py::gil_scoped_release nogil;
-          error = WriteFileAtomic(path, view);
-        }
-        if (!error.empty()) {
-          PyErr_SetString(PyExc_OSError, error.c_str());
-          throw py::error_already_set();
-        }
-      },
-      py::arg("path"), py::arg("data"));
+  py::AddInt(m, "MAX_HEADER_BYTES", kAuthPrefixBytes + kMaxHeaderBytes);
+  py::AddFunctions(m, kMethods);
 }
 
 }  // namespace xlakit

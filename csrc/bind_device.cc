@@ -1,32 +1,38 @@
 // Python bindings for runtime device string validation.
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
+// Python.h (through bindings.h) comes first, as CPython requires.
+#include "bindings.h"
 
 #include <string>
-#include <tuple>
 #include <vector>
 
-#include "bindings.h"
 #include "core/device_string.h"
 
-namespace py = pybind11;
-
 namespace xlakit {
+namespace {
 
-void BindDevice(py::module_& m) {
-  m.def(
-      "validate_runtime_device",
-      [](const std::string& device, const std::vector<std::string>& known,
-         bool allow_virtual) {
-        RuntimeDevice parsed;
-        std::string error =
-            ValidateRuntimeDevice(device, known, allow_virtual, &parsed);
-        if (!error.empty()) throw py::value_error(error);
-        return std::make_tuple(parsed.platform, parsed.ordinal,
-                               parsed.is_virtual);
-      },
-      py::arg("device"), py::arg("known"), py::kw_only(),
-      py::arg("allow_virtual") = true);
+py::Ref ValidateDevice(PyObject* args, PyObject* kwargs) {
+  static const char* kNames[] = {"device", "known", "allow_virtual", nullptr};
+  PyObject *device = nullptr, *known = nullptr, *allow_virtual = nullptr;
+  py::Parse(args, kwargs, "OO|$O", kNames, &device, &known, &allow_virtual);
+  RuntimeDevice parsed;
+  std::string error = ValidateRuntimeDevice(
+      py::String(device, "device"), py::StringList(known, "known"),
+      py::Truth(allow_virtual, true), &parsed);
+  if (!error.empty()) py::Raise(PyExc_ValueError, error);
+  return py::Tuple(py::Text(parsed.platform), py::Int(parsed.ordinal),
+                   py::Bool(parsed.is_virtual));
 }
+
+PyMethodDef kMethods[] = {
+    py::Method<ValidateDevice>(
+        "validate_runtime_device",
+        "validate_runtime_device(device, known, *, allow_virtual=True) -> "
+        "(platform, ordinal, is_virtual); ValueError naming the valid devices"),
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+void BindDevice(PyObject* m) { py::AddFunctions(m, kMethods); }
 
 }  // namespace xlakit

@@ -79,7 +79,7 @@ def pytest_collection_modifyitems(config, items):
 def no_pending_save():
     """Let an asynchronous save a test left running finish, so the next test starts idle."""
     yield
-    from xlakit.checkpoint import background
+    from xlakit.checkpoint.file import background
 
     pending = background._pending
     if pending is not None:

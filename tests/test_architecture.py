@@ -23,17 +23,20 @@ LAYERS = [
     ("base", ["xlakit._C", "xlakit._version", "xlakit._knobs", "xlakit.errors"]),
     ("runtime", ["xlakit.runtime"]),
     # An operation (deadline, cancellation, its files) is what both the store and the entry points run under.
-    ("operation", ["xlakit.checkpoint.options", "xlakit.checkpoint.workers", "xlakit.checkpoint.operation",
-                   "xlakit.checkpoint.paths"]),
+    ("operation", ["xlakit.checkpoint.core"]),
     ("objstore", ["xlakit.checkpoint.objstore"]),
     # The compile cache's shared tier: the runtime's cache mirrored to a bucket through the store.
     ("cache tier", ["xlakit.cache_tier"]),
     ("checkpoint", ["xlakit.checkpoint"]),
     ("integrations", ["xlakit.integrations", "xlakit.lightning"]),
+    ("selftest", ["xlakit.selftest"]),
     ("cli", ["xlakit.cli", "xlakit.__main__"]),
 ]
 # The package itself re-exports the public API from every layer below the CLI.
 TOP = "xlakit"
+# Layers that drive the public API as a user's job does, so they may import the package top (which never
+# imports them: the circle test holds that). The self-test checks what users get, by the names they use.
+PUBLIC_API_USERS = ("selftest",)
 
 # The few modules that stay over the size rule, each with its reason.
 LONG_MODULES = {
@@ -145,7 +148,7 @@ def test_layers_import_only_downward():
         mine = _layer(module)
         assert mine is not None, f"{module} belongs to no layer of tests/test_architecture.py"
         for target in targets:
-            theirs = _layer(target) if target != TOP else len(LAYERS)
+            theirs = _layer(target) if target != TOP else mine if LAYERS[mine][0] in PUBLIC_API_USERS else len(LAYERS)
             if theirs > mine:
                 upward.append(f"{module} ({LAYERS[mine][0]}) imports {target}")
     assert upward == []

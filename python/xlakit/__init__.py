@@ -8,7 +8,7 @@ from xlakit._version import __version__
 from xlakit.cache_tier import enable_persistent_cache
 from xlakit.runtime.compile_cache import cache_stats
 from xlakit.runtime.contract import check_run_contract
-from xlakit.checkpoint.options import LoadOptions, Progress, SaveOptions
+from xlakit.checkpoint.core.options import LoadOptions, Progress, SaveOptions
 from xlakit.errors import (
     CacheFolderTrustError,
     CheckpointAsyncError,
@@ -40,8 +40,8 @@ from xlakit.runtime.memory import MemoryInfo, memory_info
 _LAZY = {"save": "xlakit.checkpoint", "load": "xlakit.checkpoint", "restore": "xlakit.checkpoint",
          "dcp_save": "xlakit.checkpoint",
          "dcp_load": "xlakit.checkpoint", "wait_until_idle": "xlakit.checkpoint",
-         "SaveHandle": "xlakit.checkpoint.background", "CheckpointManager": "xlakit.checkpoint.manager",
-         "ReadOnlyCheckpointManager": "xlakit.checkpoint.readonly", "LocalTier": "xlakit.checkpoint.local_tier"}
+         "SaveHandle": "xlakit.checkpoint.file.background", "CheckpointManager": "xlakit.checkpoint.manager.checkpoint_manager",
+         "ReadOnlyCheckpointManager": "xlakit.checkpoint.stepstore.readonly", "LocalTier": "xlakit.checkpoint.tier.local_tier"}
 
 
 def __getattr__(name: str):

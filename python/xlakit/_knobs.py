@@ -36,7 +36,7 @@ OBJECT_CHUNK_BYTES = "XLAKIT_OBJECT_CHUNK_BYTES"
 OBJECT_REQUEST_TIMEOUT_S = "XLAKIT_OBJECT_REQUEST_TIMEOUT_S"
 # How long a CheckpointManager's lease on an object-storage URL lasts unless renewed (checkpoint/objstore/lease.py).
 MANAGER_LEASE_S = "XLAKIT_MANAGER_LEASE_S"
-# Which host this process runs on, for a CheckpointManager's local tier (checkpoint/local_tier.py): its
+# Which host this process runs on, for a CheckpointManager's local tier (checkpoint/tier/local_tier.py): its
 # parts are copied to ranks of other hosts. Default: the hostname. Tests set it to make several
 # simulated hosts of the processes of one machine.
 HOST_ID = "XLAKIT_HOST_ID"

@@ -56,10 +56,53 @@ def test_dry_run_lists_the_full_pipeline_in_order(tmp_path):
         "setup.py bdist_wheel",
         "pip install --no-deps --force-reinstall --no-index",
         f"TORCH_XLA_VERSION=2.9.0+git{src['torch_xla'].short}.xlakit{pins.patch_level()}",
-        "-m pip wheel --no-deps",
+        "-m build --sdist --no-isolation",
+        "-m build --wheel --no-isolation",
         "SHA256SUMS and build-info.json",
     )
     assert not (tmp_path / "w").exists() and not (tmp_path / "wh").exists(), "a dry run must not write"
+
+
+def test_wheel_dry_run_builds_the_sdist_then_the_wheel_from_it_with_zig_for_the_floor(tmp_path):
+    rc, out = _run(tmp_path, "wheel", "--dry-run", "--work", str(tmp_path / "w"), "--wheels", str(tmp_path / "wh"))
+    assert rc == 0, out
+    floor = pins.load()["wheel"]["glibc"]
+    version = pins.xlakit_version()
+    _ordered(
+        out,
+        f"-m build --sdist --no-isolation --outdir {tmp_path / 'w'}",
+        f"tar -xzf {tmp_path / 'w' / 'xlakit-wheel' / 'dist' / f'xlakit-{version}.tar.gz'}",
+        f"c++ -target x86_64-linux-gnu.{floor}",
+        f"-m build --wheel --no-isolation",
+        f"--plat-name=manylinux_{floor.replace('.', '_')}_x86_64",
+        f"{tmp_path / 'w' / 'xlakit-wheel' / f'xlakit-{version}'}",
+        f"cp {tmp_path / 'w' / 'xlakit-wheel' / 'dist' / f'xlakit-{version}.tar.gz'}",
+        "SHA256SUMS and build-info.json",
+    )
+    assert not (tmp_path / "w").exists() and not (tmp_path / "wh").exists(), "a dry run must not write"
+
+
+def test_make_n_release_targets_run_their_subcommands_in_the_venv():
+    out = subprocess.run(["make", "-n", "test-installed", "wheel-check", "VENV=/v",
+                          "WHEELHOUSE=/wh"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    _ordered(out, "/v/bin/python build/xlakit_build.py wheel", '/v/bin/python build/xlakit_build.py wheelhouse --dest "/wh"',
+             'XLAKIT_WHEELHOUSE="/wh" /v/bin/python -m pytest', "tests/build/test_installed_wheel.py",
+             "/v/bin/python build/xlakit_build.py wheel-check")
+
+
+def test_wheelhouse_downloads_the_stack_and_xlakits_dependencies_for_every_python(tmp_path):
+    rc, out = _run(tmp_path, "wheelhouse", "--dry-run", "--dest", str(tmp_path / "wh"))
+    assert rc == 0, out
+    lines = [ln for ln in out.splitlines() if " pip download " in ln]
+    assert all("--only-binary=:all:" in ln and str(tmp_path / "wh") in ln for ln in lines), lines
+    assert "torch==2.9.0" in lines[0] and "torch_xla==2.9.0" in lines[0] and "xla-cpu-pjrt==" in lines[0]
+    assert [ln.split("--python-version ")[1].split()[0] for ln in lines[1:]] == pins.wheel_pythons()
+    assert not (tmp_path / "wh").exists()
+
+
+def test_the_release_tools_are_installed_by_setup(tmp_path):
+    rc, out = _run(tmp_path, "requirements", "--profile", "cpu-dev", "--test-tools")
+    assert rc == 0 and set(pins.wheel_tool_requirements()) <= set(out.split()), out
 
 
 def test_make_n_build_passes_the_sources_and_args():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint import background, pipeline
+from xlakit.checkpoint.file import background, pipeline
 
 pytestmark = pytest.mark.usefixtures("no_pending_save")
 

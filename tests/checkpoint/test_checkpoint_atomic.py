@@ -61,7 +61,7 @@ def test_kill_9_at_random_moments_never_leaves_a_torn_file(tmp_path):
 
 
 def test_leftovers_of_live_processes_are_not_touched(tmp_path):
-    from xlakit.checkpoint import paths
+    from xlakit.checkpoint.core import paths
 
     path = tmp_path / "ckpt.pt"
     mine = paths.temp_path(path)
@@ -77,7 +77,7 @@ def test_leftovers_of_live_processes_are_not_touched(tmp_path):
 def test_a_zombie_writer_counts_as_dead_and_its_leftovers_go(tmp_path):
     # A process that ended but was not yet reaped (a shell killed under a publisher, a parent that never
     # waits) writes nothing more: its temporaries are stale, and a follower of it stops.
-    from xlakit.checkpoint import paths
+    from xlakit.checkpoint.core import paths
 
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     ended = subprocess.Popen([sys.executable, "-c", "pass"])

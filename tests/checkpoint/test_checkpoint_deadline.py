@@ -17,7 +17,7 @@ MARGIN_S = 1.5
 @pytest.fixture(autouse=True)
 def no_stuck_workers_left():
     yield
-    from xlakit.checkpoint import workers
+    from xlakit.checkpoint.core import workers
 
     assert workers.wait_until_idle(10), "a fake hung device was never released"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint.archive import tensor_bytes
+from xlakit.checkpoint.format.archive import tensor_bytes
 
 from tests.support import fakes
 

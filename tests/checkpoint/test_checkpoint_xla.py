@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint import archive, transfer
+from xlakit.checkpoint.file import transfer
+from xlakit.checkpoint.format import archive
 
 pytestmark = pytest.mark.xla
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint import operation, workers
+from xlakit.checkpoint.core import operation, workers
 from xlakit.checkpoint.objstore.client import Location, store_for
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint import archive
+from xlakit.checkpoint.format import archive
 
 
 def _tied_model() -> torch.nn.Module:
@@ -294,7 +294,7 @@ def test_python_floats_keep_their_bits_as_through_torch_load(tmp_path):
 def test_nan_bits_leave_the_structure_readable_by_earlier_readers(tmp_path):
     # The bits are an extra key of the record's root: a reader that ignores it (every xlakit before
     # it) reads canonical NaNs and everything else as before; a state without such NaNs adds no key.
-    from xlakit.checkpoint import structure
+    from xlakit.checkpoint.format import structure
 
     state = {"x": _float(0x7FF8000000000123), "y": [1.25, -0.0], "w": torch.ones(2)}
     plan = state_plan(state)
@@ -307,7 +307,7 @@ def test_nan_bits_leave_the_structure_readable_by_earlier_readers(tmp_path):
 
 
 def state_plan(state):
-    from xlakit.checkpoint import state as plan_module
+    from xlakit.checkpoint.format import state as plan_module
 
     return plan_module.plan(state)
 
@@ -384,7 +384,7 @@ def _states_for_the_pickle():
 def test_the_pickle_is_byte_for_byte_what_the_c_pickler_writes():
     # xlakit emits the pickle itself (100,000 tensors cost the C pickler's Python callbacks more than
     # all of torch.save); torch.load and earlier readers see exactly the bytes they always saw.
-    from xlakit.checkpoint import pickled
+    from xlakit.checkpoint.format import pickled
 
     for state in _states_for_the_pickle():
         plan = state_plan(state)

@@ -14,7 +14,8 @@ import xlakit  # noqa: E402
 import xlakit.lightning  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from tests.support import fakes  # noqa: E402
-from xlakit.checkpoint import archive, background  # noqa: E402
+from xlakit.checkpoint.file import background  # noqa: E402
+from xlakit.checkpoint.format import archive
 
 EPOCHS = 4
 

@@ -17,7 +17,7 @@ import torch
 
 import xlakit
 from xlakit import _knobs
-from xlakit.checkpoint.local_tier import run_name
+from xlakit.checkpoint.tier.local_tier import run_name
 from xlakit.errors import ConfigurationError
 
 
@@ -158,7 +158,7 @@ def test_a_dcp_manager_refuses_a_local_tier(tmp_path):
 
 
 def test_each_part_goes_to_the_same_position_on_the_next_hosts():
-    from xlakit.checkpoint.peer_copy import peers_of
+    from xlakit.checkpoint.tier.peer_copy import peers_of
 
     two = ["a", "a", "b", "b"]
     assert peers_of(two, 1) == {0: [2], 1: [3], 2: [0], 3: [1]}
@@ -172,8 +172,8 @@ def test_each_part_goes_to_the_same_position_on_the_next_hosts():
 
 
 def test_a_copy_that_arrived_unlike_what_its_sender_read_is_not_kept(tmp_path):
-    from xlakit.checkpoint import paths
-    from xlakit.checkpoint.peer_copy import Receive, settle
+    from xlakit.checkpoint.core import paths
+    from xlakit.checkpoint.tier.peer_copy import Receive, settle
 
     good, bad = (Receive(source, tmp_path / f"part-{source}.pt", 4) for source in (1, 2))
     for r in (good, bad):
@@ -220,7 +220,7 @@ def test_a_failed_local_save_keeps_the_last_whole_step_and_leaves_no_step_folder
         assert mgr.restore()["step"] == 2
         (host_dir(shm) / "4" / "part-00000-of-00001.pt").rmdir()
         (host_dir(shm) / "4").rmdir()
-        from xlakit.checkpoint import tier_rounds
+        from xlakit.checkpoint.tier import tier_rounds
 
         def full(*args, **kwargs):  # a fake full /dev/shm (running as root, a read-only folder is not)
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -235,7 +235,7 @@ def test_a_failed_local_save_keeps_the_last_whole_step_and_leaves_no_step_folder
 
 
 def test_a_full_local_tier_names_only_the_fixes_that_apply():
-    from xlakit.checkpoint.tier_rounds import described as _described
+    from xlakit.checkpoint.tier.tier_rounds import described as _described
 
     full = OSError(errno.ENOSPC, "No space left on device")
     one = _described(full, "/dev/shm/x/part", xlakit.LocalTier("/dev/shm/x", keep=1), world=1)
@@ -363,7 +363,8 @@ def test_a_part_copied_into_another_steps_folder_is_not_restored_as_that_step(tm
 def test_a_local_that_is_not_a_local_tier_is_a_type_error(tmp_path):
     # Issue 32: local="a string" gave AttributeError ('str' object has no attribute 'config').
     for wrong in ("/dev/shm/ckpt", {"directory": "/dev/shm/ckpt"}):
-        with pytest.raises(TypeError, match=r"local must be an xlakit.LocalTier .* local=xlakit.LocalTier\('/dev/shm/ckpt'\)"):
+        with pytest.raises(TypeError, match=r"local must be an xlakit.LocalTier .* "
+                                            r"local=xlakit.LocalTier\('/dev/shm/ckpt'\)"):
             xlakit.CheckpointManager(tmp_path / "ckpt", local=wrong)
     with xlakit.CheckpointManager(tmp_path / "ckpt") as mgr:  # nothing was held
         assert mgr.all_steps() == []

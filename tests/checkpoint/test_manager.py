@@ -17,8 +17,10 @@ import torch
 
 import xlakit
 from tests.support import fakes
-from xlakit.checkpoint import archive, paths, steps
-from xlakit.checkpoint.manager import CheckpointManager
+from xlakit.checkpoint.core import paths
+from xlakit.checkpoint.format import archive
+from xlakit.checkpoint.stepstore import steps
+from xlakit.checkpoint.manager.checkpoint_manager import CheckpointManager
 from tests.support.manager_folders import names
 
 pytestmark = pytest.mark.usefixtures("no_pending_save")

@@ -19,8 +19,8 @@ import torch
 from tests.support.manager_worker import GRACE_S, POLICY, loss
 from tests.support.ranks import Job
 from tests.support.manager_folders import names
-from xlakit.checkpoint import steps
-from xlakit.checkpoint.manager import CheckpointManager
+from xlakit.checkpoint.stepstore import steps
+from xlakit.checkpoint.manager.checkpoint_manager import CheckpointManager
 from tests.support import SUPPORT
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]

@@ -18,8 +18,8 @@ import xlakit
 from tests.support import SUPPORT
 from tests.support.ranks import Job
 from xlakit import cli
-from xlakit.checkpoint import steps
-from xlakit.checkpoint.manager import CheckpointManager
+from xlakit.checkpoint.stepstore import steps
+from xlakit.checkpoint.manager.checkpoint_manager import CheckpointManager
 from xlakit.checkpoint.objstore.client import Location, store_for
 
 pytestmark = pytest.mark.usefixtures("no_pending_save")

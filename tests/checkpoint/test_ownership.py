@@ -107,7 +107,7 @@ EXIT_SCRIPT = """
     path, how = sys.argv[1], sys.argv[2]
     if how == "hung":
         from tests.support import fakes
-        from xlakit.checkpoint import transfer
+        from xlakit.checkpoint.file import transfer
         hung = fakes.FakeHungDevice()
         transfer.backend_for = lambda device_type, sample, **_: hung
         xlakit.save({"w": torch.ones(1000)}, path, timeout_s=1.0)
@@ -154,7 +154,7 @@ def test_an_uncaught_timeout_exits_1_and_leaves_no_temporary(tmp_path, how):
 def test_a_retry_right_after_a_write_stage_timeout_saves(tmp_path, monkeypatch):
     # Regression: the retry was refused "blocked inside the runtime ... the process must be
     # restarted" although the worker stopped a second later.
-    from xlakit.checkpoint import archive
+    from xlakit.checkpoint.format import archive
 
     real_put = archive.ArchiveWriter._put
 
@@ -194,7 +194,7 @@ def test_an_asynchronous_save_cancelled_through_its_handle_never_commits(tmp_pat
     slow = fakes.FakeSlowDevice(delay_s=0.3)
     fakes.install(monkeypatch, slow)
     # The slow device only slows the staging; gate the background write instead.
-    from xlakit.checkpoint import pipeline
+    from xlakit.checkpoint.file import pipeline
 
     started = threading.Event()
     real = pipeline.write

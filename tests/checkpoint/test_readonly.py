@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint import steps
+from xlakit.checkpoint.stepstore import steps
 from tests.support import SUPPORT
 
 WORKER = SUPPORT / "readonly_worker.py"
@@ -79,7 +79,7 @@ def test_wrong_arguments_are_named_never_a_crash_or_a_silent_wait(tmp_path, monk
         slept.append(seconds)
         raise InterruptedError  # one poll is enough to see how long it sleeps
 
-    monkeypatch.setattr("xlakit.checkpoint.readonly.time.sleep", sleep)
+    monkeypatch.setattr("xlakit.checkpoint.stepstore.readonly.time.sleep", sleep)
     with pytest.raises(InterruptedError):
         reader.wait_for_step(3, timeout_s=1e300, poll_interval_s=1e300)
     assert slept == [3600.0]

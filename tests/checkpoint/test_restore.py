@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
 
 import xlakit
 from tests.support.spmd_run import run_scenario
-from xlakit.checkpoint import archive, loading
+from xlakit.checkpoint.file import loading
+from xlakit.checkpoint.format import archive
 
 
 def _trained(seed: int = 0):
@@ -169,7 +171,7 @@ def test_load_reads_xlakit_files_in_one_pass(tmp_path, monkeypatch):
 
 
 def test_restore_batches_stay_under_the_cap(tmp_path, monkeypatch):
-    from xlakit.checkpoint import restoring
+    from xlakit.checkpoint.file import restoring
 
     state = {f"t{i}": torch.full((1000,), float(i)) for i in range(10)}  # 4000 bytes each
     xlakit.save(state, tmp_path / "c.pt")
@@ -287,3 +289,179 @@ def test_tied_xla_parameters_are_reported_when_the_checkpoint_holds_them_apart(t
     xlakit.save({"0.weight": torch.ones(4, 3), "1.weight": torch.ones(4, 3)}, tmp_path / "equal.pt")
     xlakit.restore(tmp_path / "equal.pt", model.state_dict())
     assert torch.equal(model[1].weight.cpu(), torch.ones(4, 3))
+
+
+def _four_batches(tmp_path, device) -> tuple[dict, dict]:
+    state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(4)}  # 1 MiB each: 4 batches of 1 MiB
+    xlakit.save(state, tmp_path / "c.pt")
+    # Strided CPU templates are filled through the arena (not read in place); device ones always are.
+    template = {k: (torch.zeros(2 << 18)[::2] if device == "cpu" else torch.zeros(1 << 18, device=device))
+                for k in state}
+    return state, template
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("xla", marks=pytest.mark.xla)])
+def test_restore_of_many_batches_reuses_one_buffer_without_torchs_use_count(tmp_path, monkeypatch, device):
+    # Regression (issue 32): the arena waited for torch._C._storage_Use_Count to reach 1, which torch
+    # 2.13 never reports (a fresh tensor counts 2): a state of more than one batch hung to the deadline.
+    from xlakit.checkpoint.file import restoring
+
+    if device == "xla":
+        import torch_xla
+
+        device = torch_xla.device()
+    monkeypatch.setattr(torch._C, "_storage_Use_Count", lambda cdata: 2, raising=False)  # torch 2.13's answer
+    state, template = _four_batches(tmp_path, device)
+    buffers = []
+    real = restoring.Arena.fit
+
+    def fit(self, n, op):
+        lent = real(self, n, op)
+        buffers.append((self.buffer.data_ptr(), self.buffer.numel()))
+        return lent
+
+    monkeypatch.setattr(restoring.Arena, "fit", fit)
+    xlakit.restore(tmp_path / "c.pt", template, max_inflight_bytes=1 << 20, timeout_s=20)
+    assert len(buffers) == 4 and len(set(buffers)) == 1 and buffers[0][1] <= 1 << 20, buffers  # one buffer, the cap
+    assert all(torch.equal(template[k].cpu(), state[k]) for k in state)
+
+
+def test_a_batch_is_not_overwritten_while_a_copy_still_reads_it(tmp_path, monkeypatch):
+    # A copy that reads its source after the call returned, as torch_xla's host-to-device transfers do:
+    # a fake (CPU tensors have no such copy), each batch's host tensors released 0.2 s later by a thread.
+    import threading
+
+    from xlakit.checkpoint.file import restoring
+
+    state, template = _four_batches(tmp_path, "cpu")
+    seen: dict[str, torch.Tensor] = {}
+    real = restoring._apply
+
+    def later(op, pairs):
+        held = [(t.path, host) for t, host in pairs]
+
+        def read():  # the copy that completes late: what it reads then is what it writes
+            for name, host in held:
+                seen[name] = host.clone()
+            held.clear()
+
+        threading.Timer(0.2, read).start()
+        real(op, pairs)
+
+    monkeypatch.setattr(restoring, "_apply", later)
+    xlakit.restore(tmp_path / "c.pt", template, max_inflight_bytes=1 << 20, timeout_s=20)
+    deadline = time.monotonic() + 5
+    while len(seen) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(seen) == sorted(state) and all(torch.equal(seen[k], state[k]) for k in state)
+
+
+_OPTIMIZERS = {"adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
+               "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)}
+
+
+def _stepped(device, optimizer: str, seed: int, steps: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)).to(device)
+    opt = _OPTIMIZERS[optimizer](model.parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8).to(device)).square().sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _same_optimizer_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    x, y = a.state_dict(), b.state_dict()
+    return (x["param_groups"] == y["param_groups"] and x["state"].keys() == y["state"].keys()
+            and all(s.keys() == y["state"][i].keys() and all(torch.equal(v.cpu(), y["state"][i][k].cpu())
+                                                              for k, v in s.items()) for i, s in x["state"].items()))
+
+
+@pytest.mark.parametrize("optimizer", sorted(_OPTIMIZERS))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("xla", marks=pytest.mark.xla)])
+def test_restore_into_the_live_model_and_a_fresh_optimizer(tmp_path, device, optimizer):
+    # Regression (issue 32): a fresh optimizer's state_dict() has no state, so a template built from
+    # it could not receive a stateful optimizer's (CheckpointMismatchError "opt/state/0").
+    if device == "xla":
+        import torch_xla
+
+        device = torch_xla.device()
+    model, opt = _stepped(device, optimizer, 0, 3)
+    xlakit.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3}, tmp_path / "c.pt")
+    fresh, fresh_opt = _stepped(device, optimizer, 1, 0)
+    fresh_opt.param_groups[0]["lr"] = 5.0  # the saved hyper-parameters are loaded too
+    params = [id(p) for p in fresh.parameters()]
+    state = xlakit.restore(tmp_path / "c.pt", {"step": 0}, model=fresh, optimizer=fresh_opt)
+    assert state["step"] == 3 and [id(p) for p in fresh.parameters()] == params
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    assert _same_optimizer_state(opt, fresh_opt)
+    assert all(p.grad is None for p in fresh.parameters()), "the gradients are put back as they were"
+    for s in fresh_opt.state.values():  # the optimizer's state lives where its parameters do
+        assert all(v.device == (torch.device("cpu") if k == "step" else fresh.state_dict()["0.weight"].device)
+                   for k, v in s.items() if isinstance(v, torch.Tensor))
+    # Trained on, the restored pair follows the original step for step.
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        torch.manual_seed(5)
+        o.zero_grad()
+        m(torch.randn(4, 8).to(device)).square().sum().backward()
+        o.step()
+    assert _same_optimizer_state(opt, fresh_opt)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_the_manager_and_the_reader_restore_live_objects_and_templates_still_work(tmp_path):
+    model, opt = _stepped("cpu", "adamw", 0, 2)
+    with xlakit.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(2, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        fresh, fresh_opt = _stepped("cpu", "adamw", 1, 0)
+        mgr.restore(2, model=fresh, optimizer=fresh_opt)
+        assert _same_optimizer_state(opt, fresh_opt)
+        # The template API as before: an optimizer with state, its state dict in the template.
+        again, again_opt = _stepped("cpu", "adamw", 2, 1)
+        state = mgr.restore(2, template={"model": again.state_dict(), "optimizer": again_opt.state_dict()})
+        again_opt.load_state_dict(state["optimizer"])
+        assert _same_optimizer_state(opt, again_opt)
+    reader = xlakit.ReadOnlyCheckpointManager(tmp_path / "run")
+    evaluated, _ = _stepped("cpu", "adamw", 3, 0)
+    reader.restore(model=evaluated, options=xlakit.LoadOptions(strict=False))  # the model alone
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), evaluated.state_dict().values()))
+
+
+def test_live_objects_anywhere_in_a_template_and_the_refusals(tmp_path):
+    model, opt = _stepped("cpu", "sgd-momentum", 0, 2)
+    head = torch.optim.AdamW(model[2].parameters(), lr=0.5)
+    model(torch.randn(4, 8)).sum().backward()
+    head.step()
+    xlakit.save({"nets": [model.state_dict()], "opts": {"body": opt.state_dict(), "head": head.state_dict()}},
+                tmp_path / "c.pt")
+    fresh, fresh_opt = _stepped("cpu", "sgd-momentum", 1, 0)
+    fresh_head = torch.optim.AdamW(fresh[2].parameters(), lr=0.5)
+    xlakit.restore(tmp_path / "c.pt", {"nets": [fresh], "opts": {"body": fresh_opt, "head": fresh_head}})
+    assert _same_optimizer_state(opt, fresh_opt) and _same_optimizer_state(head, fresh_head)
+    with pytest.raises(ValueError, match="'model' given both in the template and as a keyword"):
+        xlakit.restore(tmp_path / "c.pt", {"model": fresh.state_dict()}, model=fresh)
+    with pytest.raises(TypeError, match="a template, model= or optimizer="):
+        xlakit.restore(tmp_path / "c.pt")
+    with pytest.raises(TypeError, match="must then be a dict"):
+        xlakit.restore(tmp_path / "c.pt", [fresh.state_dict()], model=fresh)
+
+
+def test_a_module_gets_its_extra_state_back(tmp_path):
+    class Counted(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(2, 2)
+            self.seen = 0
+
+        def get_extra_state(self):
+            return {"seen": self.seen}
+
+        def set_extra_state(self, state):
+            self.seen = state["seen"]
+
+    saved = Counted()
+    saved.seen = 41
+    xlakit.save({"model": saved.state_dict()}, tmp_path / "c.pt")
+    fresh = Counted()
+    xlakit.restore(tmp_path / "c.pt", model=fresh)
+    assert fresh.seen == 41 and torch.equal(fresh.weight, saved.weight)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint import transfer
-from xlakit.checkpoint.state import StorageEntry
+from xlakit.checkpoint.file import transfer
+from xlakit.checkpoint.format.state import StorageEntry
 
 
 @pytest.mark.parametrize("make", [

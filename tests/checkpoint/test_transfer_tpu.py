@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from xlakit.checkpoint import transfer
+from xlakit.checkpoint.file import transfer
 
 
 class FakeTpuTensor:

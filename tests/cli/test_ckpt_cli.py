@@ -19,7 +19,8 @@ import torch
 import xlakit
 from tests.support import ranks
 from xlakit import cli
-from xlakit.checkpoint import archive, folders, steps
+from xlakit.checkpoint.format import archive, folders
+from xlakit.checkpoint.stepstore import steps
 from tests.support import REPO, SUPPORT
 
 ROOT = REPO
@@ -342,7 +343,7 @@ def test_verify_never_says_ok_of_a_file_torch_load_refuses(tmp_path, capsys):
     # Regression: verify hashed the checksummed records only; a flipped byte in a local header's
     # signature, a central directory entry's method or name, the end records or the byte-order record
     # made torch.load refuse a file that verify called OK.
-    from xlakit.checkpoint import integrity
+    from xlakit.checkpoint.inspect import integrity
 
     good_path = tmp_path / "c.pt"
     xlakit.save({"a": torch.arange(10.0), "b": [torch.ones(3), 7]}, good_path)
@@ -431,7 +432,7 @@ def test_the_progress_bar_is_drawn_on_a_terminal_only(files):
 def test_verify_streams_in_bounded_memory(tmp_path):
     big = tmp_path / "big.pt"
     xlakit.save({"w": torch.ones(48 << 20)}, big)  # 192 MiB
-    probe = ("import resource, sys; from pathlib import Path; from xlakit.checkpoint import integrity;"
+    probe = ("import resource, sys; from pathlib import Path; from xlakit.checkpoint.inspect import integrity;"
              "_, r = integrity.plan(Path(sys.argv[1]));"
              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
              "done = integrity.check(r);"
@@ -634,3 +635,17 @@ def test_help_documents_the_exit_codes(capsys):
     with pytest.raises(SystemExit):
         cli.main(["ckpt", "verify", "--help"])
     assert "exit codes: 0 success; 1 verify found damage" in capsys.readouterr().out
+
+
+def test_verify_calls_a_file_damaged_only_from_its_checksums_never_from_a_failed_import(tmp_path):
+    # Regression (issue 32): where importing torch failed (TorchTPU's native check), `ckpt verify`
+    # exited 1, its "damaged" status, on a good file. A failed import is an error (2), named.
+    xlakit.save({"w": torch.ones(4)}, tmp_path / "c.pt")
+    broken = tmp_path / "broken" / "torch"  # a fake: a torch whose import fails
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('this torch cannot be imported')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "broken"), str(REPO / "python")]))
+    done = subprocess.run([sys.executable, "-m", "xlakit", "ckpt", "verify", str(tmp_path / "c.pt")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "this torch cannot be imported" in done.stderr, done
+    assert "DAMAGED" not in done.stdout

@@ -18,7 +18,8 @@ import torch
 import xlakit
 from tests.support import fakes
 from tests.support.spmd_run import run_scenario
-from xlakit.checkpoint import folders, paths, workers
+from xlakit.checkpoint.core import paths, workers
+from xlakit.checkpoint.format import folders
 
 
 def _state(value: float) -> dict:

@@ -17,7 +17,7 @@ import torch
 import xlakit
 from tests.support import ranks
 from tests.support.dcp_worker import DEADLINE_S
-from xlakit.checkpoint import folders
+from xlakit.checkpoint.format import folders
 from tests.support import SUPPORT
 
 pytestmark = pytest.mark.multiproc

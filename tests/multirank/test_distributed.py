@@ -104,7 +104,7 @@ def test_coordinated_layout_without_torch_distributed_says_how_to_fix(tmp_path):
 
 
 def test_a_dcp_folder_is_not_read_as_a_sharded_checkpoint(tmp_path):
-    from xlakit.checkpoint import folders
+    from xlakit.checkpoint.format import folders
 
     folder = tmp_path / "dcp"
     folder.mkdir()
@@ -114,7 +114,7 @@ def test_a_dcp_folder_is_not_read_as_a_sharded_checkpoint(tmp_path):
 
 
 def test_stale_temporary_folders_of_dead_processes_are_removed_too(tmp_path):
-    from xlakit.checkpoint import paths
+    from xlakit.checkpoint.core import paths
 
     final = tmp_path / "ckpt"
     stale = paths.temp_path(final)

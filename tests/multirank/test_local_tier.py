@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import SUPPORT, ranks
-from xlakit.checkpoint.local_tier import run_name
+from xlakit.checkpoint.tier.local_tier import run_name
 
 pytestmark = pytest.mark.multiproc
 WORKER = SUPPORT / "tier_worker.py"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.support.spmd_run import run_scenario
-from xlakit.checkpoint import spmd
+from xlakit.checkpoint.file import spmd
 
 pytestmark = pytest.mark.xla
 

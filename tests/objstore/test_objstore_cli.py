@@ -197,7 +197,7 @@ def test_convert_never_saves_over_a_manager_a_step_or_objects_that_are_not_xlaki
 
 
 def test_a_step_being_deleted_or_with_a_damaged_record_is_not_verified_ok(bucket, capsys):
-    from xlakit.checkpoint import bucket_steps
+    from xlakit.checkpoint.stepstore import bucket_steps
 
     url = f"{bucket}/run"
     with xlakit.CheckpointManager(url) as mgr:

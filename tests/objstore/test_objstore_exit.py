@@ -65,7 +65,7 @@ def test_an_asynchronous_save_that_cannot_commit_at_exit_makes_the_exit_status_n
     # The commit is reached after the deadline (and so refused): whatever the cause, a lost
     # final save must not read as success.
     proc = _run("""
-        from xlakit.checkpoint import operation
+        from xlakit.checkpoint.core import operation
         original = operation.Operation.commit_point
         def late(self):
             time.sleep(max(self.deadline - time.monotonic(), 0.0) + 0.05)

@@ -117,7 +117,7 @@ def test_a_request_outside_any_operation_ends_at_the_request_timeout(flaky, monk
     """A manager URL's scan (`xlakit ckpt ls`) runs outside any operation: its requests, retries
     included, end at XLAKIT_OBJECT_REQUEST_TIMEOUT_S (they were retried for ever)."""
     from xlakit import cli
-    from xlakit.checkpoint import bucket_steps
+    from xlakit.checkpoint.stepstore import bucket_steps
 
     proxy, bucket, scheme = flaky
     monkeypatch.setenv("XLAKIT_OBJECT_REQUEST_TIMEOUT_S", "4")

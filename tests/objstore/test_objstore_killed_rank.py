@@ -23,7 +23,7 @@ import xlakit
 from tests.support import SUPPORT, ranks
 from tests.support.objstore_ranks_worker import KILLAT_DEADLINE_S, KILLAT_VICTIM, killat_tensor
 from tests.support.objstore_servers import REFUSED
-from xlakit.checkpoint import folders
+from xlakit.checkpoint.format import folders
 from xlakit.checkpoint.objstore import generations
 from xlakit.checkpoint.objstore.client import Location, store_for
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import xlakit
-from xlakit.checkpoint import paths
+from xlakit.checkpoint.core import paths
 from xlakit.checkpoint.objstore import lease
-from xlakit.checkpoint import bucket_steps
+from xlakit.checkpoint.stepstore import bucket_steps
 from xlakit.checkpoint.objstore.client import Location, store_for
 
 
@@ -125,7 +125,7 @@ def test_a_read_only_manager_reads_a_bucket_the_writer_holds_and_changes_nothing
     url = f"{bucket}/watched"
     with xlakit.CheckpointManager(url) as writer:
         writer.save(1, {"w": torch.full((2,), 1.0)}, metrics={"loss": 0.5})
-        put(f"{url}/7/{xlakit.checkpoint.steps.STEP_RECORD}", b"{not json")  # a damaged step record
+        put(f"{url}/7/{xlakit.checkpoint.stepstore.steps.STEP_RECORD}", b"{not json")  # a damaged step record
         before = names(url)
         reader = xlakit.ReadOnlyCheckpointManager(url)  # while the writer holds the URL's lease
         assert reader.all_steps() == [1] and reader.latest_step() == 1 and reader.metrics(1) == {"loss": 0.5}
@@ -143,7 +143,7 @@ def test_verify_of_a_manager_url_checks_every_committed_step(bucket, capsys):
     from xlakit import cli
 
     url = f"{bucket}/verified"
-    record = xlakit.checkpoint.steps.STEP_RECORD
+    record = xlakit.checkpoint.stepstore.steps.STEP_RECORD
     with xlakit.CheckpointManager(url) as mgr:
         mgr.save(1, {"w": torch.full((1000,), 1.0)})
         mgr.save(2, {"w": torch.full((1000,), 2.0)})

@@ -8,7 +8,7 @@ import torch
 
 import xlakit
 from xlakit import _knobs
-from xlakit.checkpoint import transfer
+from xlakit.checkpoint.file import transfer
 from xlakit.checkpoint.objstore import upload
 
 # How each knob is read where xlakit reads it, and values that must be refused.

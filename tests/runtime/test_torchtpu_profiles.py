@@ -27,3 +27,24 @@ def test_torchtpu_pins_libtpu_for_the_tpu_host():
 def test_profiles_without_no_deps_are_unchanged():
     assert pins.requirements("cpu-dev") == ["torch==2.9.0", "torch_xla==2.9.0"]
     assert pins.requirements("cpu-dev", no_deps=True) == []
+
+
+def test_make_setup_of_a_torchtpu_profile_ends_by_saying_how_to_start_torchtpu(tmp_path):
+    # Regression (issue 32): `import torch` in the new environment dies on "TPU_LIBRARY_PATH is not set"
+    # and `make setup PROFILE=torchtpu-cpu` said nothing about it.
+    import subprocess
+
+    from xlakit.runtime import torchtpu
+
+    venv = tmp_path / "venv"
+    plan = subprocess.run(["make", "-n", "setup", "PROFILE=torchtpu-cpu", f"VENV={venv}"], capture_output=True,
+                          text=True, cwd=REPO, timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    last = plan.stdout.strip().splitlines()[-1]
+    assert last == f"""{venv}/bin/python -c 'from xlakit.runtime.torchtpu import setup_hint; print(setup_hint("{venv}"))'"""
+    cpu_dev = subprocess.run(["make", "-n", "setup", f"VENV={venv}"], capture_output=True, text=True, cwd=REPO,
+                             timeout=60)
+    assert "setup_hint" not in cpu_dev.stdout
+    hint = torchtpu.setup_hint(".venv-torchtpu")
+    assert "TPU_LIBRARY_PATH is not set" in hint and "torchtpu.start_on_cpu_plugin()" in hint
+    assert ("export TPU_LIBRARY_PATH=" in hint) == (torchtpu.cpu_plugin_path() is not None)

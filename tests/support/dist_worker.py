@@ -37,7 +37,7 @@ class _Dies(fakes.HostTransfer):
 
 
 def _misbehave(kind: str) -> None:
-    from xlakit.checkpoint import transfer
+    from xlakit.checkpoint.file import transfer
 
     backend = _Dies() if kind == "dies" else fakes.FakeHungDevice()
     transfer.backend_for = lambda device_type, sample, **_: backend

@@ -1,7 +1,7 @@
 """Fakes for what cannot be real here: a device that hangs or is slow, a patched torch_xla, a
 torch_xla whose runtime has not started.
 
-The device fakes replace `xlakit.checkpoint.transfer.backend_for` (the one seam) and
+The device fakes replace `xlakit.checkpoint.file.transfer.backend_for` (the one seam) and
 otherwise behave like the CPU backend, so everything around the transfer is
 the real code. `FakePatchedXLAC` wraps the real stock `_XLAC` and adds the
 bindings only the patched build has.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-from xlakit.checkpoint.transfer import HostTransfer
+from xlakit.checkpoint.file.transfer import HostTransfer
 
 
 class FakeSlowDevice(HostTransfer):
@@ -74,7 +74,7 @@ class FakeFullDisk:
         raise OSError(28, "No space left on device")
 
     def __enter__(self) -> "FakeFullDisk":
-        from xlakit.checkpoint import archive
+        from xlakit.checkpoint.format import archive
 
         for name in self.METHODS:
             self._real[name] = getattr(archive.ArchiveWriter, name)
@@ -82,14 +82,14 @@ class FakeFullDisk:
         return self
 
     def __exit__(self, *exc) -> None:
-        from xlakit.checkpoint import archive
+        from xlakit.checkpoint.format import archive
 
         for name, real in self._real.items():
             setattr(archive.ArchiveWriter, name, real)
 
 
 def install(monkeypatch, backend: HostTransfer) -> None:
-    from xlakit.checkpoint import transfer
+    from xlakit.checkpoint.file import transfer
 
     monkeypatch.setattr(transfer, "backend_for", lambda device_type, sample, **_: backend)
 

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import xlakit  # noqa: E402
-from xlakit.checkpoint import ranks as ranks_layout  # noqa: E402
+from xlakit.checkpoint.multirank import ranks as ranks_layout  # noqa: E402
 from tests.support.ranks import leave_together  # noqa: E402
 
 RANK = int(os.environ["RANK"])
@@ -85,7 +85,7 @@ def run(scenario: str, folder: Path) -> dict:
     elif scenario == "dies-mid-shard":
         if RANK == 1:  # dies inside the transfer, its temporary shard file already open
             from tests.support import fakes
-            from xlakit.checkpoint import transfer
+            from xlakit.checkpoint.file import transfer
 
             class Dies(fakes.HostTransfer):
                 def to_host(self, tensors, *, timeout_s):
@@ -109,7 +109,7 @@ def run(scenario: str, folder: Path) -> dict:
     elif scenario == "interrupted-rank":
         if RANK == 1:  # a slow device (fake), so that the test's SIGINT lands mid-save
             from tests.support import fakes
-            from xlakit.checkpoint import transfer
+            from xlakit.checkpoint.file import transfer
 
             slow = fakes.FakeSlowDevice(delay_s=0.5)
             transfer.backend_for = lambda device_type, sample, **_: slow

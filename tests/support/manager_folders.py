@@ -2,7 +2,7 @@
 
 import os
 
-from xlakit.checkpoint import steps
+from xlakit.checkpoint.stepstore import steps
 
 
 def names(folder) -> list[str]:

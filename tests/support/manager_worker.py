@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import xlakit  # noqa: E402
-from xlakit.checkpoint import retention, steps  # noqa: E402
+from xlakit.checkpoint.stepstore import retention, steps  # noqa: E402
 
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 POLICY = {"max_to_keep": 2, "keep_every_n_steps": 5, "best_metric": "loss"}

@@ -144,7 +144,7 @@ def _gone(pid: int) -> bool:
 def killat(url: str) -> None:
     import signal
 
-    from xlakit.checkpoint import agreement, bucket_ranks
+    from xlakit.checkpoint.multirank import agreement, bucket_ranks
 
     at = os.environ["XLAKIT_TEST_KILL_AT"]
     target = f"{url}/killat"

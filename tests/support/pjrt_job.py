@@ -8,10 +8,14 @@ Two frameworks drive it, each with a real PJRT C API plugin from PyPI:
 * `torch_xla`: stock torch_xla 2.9 loads it as a registered device plugin,
   the wrapper loads OpenXLA's `xla-cpu-pjrt` CPU plugin (C API 0.81);
   `--enable DIR` turns the cache on through `xlakit.enable_persistent_cache`,
-  otherwise the environment does (`XLAKIT_PJRT_*`, set by the test).
+  otherwise the environment does (`XLAKIT_PJRT_*`, set by the test);
+* `torch_xla --tpu`: the same on torch_xla's TPU route (`PJRT_DEVICE=TPU`),
+  with the plugin the caller names in `TPU_LIBRARY_PATH` (xla-cpu-pjrt
+  standing in for libtpu), which `--enable` puts behind the wrapper, as on a
+  TPU VM.
 
-Usage: pjrt_job.py jax|torch_xla [--variant N] [--enable DIR]. Prints one JSON
-line: the results' bytes (hex) and the wrapper's status.
+Usage: pjrt_job.py jax|torch_xla [--variant N] [--enable DIR] [--tpu]. Prints
+one JSON line: the results' bytes (hex) and the wrapper's status.
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ def run_jax(variant: int) -> list[bytes]:
     return [bytes(jax.device_get(y).tobytes()), bytes(jax.device_get(z).tobytes())]
 
 
-def run_torch_xla(variant: int, enable: str | None) -> list[bytes]:
-    os.environ["PJRT_DEVICE"] = "XLACPU"
+def run_torch_xla(variant: int, enable: str | None, tpu: bool = False) -> list[bytes]:
+    os.environ["PJRT_DEVICE"] = "TPU" if tpu else "XLACPU"
     import torch
     import torch_xla
     import torch_xla.experimental.plugins as plugins
@@ -70,8 +74,9 @@ def run_torch_xla(variant: int, enable: str | None) -> list[bytes]:
         def library_path(self) -> str:
             return os.environ.get("XLAKIT_TEST_REAL_PLUGIN") or xla_cpu_plugin()
 
-    plugins.use_dynamic_plugins()
-    plugins.register_plugin("XLACPU", XlaCpuPlugin())
+    if not tpu:
+        plugins.use_dynamic_plugins()
+        plugins.register_plugin("XLACPU", XlaCpuPlugin())
     if enable:
         import xlakit
 
@@ -99,8 +104,9 @@ def main() -> None:
     parser.add_argument("framework", choices=("jax", "torch_xla"))
     parser.add_argument("--variant", type=int, default=0, help="changes the program")
     parser.add_argument("--enable", help="xlakit.enable_persistent_cache(DIR) (torch_xla)")
+    parser.add_argument("--tpu", action="store_true", help="torch_xla's TPU route (TPU_LIBRARY_PATH: the plugin)")
     args = parser.parse_args()
-    results = run_jax(args.variant) if args.framework == "jax" else run_torch_xla(args.variant, args.enable)
+    results = run_jax(args.variant) if args.framework == "jax" else run_torch_xla(args.variant, args.enable, args.tpu)
     from xlakit.runtime import compile_cache, pjrt_wrap
 
     import resource

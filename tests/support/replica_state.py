@@ -12,7 +12,7 @@ import xxhash
 
 import torch
 
-from xlakit.checkpoint import replica_plan
+from xlakit.checkpoint.multirank import replica_plan
 
 
 def state(version: int, *, tensors: int = 48, max_elems: int = 100_000) -> dict:

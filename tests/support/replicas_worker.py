@@ -42,7 +42,7 @@ class _Dies(fakes.HostTransfer):
 
 def _count_reads() -> list[str]:
     """The files or objects (shares) this rank reads, by name."""
-    from xlakit.checkpoint import bucket_file, loading
+    from xlakit.checkpoint.file import bucket_file, loading
 
     read, real_file, real_object = [], loading.read_file, bucket_file.read_object
 
@@ -86,7 +86,7 @@ def manager_rank_dies(target: str) -> dict:
         mgr.save(step, replica_state.state(step))
     dist.barrier()
     if RANK == 2:
-        from xlakit.checkpoint import transfer
+        from xlakit.checkpoint.file import transfer
 
         transfer.backend_for = lambda device_type, sample, **_: _Dies()
     try:
@@ -162,7 +162,7 @@ def run(scenario: str, folder: Path) -> dict:
     # writing the first batch of its share (a partial temporary file is left behind)
     victim = int(scenario.split("-")[0])
     if RANK == victim and scenario.endswith("-writing"):
-        from xlakit.checkpoint import pipeline
+        from xlakit.checkpoint.file import pipeline
 
         real = pipeline.write_batch
 
@@ -172,7 +172,7 @@ def run(scenario: str, folder: Path) -> dict:
 
         pipeline.write_batch = write_then_die
     elif RANK == victim:
-        from xlakit.checkpoint import transfer
+        from xlakit.checkpoint.file import transfer
 
         transfer.backend_for = lambda device_type, sample, **_: _Dies()
     start = time.monotonic()

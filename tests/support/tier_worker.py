@@ -110,7 +110,7 @@ def restore(folder: Path) -> dict:
 
 
 def full(folder: Path) -> dict:
-    from xlakit.checkpoint import archive
+    from xlakit.checkpoint.format import archive
 
     shm = str(folder / "shm")
     real = {name: getattr(archive.ArchiveWriter, name) for name in ("write_storage", "write_small_storages")}
@@ -166,7 +166,7 @@ def held(mgr) -> dict:
 
 
 def die(folder: Path) -> None:
-    from xlakit.checkpoint import peer_copy
+    from xlakit.checkpoint.tier import peer_copy
 
     mgr = manager(folder, local_every=2, persistent_every=1000, keep=1, timeout_s=8)
     peer_copy.CHUNK_BYTES = 1 << 20  # a part of ~1.1 MiB: two rounds of copies
@@ -194,7 +194,7 @@ def die(folder: Path) -> None:
 
 
 def late(folder: Path) -> dict:
-    from xlakit.checkpoint import peer_copy
+    from xlakit.checkpoint.tier import peer_copy
 
     mgr = manager(folder, local_every=1, persistent_every=1000, keep=1, timeout_s=6)
     mgr.save(1, state(1))
@@ -293,7 +293,8 @@ def odd(folder: Path) -> dict:
     out: dict = {}
     tier = xlakit.LocalTier(folder / "shm", peers=3, keep=1, timeout_s=30)
     with xlakit.CheckpointManager(folder / "a", layout=LAYOUT, save_interval_steps=1000, local=tier) as mgr:
-        out["clamped"] = {"copies": getattr(mgr.local, "copies", None), "peers": mgr.local.peers, "whole": mgr.save(1, state(1)),
+        out["clamped"] = {"copies": getattr(mgr.local, "copies", None), "peers": mgr.local.peers,
+                          "whole": mgr.save(1, state(1)),
                           "warned": [w for w in warned if "peers=3" in w]}
 
     def refused(directory: Path, tier: xlakit.LocalTier) -> dict:

@@ -102,7 +102,7 @@ def test_dcp_save_and_load_in_place(tpu, tmp_path):
 
 
 def test_deadline_expiring_mid_transfer_names_the_stage_and_commits_nothing(tpu, tmp_path, monkeypatch):
-    from xlakit.checkpoint import transfer
+    from xlakit.checkpoint.file import transfer
 
     previous = tmp_path / "ckpt.pt"
     xlakit.save({"w": torch.ones(4)}, previous)
@@ -134,3 +134,57 @@ def test_manager_on_a_bucket_from_tpu(tpu, bucket):
         assert mgr.restore(3, template={"w": target})["w"] is target
     assert torch.equal(target.cpu(), torch.full((4096,), 3.0))
 
+
+
+@pytest.mark.parametrize("into", ["tpu", "cpu", "strided cpu"])
+def test_restore_of_four_batches_in_place_and_into_cpu(tpu, tmp_path, monkeypatch, into):
+    # Regression (issue 32): the arena waited for torch._C._storage_Use_Count to reach 1, which torch 2.13
+    # never reports (a fresh tensor counts 2): a restore of more than one batch timed out at stage 'copy'
+    # (tpu) or 'verify' (cpu).
+    from xlakit.checkpoint.file import restoring
+
+    state = {f"t{i}": torch.full((1 << 18,), float(i)).to(tpu) for i in range(4)}  # 1 MiB each
+    xlakit.save(state, tmp_path / "c.pt")
+    make = {"tpu": lambda: torch.zeros(1 << 18, device=tpu), "cpu": lambda: torch.zeros(1 << 18),
+            "strided cpu": lambda: torch.zeros(2 << 18)[::2]}[into]
+    template = {k: make() for k in state}
+    before = {k: id(v) for k, v in template.items()}
+    sizes = []
+    real = restoring.Arena.fit
+    monkeypatch.setattr(restoring.Arena, "fit",
+                        lambda self, n, op: sizes.append(n) or real(self, n, op))
+    out = xlakit.restore(tmp_path / "c.pt", template, max_inflight_bytes=1 << 20, timeout_s=20)
+    assert {k: id(v) for k, v in out.items()} == before, "in place"
+    assert all(torch.equal(template[k].cpu(), state[k].cpu()) for k in state)
+    assert len(sizes) == 4 and max(sizes) <= 1 << 20, sizes  # four batches, each within the bound
+
+
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+                                      lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)], ids=["adamw", "sgd-momentum"])
+def test_manager_restores_the_live_model_and_a_fresh_optimizer_on_tpu(tpu, tmp_path, make_opt):
+    # Regression (issue 32): the README's resume (a template from a fresh optimizer's state_dict(),
+    # which has no state) raised CheckpointMismatchError for AdamW and SGD with momentum, on TorchTPU too.
+    def built(seed: int, steps: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(tpu)
+        opt = make_opt(model.parameters())
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.ones(4, 8, device=tpu)).square().sum().backward()
+            opt.step()
+        return model, opt
+
+    model, opt = built(0, 2)
+    with xlakit.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(2, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        fresh, fresh_opt = built(1, 0)
+        params = [id(p) for p in fresh.parameters()]
+        mgr.restore(2, model=fresh, optimizer=fresh_opt)
+    assert [id(p) for p in fresh.parameters()] == params
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.parameters(), fresh.parameters()))
+    saved, restored = opt.state_dict(), fresh_opt.state_dict()
+    assert saved["param_groups"] == restored["param_groups"] and saved["state"].keys() == restored["state"].keys()
+    for i, s in saved["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v.cpu(), restored["state"][i][k].cpu()), (i, k)
+            assert restored["state"][i][k].device.type == ("cpu" if k == "step" else "tpu"), (i, k)

@@ -188,3 +188,75 @@ def test_manifest_without_a_plugin_says_torch_cannot_be_imported_not_that_it_dri
                            env=env, timeout=120, cwd=REPO)
     assert check.returncode == 1, check
     assert "2.13.0+cpu installed, which cannot be imported here: torch-tpu is installed" in check.stdout + check.stderr
+
+
+def _xlakit(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # This checkout's xlakit, whatever the environment installed (its own python/ first on the path).
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "xlakit", *args], capture_output=True, text=True, env=env,
+                          timeout=240, cwd=REPO)
+
+
+def _checkpoints(tmp_path: Path) -> tuple[Path, Path]:
+    import torch
+
+    xlakit.save({"w": torch.arange(6.0), "step": 3}, tmp_path / "c.pt")
+    with xlakit.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+    return tmp_path / "c.pt", tmp_path / "run"
+
+
+def test_json_reports_stay_json_where_torch_tpu_prints_at_its_import(tmp_path):
+    # Regression (issue 32): with TPU_LIBRARY_PATH set, `xlakit manifest --json`, `ckpt inspect --json` and
+    # `ckpt ls --json` began with torch_tpu's "libtpu not found." (its import prints to stdout).
+    assert os.environ.get(_knobs.TPU_LIBRARY_PATH), "tests/conftest.py points it at the CPU plugin"
+    path, run = _checkpoints(tmp_path)
+    for args in (["manifest", "--json"], ["ckpt", "inspect", "--json", str(path)], ["ckpt", "ls", "--json", str(run)]):
+        done = _xlakit(*args)
+        assert done.returncode == 0, (args, done.stderr[-2000:])
+        json.loads(done.stdout)  # the whole of stdout, nothing before it
+
+
+_CKPT_IN_PROCESS = """
+import sys
+from xlakit.cli import main
+code = main(sys.argv[1:])
+print("torch_tpu imported:", "torch_tpu" in sys.modules)
+sys.exit(code)
+"""
+
+
+def test_ckpt_needs_no_device_and_works_without_tpu_library_path(tmp_path):
+    # Regression (issue 32): without TPU_LIBRARY_PATH, torch's device-backend autoload ran torch_tpu's native
+    # check: every `xlakit ckpt` subcommand exited 1, and `ckpt verify` called a good file damaged.
+    path, run = _checkpoints(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != _knobs.TPU_LIBRARY_PATH}
+    for args in (["ls", str(run)], ["inspect", str(path)], ["verify", str(path)], ["verify", str(run)],
+                 ["diff", str(path), str(path)], ["convert", str(path), "--to", "xlakit", str(tmp_path / "x.pt")]):
+        done = _xlakit("ckpt", *args, env=env)
+        assert done.returncode == 0, (args, done.stdout[-1000:], done.stderr[-2000:])
+    assert _xlakit("ckpt", "verify", str(path), env=env).stdout.startswith("OK: ")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p)
+    inside = subprocess.run([sys.executable, "-c", _CKPT_IN_PROCESS, "ckpt", "verify", str(path)], env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert inside.returncode == 0 and inside.stdout.splitlines()[-1] == "torch_tpu imported: False", inside
+
+
+def test_no_command_imports_an_installed_torch_xla(tmp_path):
+    # Regression (issue 32): where a torch_xla package is importable beside torch-tpu, `xlakit manifest`,
+    # `doctor` and `memory` imported it (runtime/features.py) and reported the runtime broken.
+    fake = tmp_path / "fake" / "torch_xla"
+    fake.mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (fake / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")  # importable, and says so
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"))
+    manifest = _xlakit("manifest", "--json", env=env)
+    assert manifest.returncode == 0, manifest.stderr[-2000:]
+    m = json.loads(manifest.stdout)
+    assert m["torch_xla"]["why_not"] == "TorchTPU stack: torch_xla is not used" and "fix" not in m["runtime"]
+    assert not marker.exists(), "xlakit manifest imported torch_xla in the TorchTPU environment"
+    for args in (["doctor", "--timeout-s", "120"], ["memory"]):
+        done = _xlakit(*args, env=env)
+        assert "cannot import torch_xla" not in done.stdout + done.stderr, (args, done.stdout[-2000:])
+        assert not marker.exists(), f"xlakit {args[0]} imported torch_xla in the TorchTPU environment"

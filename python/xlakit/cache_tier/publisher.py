@@ -27,7 +27,7 @@ import time
 
 from xlakit import _knobs
 from xlakit.cache_tier.tier import Report, SharedTier
-from xlakit.checkpoint import paths
+from xlakit.checkpoint.core import paths
 
 log = logging.getLogger("xlakit.compile_cache")
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from xlakit import _C, _knobs
 from xlakit.cache_tier import objects, records
 from xlakit.checkpoint.objstore import client
-from xlakit.checkpoint.operation import Operation, Watch
+from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.errors import ConfigurationError
 
 log = logging.getLogger("xlakit.compile_cache")

@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xlakit.checkpoint import objstore
-from xlakit.checkpoint.options import LoadOptions, SaveOptions, resolve
+from xlakit.checkpoint.core.options import LoadOptions, SaveOptions, resolve
 
 if TYPE_CHECKING:
-    from xlakit.checkpoint.background import SaveHandle
+    from xlakit.checkpoint.file.background import SaveHandle
 
 
 def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = None,
@@ -87,7 +87,8 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
         >>> import torch, xlakit
         >>> xlakit.save({"w": torch.ones(2)}, getfixture("tmp_path") / "ckpt.pt")
     """
-    from xlakit.checkpoint import background, pipeline, workers
+    from xlakit.checkpoint.core import workers
+    from xlakit.checkpoint.file import background, pipeline
 
     opts: SaveOptions = resolve(SaveOptions, options, overrides)
     objstore.check_url(path)
@@ -96,11 +97,11 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
         return _save_url(obj, path, opts)
     final = Path(path)
     if opts.replica_parallel:
-        from xlakit.checkpoint import replicas
+        from xlakit.checkpoint.multirank import replicas
 
         return replicas.save(obj, final, opts)
     if opts.layout != "single":
-        from xlakit.checkpoint import ranks
+        from xlakit.checkpoint.multirank import ranks
 
         return ranks.save(obj, final, opts)  # checks for busy work on every rank, and tells them
     workers.check_idle()
@@ -111,10 +112,12 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
 
 
 def _save_url(obj: Any, url: str, opts: SaveOptions) -> "SaveHandle | None":
-    from xlakit.checkpoint import bucket_file, bucket_ranks, workers
+    from xlakit.checkpoint.core import workers
+    from xlakit.checkpoint.file import bucket_file
+    from xlakit.checkpoint.multirank import bucket_ranks
 
     if opts.replica_parallel:
-        from xlakit.checkpoint import bucket_replicas
+        from xlakit.checkpoint.multirank import bucket_replicas
 
         return bucket_replicas.save(obj, url, opts)
     if opts.layout != "single":
@@ -152,7 +155,7 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
         >>> xlakit.load(p)["w"]
         tensor([1., 1.])
     """
-    from xlakit.checkpoint import loading
+    from xlakit.checkpoint.file import loading
 
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
     if not opts.strict:
@@ -160,7 +163,7 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
                          "checkpoint's entries); xlakit.load returns every entry")
     objstore.check_url(path)
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_replicas
+        from xlakit.checkpoint.multirank import bucket_replicas
 
         return bucket_replicas.load(path, opts)  # a replica-parallel checkpoint; else bucket_ranks
     final = Path(path)
@@ -170,14 +173,15 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
         raise ValueError(f"shard={opts.shard} reads one shard of a sharded checkpoint folder; {final} "
                          f"is {'a file' if final.exists() else 'missing'}")
     if opts.layout == "replicated":
-        from xlakit.checkpoint import ranks
+        from xlakit.checkpoint.multirank import ranks
 
         return ranks.load(final, opts)
     return loading.load_file(final, opts)
 
 
 def _load_folder(folder: Path, opts: LoadOptions) -> Any:
-    from xlakit.checkpoint import agreement, folders, ranks, replicas
+    from xlakit.checkpoint.format import folders
+    from xlakit.checkpoint.multirank import agreement, ranks, replicas
 
     if replicas.is_replicated(folders.read_json_record(folder)):
         if opts.shard is not None:
@@ -195,15 +199,21 @@ def _load_folder(folder: Path, opts: LoadOptions) -> Any:
     return ranks.load(folder, opts)
 
 
-def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | None = None,
-            **overrides: Any) -> Any:
+def restore(path: str | os.PathLike, template: Any = None, *, model: Any = None, optimizer: Any = None,
+            options: LoadOptions | None = None, **overrides: Any) -> Any:
     """Restore a checkpoint into the tensors of `template`, in place, on their devices.
 
     The fast way to resume: each tensor of `template` (a state dict as your model
-    and optimizer have it now: on the CPU, a CUDA device or an XLA device, SPMD-sharded
-    or not) receives the saved values where it is, keeping its device, dtype and
-    sharding. The file is read once, record by record, each hashed as it is read,
-    in batches of at most ``max_inflight_bytes`` that go to their devices (one
+    and optimizer have it now: on the CPU, a CUDA, XLA or TorchTPU device,
+    SPMD-sharded or not) receives the saved values where it is, keeping its
+    device, dtype and sharding. The template may hold the live model and
+    optimizer themselves (or pass them as ``model=`` / ``optimizer=``): the
+    module's parameters and buffers are filled in place, and the optimizer's state
+    (AdamW's moments, SGD's momentum buffers) is created if it has none yet, filled
+    on its devices and loaded with the saved hyper-parameters.
+
+    The file is read once, record by record, each hashed as it is read, in
+    batches of at most ``max_inflight_bytes`` that go to their devices (one
     batched host-to-device transfer per batch on XLA) before the next is read, so
     the host never holds more than one batch. Every difference between checkpoint
     and template (missing or extra keys, shapes, dtypes, tied template tensors the
@@ -216,9 +226,12 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
             shard with ``shard=N`` (inside the job, this rank's by default); a DCP folder
             is restored through `dcp_load`. Any of these by its
             ``gs://`` / ``s3://`` URL.
-        template: the state to fill, e.g. ``{"model": model.state_dict(),
-            "optimizer": opt.state_dict()}`` (an optimizer needs state to receive it:
-            take a step, or restore only the model with ``strict=False``).
+        template: the state to fill, e.g. ``{"model": model, "optimizer": opt,
+            "epoch": 0}``: state dicts, tensors and plain values, where any
+            `torch.nn.Module` or `torch.optim.Optimizer` stands for its state dict
+            (an optimizer's created first if it has none).
+        model: the entry ``"model"`` of the template (a module, or a state dict).
+        optimizer: the entry ``"optimizer"`` of the template (an optimizer, or a state dict).
         options: a `LoadOptions` (``mmap`` does not apply); keyword overrides win.
             ``strict=False`` restores part of a checkpoint: its entries the template
             lacks are skipped (not read, not in the result), logged and passed to
@@ -227,7 +240,9 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
     Returns:
         The restored state: the checkpoint's structure with the template's own tensors
         (filled in place) and the checkpoint's other values (step counters, learning
-        rates), e.g. for ``opt.load_state_dict(state["optimizer"])``.
+        rates); a module's or optimizer's entry is its restored state dict (an
+        optimizer has loaded it already; a template of state dicts needs
+        ``opt.load_state_dict(state["optimizer"])``).
 
     Raises:
         CheckpointMismatchError: the checkpoint does not fit the template (`.problems`
@@ -245,14 +260,24 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
         >>> xlakit.restore(p, template, strict=False)["step"], template["w"]
         (7, tensor([1., 1.]))
     """
-    from xlakit.checkpoint import restoring
+    from xlakit.checkpoint.file import live
 
     opts: LoadOptions = resolve(LoadOptions, options, overrides)
     if opts.mmap:
         raise ValueError("mmap does not apply to restore: the values go into the template's own memory")
     objstore.check_url(path)
+    template, objects = live.template_of(template, model=model, optimizer=optimizer)
+    if template is None:
+        raise TypeError("restore needs something to fill: a template, model= or optimizer= (xlakit.load "
+                        "reads a checkpoint without one)")
+    return live.settle(_restore(path, template, opts), objects)
+
+
+def _restore(path: str | os.PathLike, template: Any, opts: LoadOptions) -> Any:
+    from xlakit.checkpoint.file import restoring
+
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_replicas
+        from xlakit.checkpoint.multirank import bucket_replicas
 
         return bucket_replicas.restore(path, template, opts)  # a replica-parallel one; else bucket_ranks
     final = Path(path)
@@ -267,7 +292,9 @@ def restore(path: str | os.PathLike, template: Any, *, options: LoadOptions | No
 def _restore_folder(folder: Path, template: Any, opts: LoadOptions) -> Any:
     import dataclasses
 
-    from xlakit.checkpoint import agreement, folders, ranks, replicas, restoring
+    from xlakit.checkpoint.file import restoring
+    from xlakit.checkpoint.format import folders
+    from xlakit.checkpoint.multirank import agreement, ranks, replicas
 
     record = folders.read_json_record(folder)
     if replicas.is_replicated(record):
@@ -320,19 +347,20 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
         if given:
             raise ValueError(f"{name} applies to xlakit.save, not to dcp_save (DCP folders are "
                              f"always sharded by rank and written synchronously)")
-    from xlakit.checkpoint import agreement, background
+    from xlakit.checkpoint.file import background
+    from xlakit.checkpoint.multirank import agreement
 
     background.check_previous()
     objstore.check_url(path)
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_dcp
+        from xlakit.checkpoint.torch_dcp import bucket_dcp
 
         return bucket_dcp.save(state, path, opts)
     if agreement.world_size() > 1:
-        from xlakit.checkpoint import dcp_ranks
+        from xlakit.checkpoint.torch_dcp import dcp_ranks
 
         return dcp_ranks.save(state, Path(path), opts)
-    from xlakit.checkpoint import dcp
+    from xlakit.checkpoint.torch_dcp import dcp
 
     dcp.save(state, Path(path), opts)
     return None
@@ -375,18 +403,18 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
                         ("shard", opts.shard is not None)):
         if given:
             raise ValueError(f"{name} applies to xlakit.load's files, not to DCP folders")
-    from xlakit.checkpoint import agreement
+    from xlakit.checkpoint.multirank import agreement
 
     objstore.check_url(path)
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_dcp
+        from xlakit.checkpoint.torch_dcp import bucket_dcp
 
         return bucket_dcp.load(state, path, opts)
     if agreement.world_size() > 1:
-        from xlakit.checkpoint import dcp_ranks
+        from xlakit.checkpoint.torch_dcp import dcp_ranks
 
         return dcp_ranks.load(state, Path(path), opts)
-    from xlakit.checkpoint import dcp
+    from xlakit.checkpoint.torch_dcp import dcp
 
     dcp.load(state, Path(path), opts)
     return None
@@ -410,6 +438,6 @@ def wait_until_idle(timeout_s: float | None = None) -> bool:
         >>> xlakit.wait_until_idle(1.0)
         True
     """
-    from xlakit.checkpoint import workers
+    from xlakit.checkpoint.core import workers
 
     return workers.wait_until_idle(timeout_s)

@@ -36,8 +36,9 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import XLACheckpointIO
 
-from xlakit.checkpoint import archive, paths
-from xlakit.checkpoint.options import LoadOptions, SaveOptions, _bool
+from xlakit.checkpoint.core import paths
+from xlakit.checkpoint.format import archive
+from xlakit.checkpoint.core.options import LoadOptions, SaveOptions, _bool
 from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointSerializationError
 
 log = logging.getLogger("xlakit.lightning")  # the public module path, which users filter by

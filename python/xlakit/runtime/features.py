@@ -19,6 +19,10 @@ BUILD_INFO = "_xlakit_build_info"
 
 @functools.cache
 def _import_xlac() -> tuple[ModuleType | None, str | None]:
+    from xlakit.runtime import torchtpu
+
+    if torchtpu.in_use():  # torch_xla beside torch-tpu is not the runtime here: never imported
+        return None, "TorchTPU stack: torch_xla is not used (torch-tpu is installed; docs/torchtpu.md)"
     try:
         import torch_xla  # noqa: F401
         from torch_xla import _XLAC

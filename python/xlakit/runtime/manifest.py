@@ -29,7 +29,7 @@ from typing import Any
 
 from xlakit import _knobs
 from xlakit.runtime import compile_cache, contract, features, memory, pins as _pins, pjrt_wrap, startup, torchtpu
-from xlakit._version import __version__
+from xlakit._version import BUILD, __version__
 
 SCHEMA = 1
 _GIT_LABEL = re.compile(r"\+git([0-9a-f]{7,40})")
@@ -41,7 +41,7 @@ def _short(rev: str | None) -> str | None:
 
 def _torch() -> dict[str, Any]:
     try:
-        import torch
+        torch = torchtpu.import_torch()  # what torch-tpu prints at its import goes to stderr: stdout is ours
     except Exception as e:  # a broken torch raises more than ImportError (OSError for a missing library)
         return {"version": None, "why_not": f"cannot import torch: {type(e).__name__}: {e}"}
     return {"version": torch.__version__, "git": torch.version.git_version}
@@ -142,7 +142,9 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
         pins: A pins file other than the copy baked into xlakit.
 
     Returns:
-        A JSON-ready dict: `python`, `torch`, `torch_xla`, `libtpu`, `jax`,
+        A JSON-ready dict: `xlakit` (the version), `xlakit_build` (the
+        commit, compiler and glibc floor it was built from and with),
+        `python`, `torch`, `torch_xla`, `libtpu`, `jax`,
         `jaxlib`, `patches`, `runtime`, `cache` (the persistent cache
         folder's trust state: owner-only, shared-trusted or untrusted, and
         whether entries are authenticated), `pjrt_wrap` (xlakit's PJRT
@@ -171,6 +173,8 @@ def manifest(*, profile: str | None = None, pins: str | os.PathLike | None = Non
     m: dict[str, Any] = {
         "schema": SCHEMA,
         "xlakit": __version__,
+        # What this xlakit was built from and with (its stamp, never a checkout).
+        "xlakit_build": dict(BUILD),
         "python": platform.python_version(),
         "torch": {"version": None, "installed": _pins.installed_version("torch"),
                   "why_not": f"cannot be imported here: {hazard}"} if hazard else _torch(),

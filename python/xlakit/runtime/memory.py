@@ -170,7 +170,7 @@ def memory_info(device: str | None = None) -> MemoryInfo | list[MemoryInfo]:
 def _torchtpu_info(device: str | None) -> MemoryInfo | list[MemoryInfo]:
     hazard = torchtpu.start_hazard()
     if not hazard and not torchtpu.loaded():
-        import torch  # noqa: F401  (imports torch_tpu, which registers `tpu` on a TPU host)
+        torchtpu.import_torch()  # imports torch_tpu, which registers `tpu` on a TPU host
     if hazard or not torchtpu.started():
         info = MemoryInfo(device or "tpu", unsupported=hazard or (
             "TorchTPU's `tpu` device is not started in this process: it registers itself only on a TPU host "

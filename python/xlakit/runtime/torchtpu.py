@@ -14,11 +14,15 @@ without a TPU, libtpu or `TPU_LIBRARY_PATH` that import aborts the process
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib.util
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from xlakit import _knobs
@@ -49,8 +53,9 @@ def started() -> bool:
 
 
 def in_use() -> bool:
-    """This process runs TorchTPU rather than torch_xla: torch_tpu is loaded, or installed without torch_xla."""
-    return loaded() or (installed() and importlib.util.find_spec("torch_xla") is None)
+    """This process runs TorchTPU rather than torch_xla: torch_tpu is loaded, or installed while torch_xla
+    is not loaded (`import torch` imports torch_tpu there: a torch_xla package beside it is not used)."""
+    return loaded() or (installed() and "torch_xla" not in sys.modules)
 
 
 def cpu_plugin_path() -> Path | None:
@@ -83,6 +88,69 @@ def start_hazard() -> str | None:
             f"or set {_knobs.TORCH_DEVICE_BACKEND_AUTOLOAD}=0 to keep torch from importing it")
 
 
+def setup_hint(venv: str = ".venv-torchtpu") -> str:
+    """How to start TorchTPU in a fresh `torchtpu*` environment (`make setup` prints it last)."""
+    if importlib.util.find_spec("libtpu") is not None:
+        return (f"TorchTPU is installed in {venv} with libtpu: `import torch` starts it on this host's TPU "
+                f"chips (docs/torchtpu.md)")
+    plugin = cpu_plugin_path()
+    on_cpu = (f"export {_knobs.TPU_LIBRARY_PATH}={plugin} {_knobs.TPU_SKIP_MDS_QUERY}=1" if plugin else
+              f"point {_knobs.TPU_LIBRARY_PATH} at a PJRT plugin (pip install xla-cpu-pjrt gives a CPU one)")
+    return "\n".join([
+        f"TorchTPU is installed in {venv}: `import torch` imports it, and without libtpu (a TPU host) it aborts "
+        f"with \"{_knobs.TPU_LIBRARY_PATH} is not set\". To run it on the CPU plugin:",
+        f"  in a shell:   {on_cpu}   (import torch works; no `tpu` device is registered)",
+        "  in Python:    from xlakit.runtime import torchtpu; tpu = torchtpu.start_on_cpu_plugin()   "
+        "(before torch is imported; sets both and registers `tpu`)",
+        f"  xlakit ckpt needs neither. Tests: make test PROFILE=torchtpu-cpu VENV={venv} (docs/torchtpu.md)"])
+
+
+def without_device_backends():
+    """A block in which `import torch` imports no device backend (torch_tpu): for work that needs no device.
+
+    Only where torch is not imported yet; torch reads the switch once, at its import.
+    """
+    if "torch" in sys.modules:
+        return contextlib.nullcontext()
+    return _knobs.override(**{_knobs.TORCH_DEVICE_BACKEND_AUTOLOAD: "0"})
+
+
+def import_torch() -> ModuleType:
+    """`import torch` (which imports torch_tpu where it is installed) with anything printed meanwhile on stderr.
+
+    torch_tpu's import prints to stdout ("libtpu not found." without libtpu), and
+    stdout is the caller's report (`xlakit manifest --json`). The file descriptor
+    itself is redirected, since native code writes to it without Python.
+    """
+    if "torch" in sys.modules:
+        return sys.modules["torch"]
+    with _stdout_to_stderr():
+        import torch
+    return torch
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout to keep clean (a daemon's closed fd 1)
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+        ctypes.CDLL(None).fflush(None)  # C's buffered stdout goes out now, to stderr, not later to stdout
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def start_on_cpu_plugin(plugin: str | os.PathLike | None = None):
     """Start TorchTPU over xla-cpu-pjrt on a host without a TPU (tests, the bench, CI); its `tpu` device.
 
@@ -108,7 +176,7 @@ def start_on_cpu_plugin(plugin: str | os.PathLike | None = None):
                                   f"plugin {so}; call start_on_cpu_plugin() before anything imports torch")
     os.environ[_knobs.TPU_LIBRARY_PATH] = str(so)
     os.environ.setdefault(_knobs.TPU_SKIP_MDS_QUERY, "1")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _stdout_to_stderr():
         # torch_tpu warns at import when tcmalloc is not preloaded: a host performance hint.
         warnings.filterwarnings("ignore", message="<TorchTpu/Performance/TcMalloc/")
         import torch_tpu

@@ -84,7 +84,7 @@ def timed_out_with_slow_shards(save, delay_s: float = 3.0) -> dict | None:
     import time
 
     import xlakit
-    from xlakit.checkpoint import spmd
+    from xlakit.checkpoint.file import spmd
 
     real = spmd.local_shards
 

@@ -8,7 +8,7 @@ from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
 import common
 import xlakit
-from xlakit.checkpoint import spmd
+from xlakit.checkpoint.file import spmd
 
 tmp = common.args()
 src = common.sources()

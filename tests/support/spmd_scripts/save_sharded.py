@@ -4,7 +4,8 @@ import torch
 
 import common
 import xlakit
-from xlakit.checkpoint import archive, spmd
+from xlakit.checkpoint.file import spmd
+from xlakit.checkpoint.format import archive
 
 tmp = common.args()
 src = common.sources()

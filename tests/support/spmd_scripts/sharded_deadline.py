@@ -5,7 +5,7 @@ import torch
 
 import common
 import xlakit
-from xlakit.checkpoint import spmd
+from xlakit.checkpoint.file import spmd
 
 tmp = common.args()
 host, mesh, spec = common.sources()["even"]

@@ -33,7 +33,7 @@ from xlakit import _knobs
 from xlakit.errors import CheckpointTimeoutError
 
 if TYPE_CHECKING:
-    from xlakit.checkpoint.operation import Operation
+    from xlakit.checkpoint.core.operation import Operation
 
 log = logging.getLogger("xlakit")
 T = TypeVar("T")

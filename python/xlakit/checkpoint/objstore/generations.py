@@ -45,13 +45,13 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from xlakit.checkpoint import paths
+from xlakit.checkpoint.core import paths
 from xlakit.checkpoint.objstore.client import Location, Store
 from xlakit.errors import (CheckpointConflictError, CheckpointCorruptError, CheckpointFormatError,
                            CheckpointIncompleteError)
 
 if TYPE_CHECKING:
-    from xlakit.checkpoint.operation import Operation
+    from xlakit.checkpoint.core.operation import Operation
 
 log = logging.getLogger("xlakit")
 

@@ -40,12 +40,12 @@ import time
 from typing import TYPE_CHECKING
 
 from xlakit import _knobs
-from xlakit.checkpoint import paths
+from xlakit.checkpoint.core import paths
 from xlakit.checkpoint.objstore.client import Location, Store
 from xlakit.errors import CheckpointBusyError
 
 if TYPE_CHECKING:
-    from xlakit.checkpoint.operation import Operation
+    from xlakit.checkpoint.core.operation import Operation
 
 PREFIX = "xlakit-lease."
 _NAME = re.compile(r"xlakit-lease\.(\d{20})\.json")

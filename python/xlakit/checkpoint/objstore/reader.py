@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from xlakit.checkpoint.objstore.client import Location, Store
 
 if TYPE_CHECKING:
-    from xlakit.checkpoint.operation import Operation
+    from xlakit.checkpoint.core.operation import Operation
 
 CHUNK_BYTES = 8 << 20
 PARALLEL = 4

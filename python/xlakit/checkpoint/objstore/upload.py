@@ -40,7 +40,7 @@ from xlakit.checkpoint.objstore.client import Location, Store, is_transient
 from xlakit.errors import CheckpointTimeoutError, CheckpointWriteError
 
 if TYPE_CHECKING:
-    from xlakit.checkpoint.operation import Operation
+    from xlakit.checkpoint.core.operation import Operation
 
 _GCS_QUANTUM = 256 << 10  # resumable chunks are multiples of this (all but the last)
 _S3_MIN_PART = 5 << 20

@@ -20,14 +20,14 @@ EPILOG = ("exit codes: 0 success; 1 verify found damage, or diff found differenc
 
 
 def size(n: float) -> str:
-    from xlakit.checkpoint.operation import human_bytes
+    from xlakit.checkpoint.core.operation import human_bytes
 
     return human_bytes(n)
 
 
 def emit(args: argparse.Namespace, data: dict, text: list[str]) -> None:
     if args.json:
-        from xlakit.checkpoint.describe import json_safe
+        from xlakit.checkpoint.inspect.describe import json_safe
 
         print(json.dumps(json_safe(data), indent=1, default=str, allow_nan=False))
     else:
@@ -47,18 +47,19 @@ def about(path: Path | str) -> Iterator[None]:
 
 def url_kind(kind: str) -> str:
     """A bucket checkpoint's kind under the name a local one of that kind has."""
-    from xlakit.checkpoint import describe
-    from xlakit.checkpoint import bucket_describe
+    from xlakit.checkpoint.inspect import describe
+    from xlakit.checkpoint.inspect import bucket_describe
 
     return {bucket_describe.FILE: describe.XLAKIT_FILE}.get(kind, kind)
 
 
 def read_state(path: str, *, with_kind: bool = False) -> Any:
     """The state of a checkpoint, verified: a local path or a URL of any kind (a step's included)."""
-    from xlakit.checkpoint import objstore, tensors
+    from xlakit.checkpoint import objstore
+    from xlakit.checkpoint.inspect import tensors
 
     if objstore.is_url(path):
-        from xlakit.checkpoint import bucket_describe
+        from xlakit.checkpoint.inspect import bucket_describe
 
         state, found = bucket_describe.read_state(path)
         kind = url_kind(found.kind)

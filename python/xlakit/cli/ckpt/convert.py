@@ -30,7 +30,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _check_url_target(args: argparse.Namespace) -> None:
     """`convert --to xlakit gs://...`: a new checkpoint in the bucket (replacing one only with --force)."""
-    from xlakit.checkpoint import bucket_describe
+    from xlakit.checkpoint.inspect import bucket_describe
 
     if args.to != "xlakit":
         raise ValueError(f"{args.out}: convert writes {args.to} to a local file; to a bucket it writes an xlakit "
@@ -39,7 +39,8 @@ def _check_url_target(args: argparse.Namespace) -> None:
 
 
 def _write(state: Any, out: str, to: str) -> dict:
-    from xlakit.checkpoint import describe, objstore, tensors
+    from xlakit.checkpoint import objstore
+    from xlakit.checkpoint.inspect import describe, tensors
 
     if to == "safetensors":
         return tensors.write_safetensors(state, Path(out))  # refuses a state whose names collide
@@ -47,7 +48,7 @@ def _write(state: Any, out: str, to: str) -> dict:
 
     checkpoint.save(state, out)  # keeps the state's structure: names cannot collide here
     if objstore.is_url(out):
-        from xlakit.checkpoint import bucket_describe
+        from xlakit.checkpoint.inspect import bucket_describe
 
         nbytes = sum(e["nbytes"] for e in bucket_describe.kind_of(out).record["objects"].values())
     else:

@@ -9,7 +9,7 @@ from xlakit.cli.ckpt.common import OK, DIFFERENT, emit, about, read_state
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import tensors
+    from xlakit.checkpoint.inspect import tensors
 
     with about(args.a):
         a = read_state(args.a)

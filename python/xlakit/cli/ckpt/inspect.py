@@ -23,7 +23,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _inspect_url(args: argparse.Namespace) -> int:
     """A checkpoint on object storage (a file, each shard, a DCP checkpoint's metadata), a manager's
     step, or a manager URL (listed as `ls` lists it)."""
-    from xlakit.checkpoint import bucket_describe
+    from xlakit.checkpoint.inspect import bucket_describe
 
     found = bucket_describe.kind_of(args.path)
     if found.kind == bucket_describe.MANAGER:
@@ -60,7 +60,7 @@ def _inspect_url(args: argparse.Namespace) -> int:
         text += [f" share {e['rank']}: {e['object']}, {size(e['bytes'])}" for e in shares]
         text += _tensor_table(tensors) + _values(values)
     else:
-        from xlakit.checkpoint import describe
+        from xlakit.checkpoint.inspect import describe
 
         tensors, values = describe.dcp_entries(bucket_describe.dcp_metadata(found.loc, found.record))
         nbytes = sum(e["nbytes"] for e in found.record["objects"].values())
@@ -80,7 +80,7 @@ def _flat_infos(state: Any) -> tuple[list[dict], dict]:
     """A state's tensors (name, dtype, shape, bytes, shared storages) and other values, for printing."""
     import dataclasses
 
-    from xlakit.checkpoint import describe
+    from xlakit.checkpoint.inspect import describe
 
     tensors, values = describe.flatten(state)
     return ([dataclasses.asdict(t) for t in describe.tensor_infos(tensors)],
@@ -88,7 +88,7 @@ def _flat_infos(state: Any) -> tuple[list[dict], dict]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import describe
+    from xlakit.checkpoint.inspect import describe
 
     path = Path(args.path)
     kind = describe.kind_of(path)

@@ -10,7 +10,9 @@ from xlakit.errors import CheckpointFormatError
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import describe, retention, step_folders, steps, objstore
+    from xlakit.checkpoint import objstore
+    from xlakit.checkpoint.inspect import describe
+    from xlakit.checkpoint.stepstore import retention, step_folders, steps
 
     if objstore.is_url(args.dir):
         _check_manager_url(args.dir)
@@ -65,8 +67,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _check_manager_url(url: str) -> None:
-    from xlakit.checkpoint import describe
-    from xlakit.checkpoint import bucket_describe
+    from xlakit.checkpoint.inspect import describe
+    from xlakit.checkpoint.inspect import bucket_describe
 
     try:
         found = bucket_describe.kind_of(url)

@@ -33,7 +33,8 @@ class _Bar:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from xlakit.checkpoint import describe, integrity, objstore
+    from xlakit.checkpoint import objstore
+    from xlakit.checkpoint.inspect import describe, integrity
 
     if objstore.is_url(args.path):
         return _verify_url(args)
@@ -63,8 +64,10 @@ def _verify_url(args: argparse.Namespace) -> int:
     """A checkpoint on object storage: every object of its newest committed generation read whole and
     verified (a file's and each shard's records as `xlakit.load` reads them; DCP files against the
     commit record); a step's checkpoint; every committed step of a manager URL."""
-    from xlakit.checkpoint import bucket_describe, bucket_replicas, step_folders
-    from xlakit.checkpoint.options import LoadOptions
+    from xlakit.checkpoint.inspect import bucket_describe
+    from xlakit.checkpoint.multirank import bucket_replicas
+    from xlakit.checkpoint.stepstore import step_folders
+    from xlakit.checkpoint.core.options import LoadOptions
 
     try:
         found = bucket_describe.kind_of(args.path)
@@ -84,9 +87,9 @@ def _verify_url(args: argparse.Namespace) -> int:
 def _verify_manager_url(args: argparse.Namespace, found) -> int:
     """A manager URL: every committed step's checkpoint verified; a damaged step record is a finding,
     and a URL with no committed step has nothing to verify (never "OK")."""
-    from xlakit.checkpoint import steps
-    from xlakit.checkpoint.options import LoadOptions
-    from xlakit.checkpoint import bucket_replicas
+    from xlakit.checkpoint.stepstore import steps
+    from xlakit.checkpoint.core.options import LoadOptions
+    from xlakit.checkpoint.multirank import bucket_replicas
 
     url = args.path.rstrip("/")
     if found.damaged:
@@ -117,7 +120,7 @@ def _verify_manager_url(args: argparse.Namespace, found) -> int:
 
 
 def _check_with_progress(ranges: list) -> int:
-    from xlakit.checkpoint import integrity
+    from xlakit.checkpoint.inspect import integrity
 
     bar = _Bar() if sys.stderr.isatty() else None
     try:
@@ -129,7 +132,7 @@ def _check_with_progress(ranges: list) -> int:
 
 def _nothing_committed(args: argparse.Namespace, path: Path) -> int:
     """A manager folder without a committed step: nothing was verified, so never "OK"."""
-    from xlakit.checkpoint import steps
+    from xlakit.checkpoint.stepstore import steps
 
     pending = sorted(steps.scan(path).pending)
     message = (f"{path} holds no committed step, so there is nothing to verify"

@@ -1,0 +1,206 @@
+"""Asynchronous saves: block only while the state reaches host memory, write in the background.
+
+An asynchronous save is one operation in two phases sharing one deadline and
+one commit gate. The caller's thread runs the first: the sync and the
+device-to-host copies (and, for coordinated layouts, the agreement between
+ranks). CPU tensors, which the training loop updates in place, are copied
+into a host staging arena that later saves reuse (fresh host memory costs
+several times more to touch than reused memory); nothing is ever cloned on
+the device. XLA buffers exported zero-copy on the CPU PJRT client are kept as
+they are: XLA buffers are immutable (a step writes new ones) and PJRT will not
+donate a buffer to a step while a DLPack reference holds it. A background
+thread then owns the second phase, the write and the commit, under what is
+left of the deadline.
+
+Errors are never dropped: `SaveHandle.result()` raises them, and the next save
+raises one nobody asked for (`CheckpointAsyncError`). Ctrl-C while waiting in
+`result()`, or `cancel()`, cancels the save: it then never commits, and as the
+caller asked for that, it is no failure to report (`result()` then raises
+`concurrent.futures.CancelledError`, as a future's does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xlakit.checkpoint.file import pipeline
+from xlakit.checkpoint.core.operation import COMMIT, Cancelled, Gate, Operation, Watch
+from xlakit.checkpoint.core.workers import start_thread
+from xlakit.checkpoint.core.options import SaveOptions
+from xlakit.checkpoint.format.state import StorageEntry
+from xlakit.errors import CheckpointAsyncError
+
+log = logging.getLogger("xlakit")
+_ALIGN = 64
+_lock = threading.Lock()
+_pending: "SaveHandle | None" = None
+_arena: torch.Tensor | None = None
+
+Staged = list[tuple[list[StorageEntry], list[torch.Tensor], None]]
+
+
+class SaveHandle:
+    """A save whose write and commit run in the background.
+
+    Attributes:
+        path: the checkpoint being written.
+        blocked_s: how long `xlakit.save` blocked the caller (sync + copies to host).
+    """
+
+    def __init__(self, path: Path, blocked_s: float, op: Operation):
+        self.path, self.blocked_s = path, blocked_s
+        self._op = op
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._seen = False
+        self._cancelled = False  # the caller gave it up (cancel(), or an interrupt in result())
+
+    def done(self) -> bool:
+        """True once the save committed or failed."""
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait for the save to commit; raise what it raised.
+
+        Ctrl-C (any exception) while waiting cancels the save: it will not commit.
+
+        Raises:
+            TimeoutError: still running after `timeout` seconds (the save goes on).
+            CheckpointError: the background write failed (timeout, disk full, ...).
+            concurrent.futures.CancelledError: the save was cancelled through `cancel()`.
+        """
+        try:
+            finished = self._finished.wait(timeout)
+        except BaseException as e:
+            self._cancelled = self._seen = True  # the caller has its exception: nothing more to say
+            self._op.abandon(e)
+            raise
+        if not finished:
+            raise TimeoutError(f"the asynchronous save of {self.path} is still running after "
+                               f"{timeout} s; it continues in the background")
+        self._seen = True
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> bool:
+        """Cancel the save unless it already committed; True when it will never commit."""
+        self._cancelled = True
+        if self._op.cancel("cancelled through its handle") == COMMIT:
+            self._cancelled = False
+            return False
+        self._finished.wait()
+        return True
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "committed")
+        return f"<SaveHandle {self.path} {state}, blocked {self.blocked_s:.3f} s>"
+
+
+def check_previous() -> None:
+    """Raise, once, the failure of an earlier asynchronous save whose handle was never asked."""
+    global _pending
+    with _lock:
+        prev = _pending
+        if prev is None or not prev.done():
+            return
+        _pending = None
+    if prev._error is not None and not prev._seen:
+        prev._seen = True
+        raise CheckpointAsyncError(f"the previous asynchronous save of {prev.path} failed and its "
+                                   f"handle was never asked: {prev._error}") from prev._error
+
+
+def _arena_views(entries: list[StorageEntry]) -> list[torch.Tensor]:
+    """Host buffers for `entries` (bytes), carved from the reused staging arena."""
+    global _arena
+    offsets, total = [], 0
+    for e in entries:
+        offsets.append(total)
+        total += -(-e.nbytes // _ALIGN) * _ALIGN
+    if _arena is None or _arena.numel() < total:
+        _arena = None  # free the old one before touching the new one
+        _arena = torch.empty(total, dtype=torch.uint8)
+    return [_arena[off:off + e.nbytes] for e, off in zip(entries, offsets)]
+
+
+def stage(op: Operation, job: pipeline.FileSave) -> Staged:
+    """Sync and copy every storage to host memory the training loop cannot touch."""
+    staged: dict[int, torch.Tensor] = {}
+    viewed: list[StorageEntry] = []
+    for batch, hosts, backend in pipeline.device_batches(op, job.plan, job.opts):
+        for e, h in zip(batch, hosts):
+            staged[e.index] = h
+            if backend.returns_mutable_views:
+                viewed.append(e)
+            op.advance(e.nbytes)
+    if viewed:
+        op.enter("stage", viewed[0].path)
+    for e, dst in zip(viewed, _arena_views(viewed)):
+        if e.nbytes:  # contiguous host bytes (a CPU storage or tensor) into the arena
+            ctypes.memmove(dst.data_ptr(), staged[e.index].data_ptr(), e.nbytes)
+        staged[e.index] = dst
+    storages = job.plan.storages
+    return [(storages, [staged[e.index] for e in storages], None)] if storages else []
+
+
+def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
+          write_phase: Callable[[Operation, Any], None], *, gate: Gate | None = None,
+          rank: int | None = None) -> SaveHandle:
+    """Run `stage_phase` on the caller's thread, then `write_phase` in the background."""
+    global _pending
+    watch = Watch.of(job.opts)
+    first = Operation("save (staging)", job.final, watch, bytes_total=job.plan.nbytes, gate=gate,
+                      rank=rank)
+    staged = first.run(stage_phase)
+    second = Operation("save", job.final, watch, bytes_total=job.plan.nbytes, started=first.started,
+                       gate=first.gate, rank=rank)
+    second.background = True
+    handle = SaveHandle(job.final, time.monotonic() - first.started, second)
+
+    def owner() -> None:
+        nonlocal staged
+        try:
+            second.run(lambda op: write_phase(op, staged))
+        except BaseException as e:  # noqa: BLE001 - kept for result() and the next save
+            if isinstance(e, Cancelled) and handle._cancelled:  # asked for: no failure to report
+                handle._seen = True
+                handle._error = CancelledError(f"the asynchronous save of {job.final} was cancelled; "
+                                               f"nothing was committed")
+            else:
+                handle._error = e
+                log.error("xlakit: asynchronous save of %s failed: %s", job.final, e)
+        finally:
+            staged = None  # the host copies go before result() returns, not while this thread ends
+            handle._finished.set()
+
+    def never_started() -> None:
+        handle._error = CheckpointAsyncError(f"the asynchronous save of {job.final} was interrupted "
+                                             f"before its write began; nothing was written")
+        second.done.set()  # no worker will: the write is over before it began
+        handle._finished.set()
+
+    with _lock:
+        _pending = handle
+    try:
+        start_thread(owner, "xlakit-async-save", never_started=never_started)
+    except BaseException as e:  # Ctrl-C while starting the write: the caller saw it, so no commit
+        handle._seen = True  # and nothing of this save speaks again at the next one
+        second.abandon(e)
+        raise
+    return handle
+
+
+def save_file(obj: Any, final: Path, opts: SaveOptions) -> SaveHandle:
+    """The asynchronous save of one file; see `xlakit.save`."""
+    job = pipeline.prepare(obj, final, opts)
+    return start(job, lambda op: stage(op, job),
+                 lambda op, staged: pipeline.write(op, job, staged))

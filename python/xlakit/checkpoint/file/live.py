@@ -1,0 +1,113 @@
+"""Restore into the live model and optimizer: a template may hold the objects themselves.
+
+A resume that builds its template from `opt.state_dict()` fails for every
+stateful optimizer: a fresh one has no state yet (AdamW's moments and SGD's
+momentum buffers appear at its first step), so its state dict has nowhere to
+put the checkpoint's. Here a `torch.nn.Module` in the template stands for its
+state dict (its parameters and buffers, filled in place), and a
+`torch.optim.Optimizer` for its state dict once its state exists, created as
+`torch.distributed.checkpoint.state_dict` creates it (`_init_optim_state`):
+one `step()` with zero gradients at a learning rate of 0, which leaves the
+parameters as they were; the gradients and learning rates are put back after.
+The restore then fills those state tensors in place on their devices, like any
+template's, and each optimizer loads its restored state dict (the saved
+hyper-parameters; its state tensors are already the restored ones, so nothing
+is copied), each module its extra state (`get_extra_state`), if it has any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+_EXTRA_STATE = "_extra_state"  # torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+
+
+def template_of(template: Any, **named: Any) -> tuple[Any, list[tuple[tuple, Any]]]:
+    """The template as plain state dicts, and where each live module or optimizer was.
+
+    `named` (`model=`, `optimizer=`) are entries of the template under their own
+    names (None: not given). No template and nothing named gives None. Raises
+    ValueError when a name is given twice.
+    """
+    named = {k: v for k, v in named.items() if v is not None}
+    if named:
+        if template is None:
+            template = {}
+        if not isinstance(template, Mapping):
+            raise TypeError(f"model= and optimizer= are entries of the template, which must then be a dict; "
+                            f"found a template of type {type(template).__name__}: pass them inside it instead")
+        twice = sorted(named.keys() & template.keys())
+        if twice:
+            raise ValueError(f"{', '.join(map(repr, twice))} given both in the template and as a keyword; "
+                             f"pass each once")
+        template = {**template, **named}
+    live: list[tuple[tuple, Any]] = []
+    return _expand(template, (), live), live
+
+
+def settle(restored: Any, live: list[tuple[tuple, Any]]) -> Any:
+    """After the restore: each optimizer loads its restored state dict, each module its extra state."""
+    for path, obj in live:
+        state = restored
+        for key in path:
+            state = state[key]
+        if isinstance(obj, torch.optim.Optimizer):
+            obj.load_state_dict(state)
+        else:
+            extra = {k: v for k, v in state.items() if k.endswith(_EXTRA_STATE)}
+            if extra:  # the parameters and buffers were filled in place; only these need the module
+                obj.load_state_dict(extra, strict=False)
+    return restored
+
+
+def _expand(node: Any, path: tuple, live: list[tuple[tuple, Any]]) -> Any:
+    if isinstance(node, torch.nn.Module):
+        live.append((path, node))
+        return node.state_dict()
+    if isinstance(node, torch.optim.Optimizer):
+        create_state(node)
+        live.append((path, node))
+        return node.state_dict()
+    if isinstance(node, Mapping):
+        out = {k: _expand(v, (*path, k), live) for k, v in node.items()}
+        return node if all(out[k] is v for k, v in node.items()) else out
+    if type(node) in (list, tuple):
+        out = [_expand(v, (*path, i), live) for i, v in enumerate(node)]
+        return node if all(a is b for a, b in zip(out, node)) else type(node)(out)
+    return node
+
+
+def create_state(opt: torch.optim.Optimizer) -> None:
+    """Give an optimizer without state its state, as its first step would, leaving the parameters alone.
+
+    An optimizer that has state (it stepped, or was restored) is left as it is.
+    Its parameters' gradients and its learning rates are put back afterwards.
+    """
+    if opt.state:
+        return
+    params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+    if not params:
+        return
+    grads = [p.grad for p in params]
+    rates = [group.get("lr") for group in opt.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group, lr in zip(opt.param_groups, rates):
+            if lr is not None:
+                group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        opt.step()
+    except Exception as e:
+        e.add_note(f"xlakit created the state of {type(opt).__name__} for the restore by one step at a learning "
+                   f"rate of 0 with zero gradients, as torch.distributed.checkpoint does; an optimizer whose step "
+                   f"needs more (a closure) must take a real step first, then be restored")
+        raise
+    finally:
+        for group, lr in zip(opt.param_groups, rates):
+            if lr is not None:
+                group["lr"] = lr
+        for p, grad in zip(params, grads):
+            p.grad = grad

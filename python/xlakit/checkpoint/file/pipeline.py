@@ -1,0 +1,169 @@
+"""Saving one checkpoint file: plan, sync, transfer, write, commit, in that order.
+
+* **plan** (`prepare`, on the caller's thread, before anything is written):
+  the state's tensors and storages (`state.plan`), its pickle (refused here
+  if `torch.load(weights_only=True)` could not read it back), the target.
+* **sync**: one step marker materialises every pending XLA tensor (one graph,
+  one compile), per device type (`transfer.backend_for`).
+* **transfer**: storages reach the host in batches of at most
+  `max_inflight_bytes`; the writer drops each batch before the next is copied.
+* **write**: streamed into a temporary sibling file (`archive.ArchiveWriter`:
+  each storage hashed from the bytes written), then flushed and fsynced.
+* **commit**: the rename over the final name, inside the operation's commit
+  point, then an fsync of the folder.
+
+All of it but the plan runs in one `Operation`: one deadline, cancelled by any
+exception its owner sees; nothing touches the final name before the commit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xlakit.checkpoint.core import paths, workers
+from xlakit.checkpoint.file import transfer
+from xlakit.checkpoint.format import archive, pickled, state, structure
+from xlakit.checkpoint.core.operation import Operation, Watch
+from xlakit.checkpoint.core.options import SaveOptions
+from xlakit.checkpoint.format.state import Plan, StorageEntry
+from xlakit.errors import CheckpointError
+
+HostItems = Iterable[tuple[list[StorageEntry], list[torch.Tensor]]]
+Commit = Callable[[Operation, Path, Path], None]
+
+
+@dataclass
+class FileSave:
+    """One checkpoint file, planned, pickled and described; nothing written yet."""
+
+    final: Path
+    opts: SaveOptions
+    plan: Plan
+    pickled: bytes  # for torch.load
+    structure: bytes  # for xlakit's reader (structure.py)
+
+
+# -- plan ---------------------------------------------------------------------------------------
+
+def prepare(obj: Any, final: Path, opts: SaveOptions, *, check_target: bool = True) -> FileSave:
+    """Everything checked before a byte is written: the target, the state's storages, its pickle."""
+    if check_target:
+        paths.check_target(final)
+    with workers.collection_paused():
+        plan = state.plan(obj)
+        if any(s.device_type == "xla" for s in plan.storages):
+            transfer.check_backend(opts.transfer_backend)
+        return FileSave(final, opts, plan, pickled.pickle_state(obj, plan), structure.encode(obj, plan))
+
+
+# -- sync and transfer --------------------------------------------------------------------------
+
+def stage_groups(storages: list[StorageEntry], opts: SaveOptions
+                 ) -> list[tuple[list[StorageEntry], transfer.HostTransfer]]:
+    """The storages grouped by device type, each group with its transfer backend."""
+    groups = [list(g) for _, g in itertools.groupby(
+        sorted(storages, key=lambda e: e.device_type), key=lambda e: e.device_type)]
+    return [(g, transfer.backend_for(g[0].device_type, g[0].tensor, mode=opts.transfer_backend))
+            for g in groups]
+
+
+def device_batches(op: Operation, plan: Plan, opts: SaveOptions) -> Iterator[
+        tuple[list[StorageEntry], list[torch.Tensor], transfer.HostTransfer]]:
+    """Sync every device once, then yield (batch, host tensors, backend) under the deadline.
+
+    The consumer drops each batch's host tensors before asking for the next, so
+    at most one batch (`max_inflight_bytes`) is held at a time.
+    """
+    groups = stage_groups(plan.storages, opts)
+    for group, backend in groups:
+        op.enter("sync")
+        backend.prepare(transfer.TensorsOf(group))
+    for group, backend in groups:
+        for batch in transfer.batches(group, opts.max_inflight_bytes):
+            op.enter("transfer", batch[0].path)
+            yield batch, transfer.batch_to_host(backend, batch, timeout_s=max(op.remaining(), 0.001)), backend
+
+
+# -- write and commit ---------------------------------------------------------------------------
+
+def write(op: Operation, job: FileSave, items: HostItems, *, commit: Commit | None = None) -> None:
+    """Write the archive from `items` (batches of host tensors) into a temporary file, then commit.
+
+    `commit(op, tmp, final)` makes the temporary file the checkpoint; by default
+    the rename over `final` at the operation's commit point.
+    """
+    final = job.final
+    paths.remove_stale_temps(final.parent, stem=final.name)
+    tmp = op.own(paths.temp_path(final))
+    op.enter("open")
+    try:
+        with open(tmp, "xb") as f:
+            write_archive(op, job, f, items)
+            op.enter("commit")
+            f.flush()
+            os.fsync(f.fileno())
+        (commit or commit_file)(op, tmp, final)
+    except OSError as e:
+        if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
+            raise
+        raise paths.write_error(e, final, stage=op.stage, bytes_done=op.bytes_done) from e
+
+
+def write_archive(op: Operation, job: FileSave, f: Any, items: HostItems) -> None:
+    """Stream the archive of `job` into the writable binary `f` (a file, or an object's upload)."""
+    writer = archive.ArchiveWriter(f, compute_crc32=job.opts.compute_crc32)
+    writer.write_header(job.pickled, job.structure)
+    for batch, hosts, *_ in items:
+        write_batch(op, writer, batch, hosts)
+        del hosts
+    writer.finish()
+
+
+def write_batch(op: Operation, writer: archive.ArchiveWriter, batch: list[StorageEntry],
+                hosts: list[Any]) -> None:
+    """Write one batch's storages: runs of small ones together (progress and a check for
+    cancellation every `archive.CHUNK_BYTES`), large ones chunk by chunk."""
+    def progress(nbytes: int, path: str) -> None:
+        op.advance(nbytes)
+        op.tensor = path
+
+    small = archive.SMALL_RECORD
+    start = 0
+    while start < len(batch):
+        end = start
+        while end < len(batch) and batch[end].nbytes <= small:
+            end += 1
+        if end > start:
+            op.enter("write", batch[start].path)
+            writer.write_small_storages(batch[start:end], hosts[start:end], progress)
+        if end < len(batch):
+            entry = batch[end]
+            op.enter("write", entry.path)
+            writer.write_storage(entry, archive.host_view(hosts[end], entry.nbytes), on_chunk=op.advance)
+            end += 1
+        start = end
+
+
+def commit_file(op: Operation, tmp: Path, final: Path) -> None:
+    """The point of no return of a file save: rename, if the save is still wanted; fsync the folder."""
+    with op.commit_point():
+        os.replace(tmp, final)
+        op.disown(tmp)
+    paths.fsync_dir(final.parent)
+
+
+# -- the synchronous save of one file ----------------------------------------------------------
+
+def save_file(obj: Any, final: Path, opts: SaveOptions) -> None:
+    """Plan on the caller's thread, then sync, transfer, write and commit under one deadline."""
+    with workers.collection_paused():  # the caller waits for all of it
+        job = prepare(obj, final, opts)
+        op = Operation("save", final, Watch.of(opts), bytes_total=job.plan.nbytes)
+        op.run(lambda op: write(op, job, device_batches(op, job.plan, opts)))

@@ -1,0 +1,169 @@
+"""Checkpoint folders: the commit record that makes a folder a checkpoint, and what it may replace.
+
+A folder checkpoint (`xlakit.dcp_save`, and `xlakit.save(layout="sharded")`)
+is a checkpoint only once its commit record, `xlakit-commit.json`, is in
+place: written last, fsynced, listing every file with its size and xxh3-64.
+A folder without one is an interrupted save: it is never loaded. The two kinds
+share the record's name and are told apart by its `format`.
+
+A save replaces a folder only when it positively holds nothing but checkpoint
+files, so a wrong path can never cost a user's other files.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import xxhash
+
+from xlakit.checkpoint.core import paths
+from xlakit.checkpoint.format.archive import HASH
+from xlakit.errors import (CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError,
+                           CheckpointWriteError)
+
+COMMIT_RECORD = "xlakit-commit.json"
+DCP_FORMAT = "xlakit-dcp"
+SHARDED_FORMAT = "xlakit-sharded"
+REPLICATED_FORMAT = "xlakit-replicated"  # a replica-parallel folder of shares (replicas.py)
+FORMAT_VERSION = 1  # what DCP and sharded records are written with
+# The newest record this xlakit reads; 2: replicated checkpoints as a folder of shares (replicas.py).
+NEWEST_VERSION = 2
+_DCP_METADATA = ".metadata"
+_DCP_DATA_SUFFIX = ".distcp"
+_CHUNK = 8 << 20
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    return name in (COMMIT_RECORD, _DCP_METADATA) or name.endswith(_DCP_DATA_SUFFIX)
+
+
+def check_replaceable(final: Path) -> None:
+    """Refuse to replace `final` unless it is absent or holds only DCP checkpoint files."""
+    if not final.exists():
+        return
+    foreign = (["(it is a file)"] if not final.is_dir()
+               else sorted(n for n in os.listdir(final) if not _is_checkpoint_file(n)))
+    if foreign:
+        err = CheckpointWriteError(errno.EEXIST, f"cannot save {final}: it exists and is not a "
+                                   f"DCP checkpoint folder (found {', '.join(foreign[:5])})")
+        err.filename = str(final)
+        err.add_note(f"A save replaces a folder holding only {_DCP_METADATA}, *{_DCP_DATA_SUFFIX} "
+                     f"and {COMMIT_RECORD}; choose another path or move those files away.")
+        raise err
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    h, n = xxhash.xxh3_64(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return n, h.hexdigest()
+
+
+def file_entry(path: Path) -> dict:
+    """A file's line in the commit record: its size and xxh3-64."""
+    nbytes, digest = file_digest(path)
+    return {"nbytes": nbytes, HASH: digest}
+
+
+def write_commit_record(tmp: Path, known: dict[str, dict] | None = None) -> None:
+    """List every file of `tmp` with size and checksum in the commit record; fsync it all.
+
+    `known` entries (hashed by the ranks that wrote them) are taken as they are
+    once their size matches, so the committing rank does not read every file.
+    """
+    known = known or {}
+    present = sorted(os.listdir(tmp))
+    missing = sorted(set(known) - set(present))
+    if missing:
+        raise CheckpointIncompleteError(f"{tmp}: {', '.join(missing[:5])} reported written but not "
+                                        f"found; the folder is not on storage every rank shares")
+    files = {}
+    for name in present:
+        files[name] = known.get(name) or file_entry(tmp / name)
+        size = os.stat(tmp / name).st_size
+        if size != files[name]["nbytes"]:
+            raise CheckpointIncompleteError(f"{tmp / name}: reported {files[name]['nbytes']} bytes "
+                                            f"by the rank that wrote it, found {size}")
+    record = {"format": DCP_FORMAT, "version": FORMAT_VERSION, "files": files}
+    with open(tmp / COMMIT_RECORD, "x") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    paths.fsync_dir(tmp)
+
+
+def read_json_record(folder: Path) -> dict | None:
+    """The commit record of `folder` as JSON, None when there is none; raises when unreadable."""
+    try:
+        text = (folder / COMMIT_RECORD).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(text)
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{folder / COMMIT_RECORD} is not an xlakit commit record "
+                                     f"({e}); found {text[:80]!r}") from e
+    version = record.get("version")
+    if isinstance(version, int) and version > NEWEST_VERSION:
+        raise CheckpointFormatError(f"{folder} was committed in xlakit folder format version "
+                                    f"{version}; this xlakit understands versions up to "
+                                    f"{NEWEST_VERSION}: upgrade xlakit to load it")
+    return record
+
+
+def describe_folder(folder: Path) -> str:
+    """What a folder without a usable commit record holds, for messages."""
+    try:
+        found = sorted(os.listdir(folder))
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if not found:
+        return "it is empty"
+    if _DCP_METADATA in found:
+        return f"it holds a torch.distributed.checkpoint save without xlakit's commit record ({', '.join(found[:4])})"
+    if any(n.startswith("shard-") for n in found):
+        return f"it holds shards of an interrupted sharded save ({', '.join(found[:4])})"
+    return f"it holds {', '.join(found[:6])}" + (" ..." if len(found) > 6 else "")
+
+
+def read_commit_record(final: Path) -> dict:
+    """The commit record of the DCP folder `final`; refuses folders that have none."""
+    if not final.is_dir():
+        raise FileNotFoundError(errno.ENOENT, f"no checkpoint folder at {final}", str(final))
+    record = read_json_record(final)
+    if record is None:
+        err = CheckpointIncompleteError(
+            f"{final} has no commit record ({COMMIT_RECORD}): its save did not finish, or it was "
+            f"not written by xlakit.dcp_save ({describe_folder(final)})")
+        err.add_note("It is never loaded; the next xlakit.dcp_save to this path replaces it. If it "
+                     "is a plain torch.distributed.checkpoint folder you trust, load it with "
+                     "torch.distributed.checkpoint.load.")
+        raise err
+    if record.get("format") == SHARDED_FORMAT:
+        raise CheckpointFormatError(
+            f"{final} is a sharded xlakit.save checkpoint (format {SHARDED_FORMAT!r}), not a "
+            f"DCP folder (format {DCP_FORMAT!r}); load it with xlakit.load")
+    if record.get("format") != DCP_FORMAT or not isinstance(record.get("files"), dict):
+        raise CheckpointCorruptError(f"{final / COMMIT_RECORD} is not an xlakit commit record "
+                                     f"(expected format {DCP_FORMAT!r} with a file list)")
+    return record
+
+
+def verify_file(final: Path, name: str, expected: dict) -> None:
+    path = final / name
+    if not path.is_file():
+        raise CheckpointIncompleteError(
+            f"{final}: {name} is listed in the commit record but missing")
+    nbytes, digest = file_digest(path)
+    if nbytes != expected["nbytes"] or digest != expected[HASH]:
+        raise CheckpointCorruptError(
+            f"{path}: expected {expected['nbytes']} bytes with {HASH} "
+            f"{expected[HASH]}, found {nbytes} bytes with {digest}; the file was "
+            f"changed or damaged after the save committed")

@@ -1,0 +1,247 @@
+"""Sharded XLA state through torch.distributed.checkpoint, committed atomically under one deadline.
+
+DCP is the storage engine (its files, metadata and resharding on load);
+xlakit wraps it the way `xlakit.save` wraps torch's zip format:
+
+* *sync*: one step marker materialises every pending XLA tensor (transfer.py).
+* *transfer*: the planner hands DCP's writer host data on demand, pulled in
+  byte-capped batches: SPMD-sharded tensors as their distinct local shards
+  (`spmd.py`: no replication program, replicas and padding dropped), other
+  XLA tensors through the save's usual backend. Each shard is one DCP chunk,
+  so the layout is the one torch_xla's `SPMDSavePlanner` writes (`dcp_plan.py`).
+* *write* into a temporary folder beside the target; then *commit*: a commit
+  record (`xlakit-commit.json`: every file with its size and xxh3-64) is written
+  last, everything is fsynced and the folder takes the final name (an atomic
+  exchange on Linux, so readers see the old checkpoint or the new one).
+
+A folder without the commit record is refused on load and replaced by the
+next save. Loading is in place, into a state whose tensors carry the target
+sharding (any mesh or device count); DCP reads the overlapping chunks. This
+module is one process's part; `dcp_ranks.py` runs the same writing and reading
+on every rank of a job around one agreed commit.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from xlakit.checkpoint.core import operation, paths, workers
+from xlakit.checkpoint.file import transfer
+from xlakit.checkpoint.format import folders
+from xlakit.checkpoint.torch_dcp import dcp_plan
+from xlakit.checkpoint.core.operation import Cancelled, Operation, Watch
+from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
+from xlakit.errors import CheckpointError, CheckpointPeerError
+
+PARTLY_LOADED = "nothing on disk was changed; the state may be partly loaded"
+
+
+def device_tensors(state: dict) -> list[torch.Tensor]:
+    return [t for t in dcp_plan.tensors(state) if t.device.type != "cpu"]
+
+
+def check_transfer(device: list[torch.Tensor], opts: SaveOptions) -> None:
+    """Refuse a transfer backend this build lacks, before anything is written."""
+    if any(t.device.type == "xla" for t in device):
+        transfer.check_backend(opts.transfer_backend)
+
+
+def check_parent(final: Path) -> None:
+    if not final.parent.is_dir():
+        raise paths.write_error(FileNotFoundError(2, "No such file or directory"), final, stage="open")
+
+
+def new_folder(op: Operation, final: Path) -> Path:
+    """Check `final` may be replaced, clear dead processes' leftovers, make the temporary folder."""
+    check_parent(final)
+    paths.recover_asides(final)  # first: the final name may get its checkpoint back
+    folders.check_replaceable(final)
+    paths.remove_stale_temps(final.parent, stem=final.name)
+    tmp = op.own(paths.temp_path(final))
+    tmp.mkdir()
+    return tmp
+
+
+def commit_folder(op: Operation, tmp: Path, final: Path) -> None:
+    """The point of no return: the complete folder takes the final name; the old one goes after."""
+    with op.commit_point():
+        previous = paths.replace_folder(tmp, final)
+        op.disown(tmp)
+    paths.fsync_dir(final.parent)
+    if previous is not None:
+        operation.remove_path(previous)
+
+
+def save(state: dict, final: Path, opts: SaveOptions) -> None:
+    """`xlakit.dcp_save` in a single process."""
+    workers.check_idle()
+    device = device_tensors(state)
+    check_transfer(device, opts)
+    op = Operation("dcp save", final, Watch.of(opts),
+                   bytes_total=sum(t.numel() * t.element_size() for t in device))
+
+    def work(op: Operation) -> None:
+        try:
+            tmp = new_folder(op, final)
+            write_folder(op, state, device, tmp, opts)
+            op.enter("commit")
+            folders.write_commit_record(tmp)
+            commit_folder(op, tmp, final)
+        except OSError as e:
+            if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
+                raise
+            raise paths.write_error(e, final, stage=op.stage, bytes_done=op.bytes_done) from e
+
+    op.run(work)
+
+
+def write_folder(op: Operation, state: dict, device: list[torch.Tensor], folder: Path | None,
+                 opts: SaveOptions, group: Any = None, *, writer: "StagedWriter | None" = None) -> list[str]:
+    """Sync, then let DCP write this process's part of `state` into `folder`; its file names.
+
+    With `group` (several ranks) DCP's plan and metadata exchange run on it. `writer`
+    replaces the file writer into `folder` (object storage: `bucket_dcp.py`).
+    """
+    if device:
+        op.enter("sync")
+        transfer.backend_for(device[0].device.type, device[0], mode=opts.transfer_backend).prepare(device)
+    op.enter("plan")
+    writer = writer or _Writer(op, folder)
+    run_dcp(dcp.save, state, group, storage_writer=writer, planner=dcp_plan.SavePlanner(op, opts))
+    return writer.files
+
+
+def load(state: dict, final: Path, opts: LoadOptions) -> None:
+    """`xlakit.dcp_load` in a single process."""
+    record = folders.read_commit_record(final)
+    op = Operation("dcp load", final, Watch.of(opts),
+                   bytes_total=sum(f["nbytes"] for f in record["files"].values()), untouched=PARTLY_LOADED)
+
+    def work(op: Operation) -> None:
+        if opts.verify:
+            verify_files(op, final, record, list(record["files"]))
+        read_folder(op, state, final)
+
+    op.run(work)
+
+
+def verify_files(op: Operation, final: Path, record: dict, names: list[str]) -> None:
+    for name in names:
+        expected = record["files"][name]
+        op.enter("verify", name)
+        folders.verify_file(final, name, expected)
+        op.advance(expected["nbytes"])
+
+
+def read_folder(op: Operation, state: dict, final: Path | None, group: Any = None, *,
+                reader: "StagedReader | None" = None) -> None:
+    """Let DCP fill `state` in place from the committed folder `final` (on `group` if given);
+    `reader` replaces the file reader of `final` (object storage: `bucket_dcp.py`)."""
+    device = device_tensors(state)
+    if device:
+        # The SPMD planner reads shard buffers of the targets: they must be materialised.
+        op.enter("sync")
+        transfer.backend_for(device[0].device.type, device[0]).prepare(device)
+    op.enter("plan")
+
+    class _LoadPlanner(dcp_plan.load_planner_base()):
+        def resolve_tensor(self, read_item):
+            op.enter("read", read_item.dest_index.fqn)
+            return super().resolve_tensor(read_item)
+
+    run_dcp(dcp.load, state, group, storage_reader=reader or _Reader(op, final), planner=_LoadPlanner())
+
+
+class StagedReader:
+    """Mixed into a DCP storage reader (before it): marks where this rank reads and where it waits
+    on the others, in `self.op`."""
+
+    op: Operation
+
+    def read_data(self, plan, planner):
+        self.op.enter("read")
+        future = super().read_data(plan, planner)
+        self.op.enter("finish")
+        return future
+
+
+class StagedWriter:
+    """Mixed into a DCP storage writer (before it): marks the operation's stages in `self.op`, and
+    remembers this rank's files in `self.files`."""
+
+    op: Operation
+    files: list[str]
+
+    def write_data(self, plan, planner):
+        self.op.enter("write")
+        future = super().write_data(plan, planner)
+        self.files = sorted({r.storage_data.relative_path for r in future.wait()})
+        # From here DCP waits on the other ranks (results gathered, metadata written by rank 0).
+        self.op.enter("finish")
+        return future
+
+
+class _Reader(StagedReader, dcp.FileSystemReader):
+    """DCP's file reader."""
+
+    def __init__(self, op: Operation, folder: Path):
+        super().__init__(str(folder))
+        self.op = op
+
+
+class _Writer(StagedWriter, dcp.FileSystemWriter):
+    """DCP's file writer, fsyncing."""
+
+    def __init__(self, op: Operation, folder: Path):
+        super().__init__(str(folder), single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.op, self.files = op, []
+
+
+def run_dcp(fn, state: dict, group: Any, **kwargs):
+    """Run a DCP entry point, alone or on `group`; its per-rank failure wrapper gives way.
+
+    This rank's own failure is raised as itself. Under a group, failures of other
+    ranks become a CheckpointPeerError naming them, and a failed collective one
+    naming nobody (a peer died or stalled; the coordination names it).
+    """
+    rank = None if group is None else dist.get_rank(group)
+    where = {"no_dist": True} if group is None else {"process_group": group}
+    with warnings.catch_warnings():
+        # Single-process use is the intent here, not an accident DCP should warn about; and
+        # its file writer calls the deprecated TypedStorage API on every tensor.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        # torch_xla 2.9's XLAShard.unpadded_data indexes with a list of slices (still a tuple
+        # index in torch 2.9, values verified by tests/multirank/test_dcp.py).
+        warnings.filterwarnings("ignore", message="Using a non-tuple sequence for multidimensional")
+        try:
+            return fn(state, **kwargs, **where)
+        except CheckpointException as e:
+            failures = {r: exc for r, (exc, _) in e.failures.items()}
+            mine = failures.pop(rank, None) if rank is not None else None
+            if rank is None and len(failures) == 1:
+                mine = next(iter(failures.values()))
+            if isinstance(mine, BaseException):
+                raise mine from None
+            if rank is not None and failures:
+                lines = "; ".join(f"rank {r}: {type(x).__name__}: {x}"
+                                  for r, x in sorted(failures.items()))
+                raise CheckpointPeerError(f"torch.distributed.checkpoint failed on other ranks: {lines}",
+                                          rank=min(failures)) from None
+            raise RuntimeError(str(e)) from None
+        except (CheckpointError, Cancelled):
+            raise
+        except Exception as e:
+            if rank is None:
+                raise
+            # Raised by a collective itself (gloo: a closed connection or its timeout).
+            raise CheckpointPeerError(f"a collective of torch.distributed.checkpoint failed on rank "
+                                      f"{rank}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                                      ) from e

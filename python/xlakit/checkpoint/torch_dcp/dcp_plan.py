@@ -1,0 +1,140 @@
+"""How a state dict maps onto torch.distributed.checkpoint's plans, for `dcp.py`.
+
+Saving: host tensors (CPU, DTensor) go through DCP's default plan; device
+tensors are planned as their distinct local shards (`spmd.py`; one DCP chunk
+per shard, the layout torch_xla's `SPMDSavePlanner` writes) and their data is
+pulled to the host only when DCP's writer asks, in byte-capped batches under
+the save's deadline, so a whole device state is never staged at once. Keys
+are flattened as torch_xla's planners do, so its `SPMDLoadPlanner` reads the
+folders too.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
+                                                          create_default_local_save_plan)
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.utils._pytree import tree_leaves
+
+from xlakit.runtime import features, torchtpu
+from xlakit.checkpoint.file import spmd, transfer
+from xlakit.checkpoint.core.operation import Operation
+from xlakit.checkpoint.core.options import SaveOptions
+from xlakit.checkpoint.format.state import StorageEntry
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default planner, with device tensors written as local shards pulled in batches."""
+
+    def __init__(self, op: Operation, opts: SaveOptions):
+        super().__init__()
+        self.op, self.opts = op, opts
+        self.staged: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        # Flattened as torch_xla's planners do, so that its SPMDLoadPlanner finds every key;
+        # DCP's own flattening also splits containers that hold no tensor.
+        flat, self.mappings = _flatten(state_dict)
+        self.state_dict = {k: _unwrap(v) for k, v in flat.items()}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        host = {k: v for k, v in self.state_dict.items() if not _on_device(v)}
+        items = create_default_local_save_plan(host, self.is_coordinator).items
+        self.order = [k for k, v in self.state_dict.items() if _on_device(v)]
+        self.position = {k: i for i, k in enumerate(self.order)}
+        for fqn in self.order:
+            t = self.state_dict[fqn]
+            indices = ([idx for _, idx in spmd.unique_shard_indices(t)] if spmd.is_sharded(t)
+                       else [tuple(slice(0, n) for n in t.shape)])
+            items += [_shard_item(fqn, i, idx, t) for i, idx in enumerate(indices)]
+        self.plan = SavePlan(items, planner_data=self.mappings)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        fqn = write_item.index.fqn
+        if not _on_device(self.state_dict.get(fqn)):
+            return super().resolve_data(write_item)
+        key = (fqn, tuple(write_item.index.offset))
+        if key not in self.staged:
+            self._stage_from(fqn)
+        self.op.enter("write", fqn)
+        host = self.staged.pop(key)
+        self.op.advance(host.numel() * host.element_size())
+        return host
+
+    def _stage_from(self, fqn: str) -> None:
+        """Copy `fqn` and the device tensors after it, up to the byte cap, to the host."""
+        batch, size = [], 0
+        for name in self.order[self.position[fqn]:]:
+            nbytes = self.state_dict[name].numel() * self.state_dict[name].element_size()
+            if batch and size + nbytes > self.opts.max_inflight_bytes:
+                break
+            batch.append(name)
+            size += nbytes
+        self.op.enter("transfer", fqn)
+        plain = [n for n in batch if not spmd.is_sharded(self.state_dict[n])]
+        for name in batch:
+            if name not in plain:
+                for data, idx in spmd.local_shards(self.state_dict[name]):
+                    self.staged[(name, tuple(s.start for s in idx))] = data
+        if plain:
+            entries = [StorageEntry(i, n, self.state_dict[n]) for i, n in enumerate(plain)]
+            backend = transfer.backend_for(entries[0].device_type, entries[0].tensor,
+                                              mode=self.opts.transfer_backend)
+            left = max(self.op.remaining(), 0.001)
+            for name, host in zip(plain, transfer.batch_to_host(backend, entries, timeout_s=left)):
+                self.staged[(name, (0,) * host.dim())] = host
+
+
+def _shard_item(fqn: str, i: int, index: tuple[slice, ...], t: torch.Tensor) -> WriteItem:
+    offsets = torch.Size(s.start for s in index)
+    sizes = torch.Size(s.stop - s.start for s in index)
+    return WriteItem(
+        index=MetadataIndex(fqn, offsets, i), type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+            # is_pinned() is not defined for XLA tensors; device data is never pinned.
+            properties=TensorProperties(dtype=t.dtype, requires_grad=t.requires_grad),
+            size=t.size()))
+
+
+def _xla() -> bool:
+    """torch_xla's planners apply (never even imported on TorchTPU)."""
+    return not torchtpu.in_use() and features.xlac() is not None
+
+
+def _flatten(state: dict) -> tuple[dict, dict]:
+    if _xla():
+        from torch_xla.experimental.distributed_checkpoint._helpers import flatten_state_dict
+    else:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    return flatten_state_dict(state)
+
+
+def load_planner_base() -> type:
+    if _xla():
+        from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+        return SPMDLoadPlanner
+    return DefaultLoadPlanner
+
+
+def _unwrap(v: Any) -> Any:
+    """The XLA tensor inside torch_xla's `XLAShardedTensor` wrapper (saved as that tensor)."""
+    inner = getattr(v, "global_tensor", None)
+    return inner if isinstance(v, torch.Tensor) and isinstance(inner, torch.Tensor) else v
+
+
+def _on_device(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.device.type != "cpu"
+
+
+def tensors(state: Any) -> list[torch.Tensor]:
+    return [_unwrap(t) for t in tree_leaves(state) if isinstance(t, torch.Tensor)]

@@ -228,7 +228,7 @@ def stall(folder: Path) -> dict:
 
     import torch.distributed as dist
 
-    from xlakit.checkpoint import peer_copy
+    from xlakit.checkpoint.tier import peer_copy
 
     mgr = manager(folder, local_every=1, persistent_every=1000, keep=2, timeout_s=6)
     last = STALL_STEP if os.environ.get("TIER_END") == "stall" else STALL_STEP + 4
@@ -284,7 +284,7 @@ def odd(folder: Path) -> dict:
     host1's folder of the tier blocked by a file (it cannot be made)."""
     import logging
 
-    from xlakit.checkpoint.local_tier import run_name
+    from xlakit.checkpoint.tier.local_tier import run_name
 
     warned: list[str] = []
     handler = logging.Handler()

@@ -174,12 +174,14 @@ def _copy(run, coord: Coordination, op: Operation, step: int) -> list[str]:
     own: list[str] = []
     sent: list[str] = []
     try:
+        group = coord.group(op)
         op.enter("peer copy")
+        coord.waiting_for = sorted({*run.peers[run.rank], *run.sources})  # named if this rank gives up now
         try:
-            sent = peer_copy.transfer(coord.group(op), sends, receives, op.deadline,
-                                      f"the local-tier save of step {step}")
+            sent = peer_copy.transfer(group, sends, receives, op.deadline, f"the local-tier save of step {step}")
         except Exception as e:  # noqa: BLE001 - voted below: every rank names it
             own.append(f"rank {run.rank} on {run.host}: {type(e).__name__}: {e}{partners(run)}")
+        coord.waiting_for = []
         coord.vote({"sent": sent[0] if sent and len(set(sent)) == 1 else None}, "sent")
         digests = {r: v["sent"] for r, v in coord.votes(op, "sent").items()}
         with op.guarded():  # no rename once this rank gave up

@@ -1,5 +1,7 @@
 """The package's shape (issue 23): no import circle, layers that import only downward, modules of
-one job, and a public API that moves of modules never change.
+one job, and a public API that moves of modules never change. Inside checkpoint/ (issue 36): every
+module in a declared sub-package that says its one job, holds about a dozen modules, and imports
+only the sub-packages below it.
 
 Imports are read from the source (`ast`), every one of them: at module level, inside functions
 (xlakit imports heavy modules lazily) and under `TYPE_CHECKING`, so a circle that only a lazy
@@ -20,7 +22,7 @@ PACKAGE = REPO / "python" / "xlakit"
 
 # Layers, lowest first: a module may import its own layer and the ones before it, never a later one.
 LAYERS = [
-    ("base", ["xlakit._C", "xlakit._version", "xlakit._knobs", "xlakit.errors"]),
+    ("base", ["xlakit._C", "xlakit._version", "xlakit._knobs", "xlakit.errors", "xlakit._moved"]),
     ("runtime", ["xlakit.runtime"]),
     # An operation (deadline, cancellation, its files) is what both the store and the entry points run under.
     ("operation", ["xlakit.checkpoint.core"]),
@@ -179,3 +181,82 @@ def test_the_public_api_resolves():
         assert getattr(xlakit, name) is not None, name
     assert importlib.import_module("xlakit.lightning").XlakitCheckpointIO.__module__ == "xlakit.integrations.lightning"
     assert callable(importlib.import_module("xlakit.cli").main)
+
+
+# -- inside checkpoint/ (issue 36) ---------------------------------------------------------------
+
+CHECKPOINT = "xlakit.checkpoint"
+# Its sub-packages, lowest first: each imports only itself and the ones before it (and the layers
+# below checkpoint). ENTRY is the package's own __init__.py, the entry points: the layouts below
+# it are what it dispatches to; the manager and what `xlakit ckpt` reads call it.
+ENTRY = "(entry points)"
+CHECKPOINT_ORDER = ["core", "objstore", "format", "store", "file", "coordination", "torch_dcp", "multirank",
+                    ENTRY, "stepstore", "tier", "manager", "inspect"]
+MAX_SUBPACKAGE_MODULES = 12
+
+
+def _subpackage(module: str) -> str | None:
+    """The checkpoint sub-package `module` belongs to; ENTRY for the package itself."""
+    if module == CHECKPOINT:
+        return ENTRY
+    if not module.startswith(CHECKPOINT + "."):
+        return None
+    return module[len(CHECKPOINT) + 1:].split(".")[0]
+
+
+def test_checkpoint_holds_only_its_declared_subpackages():
+    folder = PACKAGE / "checkpoint"
+    loose = sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
+    assert loose == [], "every checkpoint module belongs to a sub-package of CHECKPOINT_ORDER"
+    found = sorted(p.parent.name for p in folder.glob("*/__init__.py"))
+    assert found == sorted(set(CHECKPOINT_ORDER) - {ENTRY}), "place a new sub-package in CHECKPOINT_ORDER"
+
+
+@pytest.mark.parametrize("name", sorted(set(CHECKPOINT_ORDER) - {ENTRY}))
+def test_each_checkpoint_subpackage_says_its_one_job_and_holds_about_a_dozen_modules(name):
+    folder = PACKAGE / "checkpoint" / name
+    assert ast.get_docstring(ast.parse((folder / "__init__.py").read_text())), (
+        f"checkpoint/{name}/__init__.py does not open with what the sub-package is for")
+    modules = sorted(p.name for p in folder.rglob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= MAX_SUBPACKAGE_MODULES, (
+        f"checkpoint/{name}/ holds {len(modules)} modules ({', '.join(modules)}): split it by concern")
+
+
+def _upward_subpackage_imports(graph: dict[str, set[str]]) -> list[str]:
+    upward = []
+    for module, targets in graph.items():
+        mine = _subpackage(module)
+        if mine is None:
+            continue
+        for target in targets:
+            theirs = _subpackage(target)
+            if theirs is not None and CHECKPOINT_ORDER.index(theirs) > CHECKPOINT_ORDER.index(mine):
+                upward.append(f"{module} ({mine}) imports {target} ({theirs})")
+    return sorted(upward)
+
+
+def test_checkpoint_subpackages_import_only_the_ones_below_them():
+    assert _upward_subpackage_imports(_graph()) == []
+
+
+def test_the_subpackage_order_check_sees_an_upward_import():
+    graph = {"xlakit.checkpoint.core.options": {"xlakit.checkpoint.file.pipeline", "xlakit.errors"},
+             "xlakit.checkpoint.file.pipeline": {"xlakit.checkpoint.core.options"},
+             "xlakit.checkpoint.multirank.ranks": {"xlakit.checkpoint"},
+             "xlakit.checkpoint.manager.checkpoint_manager": {"xlakit.checkpoint"}}
+    assert _upward_subpackage_imports(graph) == [
+        "xlakit.checkpoint.core.options (core) imports xlakit.checkpoint.file.pipeline (file)",
+        f"xlakit.checkpoint.multirank.ranks (multirank) imports xlakit.checkpoint ({ENTRY})"]
+
+
+def test_the_architecture_map_draws_checkpoint_subpackages_in_their_order():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    tree = text[text.index("\n  checkpoint/\n") + 1:]
+    drawn = []
+    for line in tree.splitlines()[1:]:
+        if line.startswith("  ") and not line.startswith("    "):
+            break  # the next top-level folder
+        name = line[4:].split(" ", 1)[0] if line.startswith("    ") and not line.startswith("     ") else ""
+        if name:
+            drawn.append(ENTRY if name == "__init__.py" else name.rstrip("/"))
+    assert drawn == CHECKPOINT_ORDER

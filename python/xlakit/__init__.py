@@ -4,6 +4,7 @@ Works on the stock torch_xla wheels and on xlakit's patched build; where a
 patched binding exists it is used, otherwise the stock path that behaves best.
 """
 
+from xlakit import _moved
 from xlakit._version import __version__
 from xlakit.cache_tier import enable_persistent_cache
 from xlakit.runtime.compile_cache import cache_stats
@@ -49,7 +50,12 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if f"xlakit.{name}" in _moved.MOVED:  # an old path, for one release (_moved.py)
+        return _moved.module(f"xlakit.{name}")
     raise AttributeError(f"module 'xlakit' has no attribute {name!r}")
+
+
+_moved.install()
 
 
 def __dir__() -> list[str]:

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import xlakit  # noqa: E402
-from xlakit.checkpoint.multirank import ranks as ranks_layout  # noqa: E402
+from xlakit.checkpoint.store import local as local_store  # noqa: E402
 from tests.support.ranks import leave_together  # noqa: E402
 
 RANK = int(os.environ["RANK"])
@@ -56,14 +56,14 @@ def versions(target: Path, layout: str) -> int:
 
 def stop_after_shard() -> None:
     """Rank 0 sends itself SIGSTOP right after its shard is written, before it votes."""
-    real = ranks_layout._rename_shard
+    real = local_store._rename_shard
 
     def then_stop(op, tmp, final):
         real(op, tmp, final)
         say(event="shard-written")
         os.kill(os.getpid(), signal.SIGSTOP)
 
-    ranks_layout._rename_shard = then_stop
+    local_store._rename_shard = then_stop
 
 
 def run(scenario: str, folder: Path) -> dict:

@@ -144,7 +144,8 @@ def _gone(pid: int) -> bool:
 def killat(url: str) -> None:
     import signal
 
-    from xlakit.checkpoint.multirank import agreement, bucket_ranks
+    from xlakit.checkpoint.coordination import agreement
+    from xlakit.checkpoint.store import bucket
 
     at = os.environ["XLAKIT_TEST_KILL_AT"]
     target = f"{url}/killat"
@@ -191,7 +192,7 @@ def killat(url: str) -> None:
         if at == "after-vote":  # every vote is awaited right before the commit (on disk too)
             agreement.Coordination.votes = hold(agreement.Coordination.votes, "votes")
         elif at == "after-vote-before-tidy":
-            bucket_ranks.ObjectSave._tidy = hold(bucket_ranks.ObjectSave._tidy, "tidy")
+            bucket.Bucket.tidy = hold(bucket.Bucket.tidy, "tidy")
     armed.append(True)
     start = time.monotonic()
     try:

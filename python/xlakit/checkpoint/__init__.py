@@ -1,37 +1,28 @@
 """Checkpoints: the public entry points, on top of the pipeline they drive.
 
-Reading order, top-down:
+Reading order, top-down, one sub-package per concern (each imports only the ones below it;
+tests/test_architecture.py keeps the order):
 
 * here: `save`, `load`, `restore`, `dcp_save`, `dcp_load`, `wait_until_idle`
-  (options resolved, then handed to the layout that runs them);
-* `pipeline.py`: one file saved through plan, sync, transfer, write, commit;
-  `loading.py`: one file read, each record once and verified as read;
-  `restoring.py`: the same, straight into a template's tensors on their devices
-  (`matching.py` pairs the template with the checkpoint first);
-  `background.py`: the save with its write and commit in the background;
-* `ranks.py` (replicated and sharded layouts) and `dcp.py` / `dcp_ranks.py`
-  (torch.distributed.checkpoint folders), over `agreement.py` (what every
-  rank agrees on before anything is deleted or committed; its commit gate
-  `agreed_gate.py`, and `decisions.py` for the manager's other decisions);
-* below them: `operation.py` (deadline, cancellation, commit point) over
-  `workers.py` (its threads, the clean exit), `state.py`
-  (the plan of tensors and storages), `archive.py` (the zip and its index),
-  `pickled.py` / `structure.py` (the state as torch.load and as xlakit reads it),
-  `transfer.py` / `spmd.py` (device to host), `paths.py` / `folders.py`
-  (temporary names, atomic replacement, commit records), `options.py`.
+  (options resolved, then handed to the layout that runs them; a `gs://` / `s3://`
+  URL to the object-storage sibling of that layout);
+* `multirank/`: the coordinated layouts, replicated and sharded (`ranks.py`) and
+  replica-parallel (`replicas.py`), and their bucket siblings;
+* `torch_dcp/`: torch.distributed.checkpoint folders, alone or on every rank;
+* `coordination/`: what every rank agrees on before anything is deleted or committed;
+* `file/`: one file saved through plan, sync, transfer, write, commit (`pipeline.py`),
+  in the background (`background.py`), read (`loading.py`) and restored into a
+  template (`restoring.py`); device to host (`transfer.py`, `spmd.py`);
+* `store/`: where the bytes go, a local file or folder or a bucket, behind one
+  interface the save flows are written against;
+* `format/`: the archive, its pickle and structure, a folder's commit record;
+* `objstore/`: objects, prefixes and the commit protocol without a rename;
+* `core/`: options, threads, the `Operation` (deadline, cancellation, commit point)
+  and atomic paths.
 
-A `gs://` / `s3://` URL is handed, at each entry point, to the object-storage
-sibling of the local module: `bucket_file.py` (of `pipeline` / `loading` /
-`restoring`), `bucket_ranks.py` (of `ranks`), `bucket_dcp.py` (of `dcp`),
-`bucket_steps.py` (of `steps`), `bucket_describe.py` (of `describe`), all over
-`objstore/` (the store and its commit protocol, a layer below this one).
-
-On top of the entry points: `manager.py` (`CheckpointManager`: when to save,
-what to keep, where to resume, preemption) with `steps.py` (its folder, and
-`step_folders.py` choosing the local or bucket one), `retention.py` and
-`preemption.py`; and, for `xlakit ckpt`, `describe.py` (what a path holds),
-`integrity.py` (streamed verification) and `tensors.py` (compare, convert).
-docs/architecture.md draws the whole package.
+On top of the entry points: `stepstore/` (a manager's folder of steps, on disk or in a
+bucket), `tier/` (its local tier), `manager/` (`CheckpointManager`), and `inspect/`
+(what `xlakit ckpt` reads). docs/architecture.md draws the whole package.
 
 Nothing heavy is imported until a function is called, so `import xlakit`
 works where torch is missing or broken.
@@ -181,7 +172,8 @@ def load(path: str | os.PathLike, *, options: LoadOptions | None = None, **overr
 
 def _load_folder(folder: Path, opts: LoadOptions) -> Any:
     from xlakit.checkpoint.format import folders
-    from xlakit.checkpoint.multirank import agreement, ranks, replicas
+    from xlakit.checkpoint.coordination import agreement
+    from xlakit.checkpoint.multirank import ranks, replicas
 
     if replicas.is_replicated(folders.read_json_record(folder)):
         if opts.shard is not None:
@@ -294,7 +286,8 @@ def _restore_folder(folder: Path, template: Any, opts: LoadOptions) -> Any:
 
     from xlakit.checkpoint.file import restoring
     from xlakit.checkpoint.format import folders
-    from xlakit.checkpoint.multirank import agreement, ranks, replicas
+    from xlakit.checkpoint.coordination import agreement
+    from xlakit.checkpoint.multirank import ranks, replicas
 
     record = folders.read_json_record(folder)
     if replicas.is_replicated(record):
@@ -348,21 +341,10 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
             raise ValueError(f"{name} applies to xlakit.save, not to dcp_save (DCP folders are "
                              f"always sharded by rank and written synchronously)")
     from xlakit.checkpoint.file import background
-    from xlakit.checkpoint.multirank import agreement
+    from xlakit.checkpoint.torch_dcp import dcp_ranks
 
     background.check_previous()
-    objstore.check_url(path)
-    if objstore.is_url(path):
-        from xlakit.checkpoint.torch_dcp import bucket_dcp
-
-        return bucket_dcp.save(state, path, opts)
-    if agreement.world_size() > 1:
-        from xlakit.checkpoint.torch_dcp import dcp_ranks
-
-        return dcp_ranks.save(state, Path(path), opts)
-    from xlakit.checkpoint.torch_dcp import dcp
-
-    dcp.save(state, Path(path), opts)
+    dcp_ranks.save(state, _dcp_store(path), opts)  # alone or on every rank, on disk or in a bucket
     return None
 
 
@@ -403,21 +385,22 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
                         ("shard", opts.shard is not None)):
         if given:
             raise ValueError(f"{name} applies to xlakit.load's files, not to DCP folders")
-    from xlakit.checkpoint.multirank import agreement
+    from xlakit.checkpoint.torch_dcp import dcp_ranks
 
+    dcp_ranks.load(state, _dcp_store(path), opts)
+    return None
+
+
+def _dcp_store(path: str | os.PathLike):
+    """Where a DCP checkpoint is: a folder, or a generation of a URL."""
     objstore.check_url(path)
     if objstore.is_url(path):
         from xlakit.checkpoint.torch_dcp import bucket_dcp
 
-        return bucket_dcp.load(state, path, opts)
-    if agreement.world_size() > 1:
-        from xlakit.checkpoint.torch_dcp import dcp_ranks
-
-        return dcp_ranks.load(state, Path(path), opts)
+        return bucket_dcp.BucketDcp(path)
     from xlakit.checkpoint.torch_dcp import dcp
 
-    dcp.load(state, Path(path), opts)
-    return None
+    return dcp.LocalDcp(Path(path))
 
 
 def wait_until_idle(timeout_s: float | None = None) -> bool:

@@ -29,14 +29,14 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 import xxhash
 
 from xlakit.checkpoint.core.operation import remove_path
-from xlakit.errors import CheckpointWriteError
+from xlakit.errors import CheckpointError, CheckpointWriteError
 
 if TYPE_CHECKING:
     from xlakit.checkpoint.core.operation import Operation
@@ -243,6 +243,17 @@ def write_error(e: OSError, final: Path, *, stage: str, bytes_done: int = 0) -> 
     err.filename = str(final)
     err.add_note(f"How to fix: {fix}. The previous checkpoint at {final}, if any, is untouched.")
     return err
+
+
+@contextlib.contextmanager
+def writing(final: Path, op: "Operation") -> Iterator[None]:
+    """Around writing `final`: an OSError becomes its `write_error`; xlakit's own errors pass."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
+            raise
+        raise write_error(e, final, stage=op.stage, bytes_done=op.bytes_done) from e
 
 
 def check_target(final: Path) -> None:

@@ -7,10 +7,11 @@
   one compile), per device type (`transfer.backend_for`).
 * **transfer**: storages reach the host in batches of at most
   `max_inflight_bytes`; the writer drops each batch before the next is copied.
-* **write**: streamed into a temporary sibling file (`archive.ArchiveWriter`:
-  each storage hashed from the bytes written), then flushed and fsynced.
-* **commit**: the rename over the final name, inside the operation's commit
-  point, then an fsync of the folder.
+* **write**: streamed (`archive.ArchiveWriter`: each storage hashed from the
+  bytes written) into the checkpoint's part at its destination (`store/`): a
+  temporary sibling file, flushed and fsynced; or an object's upload.
+* **commit**: the rename over the final name (or, in a bucket, the create-only
+  commit record of a new generation), inside the operation's commit point.
 
 All of it but the plan runs in one `Operation`: one deadline, cancelled by any
 exception its owner sees; nothing touches the final name before the commit.
@@ -19,8 +20,7 @@ exception its owner sees; nothing touches the final name before the commit.
 from __future__ import annotations
 
 import itertools
-import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,10 +33,10 @@ from xlakit.checkpoint.format import archive, pickled, state, structure
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import SaveOptions
 from xlakit.checkpoint.format.state import Plan, StorageEntry
-from xlakit.errors import CheckpointError
+from xlakit.checkpoint.store import local
+from xlakit.checkpoint.store.base import Destination
 
 HostItems = Iterable[tuple[list[StorageEntry], list[torch.Tensor]]]
-Commit = Callable[[Operation, Path, Path], None]
 
 
 @dataclass
@@ -93,27 +93,30 @@ def device_batches(op: Operation, plan: Plan, opts: SaveOptions) -> Iterator[
 
 # -- write and commit ---------------------------------------------------------------------------
 
-def write(op: Operation, job: FileSave, items: HostItems, *, commit: Commit | None = None) -> None:
-    """Write the archive from `items` (batches of host tensors) into a temporary file, then commit.
+def write(op: Operation, job: FileSave, items: HostItems, dest: Destination | None = None) -> None:
+    """Write the archive from `items` (batches of host tensors) as a checkpoint's one part, then commit.
 
-    `commit(op, tmp, final)` makes the temporary file the checkpoint; by default
-    the rename over `final` at the operation's commit point.
+    `dest` is where (`store/`): by default the file `job.final`, through a temporary sibling
+    renamed over it at the operation's commit point; a bucket's commits a new generation.
     """
-    final = job.final
-    paths.remove_stale_temps(final.parent, stem=final.name)
-    tmp = op.own(paths.temp_path(final))
-    op.enter("open")
+    dest = dest or local.LocalFile(job.final)
+    dest.adopt(dest.propose(op))
+    dest.tidy(op, committer=True)
+    with dest.writing(op):
+        dest.commit(op, {0: write_part(op, job, items, dest, 0, 1)})
+    dest.after_commit(op)
+
+
+def write_part(op: Operation, job: FileSave, items: HostItems, dest: Destination, rank: int,
+               world: int) -> dict:
+    """Stream the archive of `job` into `rank`'s part of `dest`; the part's entry, once complete."""
+    part = dest.open_part(op, rank, world)
     try:
-        with open(tmp, "xb") as f:
-            write_archive(op, job, f, items)
-            op.enter("commit")
-            f.flush()
-            os.fsync(f.fileno())
-        (commit or commit_file)(op, tmp, final)
-    except OSError as e:
-        if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
-            raise
-        raise paths.write_error(e, final, stage=op.stage, bytes_done=op.bytes_done) from e
+        write_archive(op, job, part, items)
+        return part.finish()
+    except BaseException:
+        part.abort()
+        raise
 
 
 def write_archive(op: Operation, job: FileSave, f: Any, items: HostItems) -> None:
@@ -149,14 +152,6 @@ def write_batch(op: Operation, writer: archive.ArchiveWriter, batch: list[Storag
             writer.write_storage(entry, archive.host_view(hosts[end], entry.nbytes), on_chunk=op.advance)
             end += 1
         start = end
-
-
-def commit_file(op: Operation, tmp: Path, final: Path) -> None:
-    """The point of no return of a file save: rename, if the save is still wanted; fsync the folder."""
-    with op.commit_point():
-        os.replace(tmp, final)
-        op.disown(tmp)
-    paths.fsync_dir(final.parent)
 
 
 # -- the synchronous save of one file ----------------------------------------------------------

@@ -2,6 +2,9 @@
 `describe.kind_of` and `tensors.read_state`.
 
 The object-storage sibling of `describe.py` (and of `tensors.read_state`); `xlakit ckpt` hands a URL here.
+It stays a sibling: a path is told apart by its files (a zip's magic, a folder's commit record,
+a step record) and read through memory maps, a URL by its newest commit record's kind and read
+through the loads of its layout.
 
 A URL is one of:
 
@@ -127,7 +130,7 @@ def read_state(url: str) -> tuple[Any, UrlKind]:
     if found.kind == DCP:
         from xlakit.checkpoint.inspect import tensors
 
-        bucket_dcp.verify(loc, record, opts)
+        bucket_file.verify(loc, record, opts)
         op = Operation("load", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED)
         read = lambda op: tensors.read_dcp(bucket_dcp.reader_for(op, loc, record, safe_metadata=True), loc.url)  # noqa: E731
         return op.run(read), found

@@ -122,7 +122,7 @@ def file_ranges(path: Path, prefix: str = "") -> list[Range]:
 def _sharded_ranges(kind: describe.Kind, prefix: str, key: str = "shards", what: str = "shard") -> list[Range]:
     """Every shard (or replica-parallel share) the commit record names: there, of the size and with the
     checksum record it names, then each one's own checksums."""
-    from xlakit.checkpoint.multirank.ranks import shard_digest
+    from xlakit.checkpoint.store.local import shard_digest
 
     out = []
     for entry in kind.record[key]:

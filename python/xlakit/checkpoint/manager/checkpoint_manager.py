@@ -40,7 +40,7 @@ from typing import Any
 
 from xlakit import _knobs
 from xlakit.checkpoint.manager import manager_exit
-from xlakit.checkpoint.multirank import agreement, decisions
+from xlakit.checkpoint.coordination import agreement, decisions
 from xlakit.checkpoint.stepstore import readonly, retention, rollback, steps
 from xlakit.checkpoint.tier import tiered
 from xlakit.checkpoint.tier.local_tier import LocalTier

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from xlakit.checkpoint.multirank.agreement import Coordination
+from xlakit.checkpoint.coordination.agreement import Coordination
 from xlakit.errors import CheckpointTimeoutError
 
 log = logging.getLogger("xlakit")

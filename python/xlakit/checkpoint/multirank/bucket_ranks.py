@@ -10,150 +10,41 @@ and pid, the token of the save: a name no other save uses), and rank 0
 creates `U/xlakit-commit.<generation>.json` naming every shard. A replicated
 checkpoint is a file checkpoint whose one data object the writer rank uploads.
 
-The ranks run the agreement of a coordinated save (`agreement.Coordination`):
+The save is `ranks.py`'s, the same flow as on disk, into `store/bucket.py`
+(agree on the generation and token the committing rank proposes, upload each
+part, vote, commit the create-only record at the agreed commit point, tidy
+after): this module only hands it the bucket.
 
-1. *agree*: the committing rank (0, or the writer) lists the prefix and
-   proposes the generation and the save's token; every rank must propose the
-   same URL, layout and options, or nothing is touched;
-2. *write*: each rank uploads its part (streamed, bounded, hashed as sent)
-   and votes ready with its object's name, size and xxh3-64;
-3. *commit*: the committing rank creates the commit record, create-only,
-   inside the agreed commit point: only once every rank voted, never after
-   any rank gave up. One abort (an error, a deadline, a rank that died) means
-   no record anywhere; each rank's complete object is then removed once the
-   abort is confirmed, or by the next save (its name says it can never be
-   committed). A record that another save created first
-   (`CheckpointConflictError`) makes the committing rank remove every rank's
-   object.
-
-Only after the commit, and only the committing rank, removes older
-generations and what no commit can name any more. Loading inside the job is
-agreed the same way: the committing rank names the generation, every rank
-reads its part of that one, every rank succeeds or all raise.
+The loads stay here, beside their local twins rather than one flow with them:
+a bucket is read by generation (the committing rank names it, every rank reads
+its part of that one, all succeed or all raise), a folder by its one commit
+record; and an object another tool wrote at the URL is named as such, or read
+with verify=False.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import secrets
 from collections.abc import Callable
 from typing import Any
 
-from xlakit.checkpoint.file import background, loading, pipeline
-from xlakit.checkpoint.multirank import ranks
-from xlakit.checkpoint.multirank.agreement import Coordination, dist, world_size
+from xlakit.checkpoint.coordination.agreement import Coordination, dist, world_size
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
+from xlakit.checkpoint.file import background, bucket_file, loading
+from xlakit.checkpoint.multirank import ranks
 from xlakit.checkpoint.objstore import generations
-from xlakit.checkpoint.file import bucket_file
 from xlakit.checkpoint.objstore.client import Location, store_for
+from xlakit.checkpoint.store import bucket
 from xlakit.errors import CheckpointError, CheckpointFormatError
 
-SHARDED = "sharded"
-
-
-def shard_suffix(rank: int, world: int) -> str:
-    return f".shard-{rank:05d}-of-{world:05d}.pt"
-
-
-class ObjectSave(ranks.CoordinatedSave):
-    """One rank's part of a replicated or sharded save to a bucket: the phases of a coordinated
-    save on disk (agree, stage, write, vote, commit), with a generation's objects and record."""
-
-    def __init__(self, obj: Any, url: str, opts: SaveOptions):
-        self.loc = Location.parse(url)
-        self.store = store_for(self.loc)
-        self.url = self.loc.url
-        self.committer = opts.writer_rank if opts.layout == "replicated" else 0
-        self.generation, self.token = 0, ""
-        super().__init__(obj, self.url, opts)
-
-    @staticmethod
-    def identity(path: str) -> str:
-        return path
-
-    def _prepare(self, obj: Any) -> pipeline.FileSave | None:
-        if self.opts.layout == "replicated" and self.rank != self.opts.writer_rank:
-            return None
-        return pipeline.prepare(obj, self.url, self.opts, check_target=False)
-
-    @property
-    def operation_id(self) -> str:
-        """This rank's part of its object's name: its host and pid, the save's token."""
-        return generations.operation_id(self.token)
-
-    # -- phases ---------------------------------------------------------------------------------
-    def agree(self, op: Operation) -> None:
-        """Every rank the same save, and the generation the committing rank proposes."""
-        prepared, error = {}, self.error
-        if error is None and self.rank == self.committer:
-            try:
-                op.enter("list")
-                found = generations.scan(self.store, op, self.loc)
-                prepared = {"generation": generations.next_generation(found), "token": secrets.token_hex(4)}
-            except (CheckpointError, OSError, ValueError) as e:
-                error = e
-        self.coord.agree(op, prepared, error)
-        chosen = self.coord.proposals[self.committer]
-        self.generation, self.token = chosen["generation"], chosen["token"]
-
-    def _tidy(self, op: Operation) -> None:
-        """(The committing rank, agreed.) What no commit can name any more goes (never this save's: a
-        rank that uploaded, voted and died before this listing leaves a shard the commit names)."""
-        if self.rank == self.committer:
-            op.enter("tidy")
-            generations.tidy(self.store, op, self.loc, keep_token=self.token)
-
-    def _upload(self, op: Operation, items: Any, suffix: str) -> tuple[str, dict, generations.Leftover]:
-        name = generations.data_name(self.generation, self.operation_id, suffix)
-        meta, leftover = bucket_file.upload_archive(op, self.store, self.loc.child(name), self.job, items)
-        # Complete: another rank's commit may name it now. It goes only once the save is surely off.
-        op.disown(leftover)
-        op.own(leftover, pending=True)
-        return name, meta, leftover
-
-    def _commit(self, op: Operation, record: dict, names: list[str]) -> None:
-        owned = [generations.Leftover(self.store, self.loc.child(n)) for n in names]
-        bucket_file.commit(op, self.store, self.loc, record, owned)
-        self.coord.finish({"ok": True})
-        bucket_file.tidy_after(op, self.store, self.loc, record)
-
-    def _write_replicated(self, op: Operation, items: Any) -> None:
-        self._tidy(op)
-        self.coord.vote({})
-        if self.rank != self.committer:
-            self.coord.expect_commit(op, self.url)
-            return
-        name, meta, _ = self._upload(op, items, bucket_file.SUFFIX)
-        self.coord.votes(op)  # every rank still wants it
-        record = {"kind": bucket_file.KIND, "generation": self.generation, "operation": self.operation_id,
-                  "objects": {name: meta}}
-        self._commit(op, record, [name])
-
-    def _write_sharded(self, op: Operation, items: Any) -> None:
-        self._write_parts(op, items, shard_suffix(self.rank, self.world), {"kind": SHARDED}, "shards")
-
-    def _write_parts(self, op: Operation, items: Any, suffix: str, fields: dict, listed_as: str) -> None:
-        """Every rank uploads its part and votes its object; the committer commits one record naming them
-        all (under `listed_as`, in rank order) with `fields` added: a sharded save, a replica-parallel one."""
-        self._tidy(op)
-        name, meta, _ = self._upload(op, items, suffix)
-        self.coord.vote({"name": name, **meta})
-        if self.rank != self.committer:
-            self.coord.expect_commit(op, self.url)
-            return
-        votes = self.coord.votes(op)
-        names = [votes[r]["name"] for r in range(self.world)]
-        record = {**fields, "generation": self.generation, "operation": self.operation_id, "world": self.world,
-                  listed_as: names,
-                  "objects": {votes[r]["name"]: {"nbytes": votes[r]["nbytes"], "xxh3_64": votes[r]["xxh3_64"],
-                                                 "rank": r} for r in range(self.world)}}
-        self._commit(op, record, names)
+SHARDED = ranks.SHARDS.object_record["kind"]
 
 
 def save(obj: Any, url: str, opts: SaveOptions) -> background.SaveHandle | None:
-    """`xlakit.save("gs://...", layout="replicated"|"sharded")` on every rank of the job."""
-    return ranks.save(obj, url, opts, saver=ObjectSave)
+    """`xlakit.save("gs://...", layout="replicated"|"sharded")` on every rank of the job: the
+    coordinated save of `ranks.py` into a bucket (`store/bucket.py`)."""
+    return ranks.save(obj, url, opts, store=bucket.destination)
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -210,9 +101,9 @@ def restore(url: str, template: Any, opts: LoadOptions) -> Any:
     loc = Location.parse(url)
     record = bucket_file.peek(loc, opts)
     if record.get("kind") == "dcp":
-        from xlakit.checkpoint.torch_dcp import bucket_dcp
+        from xlakit.checkpoint.torch_dcp import bucket_dcp, dcp_ranks
 
-        bucket_dcp.load(template, loc.url, dataclasses.replace(opts, shard=None, layout="auto"))
+        dcp_ranks.load(template, bucket_dcp.BucketDcp(loc.url), dataclasses.replace(opts, shard=None, layout="auto"))
         return template
     shard = opts.shard
     if shard is None and record.get("kind") == SHARDED and world_size() > 1:
@@ -274,8 +165,6 @@ def agreed_load(loc: Location, opts: LoadOptions, layout: str | None,
 def verify(url: str, opts: LoadOptions) -> tuple[str, int]:
     """Every object of the newest committed checkpoint at `url` read whole and verified; its kind and
     the bytes checked (`xlakit ckpt verify`)."""
-    from xlakit.checkpoint.torch_dcp import bucket_dcp
-
     loc = Location.parse(url)
     record = bucket_file.peek(loc, opts)
     kind = record.get("kind")
@@ -285,5 +174,5 @@ def verify(url: str, opts: LoadOptions) -> tuple[str, int]:
     # Then every object whole against the size and xxh3-64 its commit record names: an edited record,
     # or an object replaced by another whose records still verify, is found only here (a load checks
     # each record's checksum, never the whole object's hash: that would be a second pass over it).
-    bucket_dcp.verify(loc, record, opts)
+    bucket_file.verify(loc, record, opts)
     return kind, sum(e["nbytes"] for e in record["objects"].values())

@@ -6,7 +6,7 @@ object `U/<generation>.<host>.<pid>.<token>.share-RRRRR-of-WWWWW.pt` and votes
 with its name, size and xxh3-64; the writing rank creates the commit record
 (kind `replicated`, `layout_version` 2) naming every share, create-only, at the
 agreed commit point. One abort means no record: the previous generation stays
-the checkpoint.
+the checkpoint. The save is `replicas.py`'s own, into `store/bucket.py`.
 
 Loads: inside the job the ranks agree on the generation, each share is read
 and verified once (`replicas.readers`: any world size) and its reader broadcasts
@@ -18,43 +18,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from xlakit.checkpoint.file import bucket_file, pipeline
-from xlakit.checkpoint.multirank import bucket_ranks, replica_plan, replicas
-from xlakit.checkpoint.multirank.agreement import Coordination, world_size
-from xlakit.checkpoint.objstore.client import Location
-from xlakit.checkpoint.core.operation import Operation
+from xlakit.checkpoint.coordination.agreement import Coordination, world_size
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
+from xlakit.checkpoint.file import bucket_file
+from xlakit.checkpoint.multirank import bucket_ranks, replicas
+from xlakit.checkpoint.objstore.client import Location
+from xlakit.checkpoint.store import bucket
 from xlakit.errors import CheckpointFormatError
 
 KIND = "replicated"
 
 
-def share_suffix(rank: int, world: int) -> str:
-    return f".{replicas.SHARE_PREFIX}{rank:05d}-of-{world:05d}.pt"
-
-
-class ShareObjectSave(bucket_ranks.ObjectSave):
-    """One rank's share of a replica-parallel save to a bucket."""
-
-    def __init__(self, obj: Any, url: str, opts: SaveOptions):
-        super().__init__(obj, url, opts)
-        self.coord.proposal["layout"] = replicas.PROPOSED_LAYOUT
-        self.coord.agreed += (replica_plan.AGREED_FIELD,)
-
-    def _prepare(self, obj: Any) -> pipeline.FileSave:
-        self.coord.proposal[replica_plan.AGREED_FIELD] = replica_plan.digest(obj, self.world)
-        mine = replica_plan.share(obj, self.rank, self.world, self.opts.writer_rank)
-        return pipeline.prepare(mine, self.url, self.opts, check_target=False)
-
-    def _write_replicated(self, op: Operation, items: Any) -> None:
-        self._write_parts(op, items, share_suffix(self.rank, self.world),
-                          {"kind": KIND, "layout_version": replicas.VERSION, "writer_rank": self.committer}, "shares")
-
-
 def save(obj: Any, url: str, opts: SaveOptions):
-    from xlakit.checkpoint.multirank import ranks
-
-    return ranks.save(obj, url, opts, saver=ShareObjectSave)
+    """The replica-parallel save of `replicas.py` into a bucket (`store/bucket.py`)."""
+    return replicas.save(obj, url, opts, store=bucket.destination)
 
 
 def _share(record: dict, rank: int) -> tuple[str, dict]:
@@ -102,14 +79,12 @@ def verify(url: str, opts: LoadOptions) -> tuple[str, int]:
     """`xlakit ckpt verify` of the newest checkpoint at `url`: a replica-parallel one's every share read
     and its records verified, then every share whole against the size and xxh3-64 its commit record
     names; any other kind as `bucket_ranks.verify`. Its kind and the bytes checked."""
-    from xlakit.checkpoint.torch_dcp import bucket_dcp
-
     loc = Location.parse(url)
     record = bucket_file.peek(loc, opts)
     if record.get("kind") != KIND:
         return bucket_ranks.verify(url, opts)
     load_all(loc, record, opts)
-    bucket_dcp.verify(loc, record, opts)
+    bucket_file.verify(loc, record, opts)
     return KIND, sum(e["nbytes"] for e in record["objects"].values())
 
 

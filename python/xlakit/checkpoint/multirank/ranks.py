@@ -13,52 +13,49 @@ agree (same path, layout, world and options everywhere, else nothing is
 touched), write this rank's part, vote ready, and only then the one commit,
 claimed against every rank's abort. Asynchronous saves agree and stage on the
 caller's thread and write, vote and commit in the background.
+
+The flow is written once, over a destination (`store/`): a local file or folder
+(`store/local.py`, the default) or a bucket (`store/bucket.py`, for a URL:
+`bucket_ranks.py`), which names the parts and makes the commit.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import secrets
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xlakit.checkpoint.core import paths, workers
+from xlakit.checkpoint.core import workers
 from xlakit.checkpoint.file import background, loading, pipeline
-from xlakit.checkpoint.format import archive, folders
-from xlakit.checkpoint.multirank.agreement import Coordination
-from xlakit.checkpoint.core.operation import Operation, Watch, remove_path
+from xlakit.checkpoint.format import folders
+from xlakit.checkpoint.coordination.agreement import Coordination
+from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
-from xlakit.errors import CheckpointError, CheckpointIncompleteError, CheckpointPeerError, RuntimeFeatureError
+from xlakit.checkpoint.store import local
+from xlakit.checkpoint.store.base import FILE, Destination, Parts
+from xlakit.checkpoint.store.local import shard_digest
+from xlakit.errors import CheckpointError, CheckpointIncompleteError, RuntimeFeatureError
 
 SHARD_PREFIX = "shard-"
-_SHARD_NAME = re.compile(r"shard-\d{5}-of-\d{5}\.\d{8}T\d{6}-[0-9a-f]{6}\.pt")
-
-
-def _shard_name(rank: int, world: int, save_id: str) -> str:
-    return f"{SHARD_PREFIX}{rank:05d}-of-{world:05d}.{save_id}.pt"
-
-
-def shard_digest(shard: Path) -> str:
-    """xxh3 of a shard's index: it covers the digest of every byte of the shard."""
-    meta, _ = archive.read_index(str(shard))
-    return archive.digest(json.dumps(meta, sort_keys=True).encode())
+SHARDS = Parts("shard", "shards", folder_record={"format": folders.SHARDED_FORMAT, "version": 1},
+               object_record={"kind": "sharded"})
+Store = Callable[[Any, Parts], Destination]  # a path and the parts -> where they are written
 
 
 class CoordinatedSave:
-    """One rank's part of a replicated or sharded save."""
+    """One rank's part of a replicated or sharded save, into the destination `store` gives."""
 
-    def __init__(self, obj: Any, path: Path, opts: SaveOptions):
+    def __init__(self, obj: Any, path: Path, opts: SaveOptions, *, store: Store = local.destination):
         self.opts, self.target = opts, path
         replicated = opts.layout == "replicated"
+        self.committer = opts.writer_rank if replicated else 0
+        self.dest = store(path, self.parts())
         self.coord = Coordination("save", {
-            "path": self.identity(path), "layout": opts.layout, "asynchronous": opts.asynchronous,
+            "path": self.dest.identity, "layout": opts.layout, "asynchronous": opts.asynchronous,
             "writer_rank": opts.writer_rank if replicated else None},
-            committer=opts.writer_rank if replicated else 0)
+            committer=self.committer)
         self.rank, self.world = self.coord.rank, self.coord.world
-        self.prepared: dict = {}
         self.error: BaseException | None = None
         self.job: pipeline.FileSave | None = None
         try:
@@ -70,27 +67,17 @@ class CoordinatedSave:
         except (CheckpointError, RuntimeFeatureError, OSError, ValueError, TypeError) as e:
             self.error = e  # published with the proposal, so every rank learns it at once
 
-    @staticmethod
-    def identity(path: Path) -> str:
-        """What every rank must name alike (object storage: the URL, bucket_ranks.py)."""
-        return os.path.abspath(path)
+    def parts(self) -> Parts:
+        """What this layout's parts are: the one file (replicated) or a shard per rank."""
+        return FILE if self.opts.layout == "replicated" else SHARDS
 
     def _prepare(self, obj: Any) -> pipeline.FileSave | None:
-        if self.opts.layout == "replicated":
-            if self.rank != self.opts.writer_rank:
-                return None
-            return pipeline.prepare(obj, self.target, self.opts)
-        folder = self.target
-        if self.rank == 0:
-            if folder.exists() and not folder.is_dir():
-                raise paths.write_error(FileExistsError(17, "File exists"), folder, stage="mkdir")
-            try:
-                folder.mkdir(exist_ok=True)
-            except OSError as e:
-                raise paths.write_error(e, folder, stage="mkdir") from e
-            self.prepared["id"] = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
-        # The shard's name is known once rank 0's id is: planned here, named after agreeing.
-        return pipeline.prepare(obj, folder / "shard.pt", self.opts, check_target=False)
+        if self.opts.layout == "replicated" and self.rank != self.opts.writer_rank:
+            return None
+        if self.rank == self.committer:
+            self.dest.check_target()
+        # A part's name is known once the committing rank's proposal is: planned here, named after agreeing.
+        return pipeline.prepare(obj, self.dest.label(self.rank, self.world), self.opts, check_target=False)
 
     def operation(self, kind: str) -> Operation:
         nbytes = self.job.plan.nbytes if self.job else 0
@@ -101,11 +88,17 @@ class CoordinatedSave:
 
     # -- phases ---------------------------------------------------------------------------------
     def agree(self, op: Operation) -> None:
-        """Every rank the same operation, or nothing is touched; then name this rank's file."""
-        self.coord.agree(op, self.prepared, self.error)
-        if self.opts.layout == "sharded":
-            save_id = self.coord.proposals[0]["id"]
-            self.job.final = self.target / _shard_name(self.rank, self.world, save_id)
+        """Every rank the same operation, or nothing is touched; then name this rank's part."""
+        prepared, error = {}, self.error
+        if error is None and self.rank == self.committer:
+            try:
+                prepared = self.dest.propose(op)  # a folder made and a save id; a generation and a token
+            except (CheckpointError, OSError, ValueError) as e:
+                error = e
+        self.coord.agree(op, prepared, error)
+        self.dest.adopt(self.coord.proposals[self.committer])
+        if self.job is not None:
+            self.job.final = self.dest.label(self.rank, self.world)
 
     def stage(self, op: Operation) -> Any:
         """Phase one of an asynchronous save (the caller's thread): agree, copy to the host."""
@@ -117,10 +110,10 @@ class CoordinatedSave:
         """Write this rank's part, vote, and commit (or learn the outcome)."""
         self.coord.op = op
         with self.coord.giving_up(op):
-            if self.opts.layout == "replicated":
-                self._write_replicated(op, items)
+            if self.parts().name:
+                self._write_parts(op, items)
             else:
-                self._write_sharded(op, items)
+                self._write_one(op, items)
 
     def run(self, op: Operation) -> None:
         """The synchronous save: agree, then transfer and write on the fly."""
@@ -128,80 +121,42 @@ class CoordinatedSave:
             self.agree(op)
         self.write(op, pipeline.device_batches(op, self.job.plan, self.opts) if self.job else [])
 
-    # -- replicated -----------------------------------------------------------------------------
-    def _write_replicated(self, op: Operation, items: Any) -> None:
-        writer = self.opts.writer_rank
-        if self.rank != writer:
-            self.coord.vote({})
-            self._expect_commit(op, writer)
-            return
+    def _write_one(self, op: Operation, items: Any) -> None:
+        """One file, written by the committing rank (`writer_rank`) once every rank is ready."""
+        dest, committing = self.dest, self.rank == self.committer
+        dest.tidy(op, committing)
         self.coord.vote({})
-
-        def commit(op: Operation, tmp: Path, final: Path) -> None:
-            self.coord.votes(op)  # every rank still wants it
-            op.enter("commit")
-            pipeline.commit_file(op, tmp, final)
-
-        pipeline.write(op, self.job, items, commit=commit)
-        self.coord.finish({"ok": True})
-
-    # -- sharded --------------------------------------------------------------------------------
-    def _write_sharded(self, op: Operation, items: Any) -> None:
-        folder = self.target
-        paths.remove_stale_temps(folder, stem_prefix=SHARD_PREFIX)
-        paths.remove_stale_temps(folder, stem=folders.COMMIT_RECORD)
-        pipeline.write(op, self.job, items, commit=_rename_shard)
-        shard = self.job.final
-        self.coord.vote({"file": shard.name, "bytes": shard.stat().st_size,
-                         "checksums": shard_digest(shard)})
-        if self.rank != 0:
-            self._expect_commit(op, 0)
+        if not committing:
+            self.coord.expect_commit(op, self.target)
             return
-        votes = self.coord.votes(op)
-        record = {"format": folders.SHARDED_FORMAT, "version": 1,
-                  "id": self.coord.proposals[0]["id"], "world": self.world,
-                  "shards": [{"rank": r, **{k: votes[r][k] for k in ("file", "bytes", "checksums")}}
-                             for r in range(self.world)]}
-        self.commit_record(op, folder, record, "shards", _SHARD_NAME)
-
-    def commit_record(self, op: Operation, folder: Path, record: dict, parts: str, part_name: re.Pattern) -> None:
-        """The committing rank's last step: `record` written durably and committed as the folder's
-        commit record, the other ranks told, then the parts of earlier saves (names `part_name`
-        matches that `record[parts]` does not name) removed: committed and agreed, they can go."""
-        final = folder / folders.COMMIT_RECORD
-        tmp = op.own(paths.temp_path(final))
-        with open(tmp, "x") as f:
-            json.dump(record, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        op.enter("commit")
-        pipeline.commit_file(op, tmp, final)
+        with dest.writing(op):
+            entry = pipeline.write_part(op, self.job, items, dest, self.rank, self.world)
+            self.coord.votes(op)  # every rank still wants it
+            dest.commit(op, {self.rank: entry})
         self.coord.finish({"ok": True})
-        keep = {s["file"] for s in record[parts]}
-        for name in os.listdir(folder):
-            if part_name.fullmatch(name) and name not in keep:
-                remove_path(folder / name)
+        dest.after_commit(op)
 
-    def _expect_commit(self, op: Operation, committer: int) -> None:
-        final = self.coord.outcome(op)
-        if not final.get("ok"):
-            raise CheckpointPeerError(f"rank {committer} could not commit {self.target}: "
-                                      f"{final.get('error')}", rank=committer)
-
-
-def _rename_shard(op: Operation, tmp: Path, final: Path) -> None:
-    """A shard's rename is not the commit (the commit record is), but it too stops once cancelled."""
-    with op.guarded():
-        os.replace(tmp, final)
-        op.disown(tmp)
-    op.own(final, pending=True)  # removed once this save is surely off; the next commit otherwise
+    def _write_parts(self, op: Operation, items: Any) -> None:
+        """Every rank writes its part and votes its entry; the committing rank commits them all."""
+        dest, committing = self.dest, self.rank == self.committer
+        dest.tidy(op, committing)
+        with dest.writing(op):
+            entry = pipeline.write_part(op, self.job, items, dest, self.rank, self.world)
+        self.coord.vote(entry)
+        if not committing:
+            self.coord.expect_commit(op, self.target)
+            return
+        dest.commit(op, self.coord.votes(op))
+        self.coord.finish({"ok": True})
+        dest.after_commit(op)
 
 
-def save(obj: Any, path: Path, opts: SaveOptions, *,
-         saver: type[CoordinatedSave] = CoordinatedSave) -> background.SaveHandle | None:
+def save(obj: Any, path: Path, opts: SaveOptions, *, saver: type[CoordinatedSave] = CoordinatedSave,
+         store: Store = local.destination) -> background.SaveHandle | None:
     """`xlakit.save` with layout 'replicated' or 'sharded' (see the module docstring); `saver`
-    is this rank's part (object storage: `bucket_ranks.py`)."""
-    save_ = saver(obj, path, opts)
+    is this rank's part (replica-parallel: `replicas.py`), `store` where it goes (a bucket:
+    `store.bucket.destination`)."""
+    save_ = saver(obj, path, opts, store=store)
     if opts.asynchronous:
         job = save_.job or pipeline.FileSave(path, opts, _empty_plan(), b"", b"")
         return background.start(job, save_.stage, save_.write, gate=save_.coord.gate, rank=save_.rank)

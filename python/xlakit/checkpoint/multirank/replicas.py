@@ -24,87 +24,58 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import secrets
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from xlakit.checkpoint.core import paths
 from xlakit.checkpoint.file import loading, pipeline
 from xlakit.checkpoint.format import folders
 from xlakit.checkpoint.multirank import replica_plan
-from xlakit.checkpoint.multirank.agreement import Coordination, dist
+from xlakit.checkpoint.coordination.agreement import Coordination, dist
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
-from xlakit.checkpoint.multirank.ranks import CoordinatedSave, _rename_shard, checked_part, shard_digest
+from xlakit.checkpoint.multirank.ranks import CoordinatedSave, checked_part
+from xlakit.checkpoint.store.base import Parts
 from xlakit.errors import CheckpointFormatError, CheckpointIncompleteError
 
 REPLICATED_FORMAT = folders.REPLICATED_FORMAT
 VERSION = 2  # of the replicated layout: 1 was one archive file, 2 a folder of shares
 SHARE_PREFIX = "share-"
-_SHARE_NAME = re.compile(r"share-\d{5}-of-\d{5}\.\d{8}T\d{6}-[0-9a-f]{6}\.pt")
 PROPOSED_LAYOUT = "replicated/shares"  # a rank saving the old way disagrees, and is named
 
 
-def share_name(rank: int, world: int, save_id: str) -> str:
-    return f"{SHARE_PREFIX}{rank:05d}-of-{world:05d}.{save_id}.pt"
+def shares(writer_rank: int) -> Parts:
+    """A replica-parallel checkpoint's parts: a share per rank, committed by `writer_rank`."""
+    return Parts("share", "shares", folder_record={"format": REPLICATED_FORMAT, "version": VERSION},
+                 object_record={"kind": "replicated", "layout_version": VERSION}, writer_rank=writer_rank,
+                 not_a_folder="A replica-parallel save writes a folder; this path holds a single-file "
+                              "checkpoint (or another file): save to a new path.")
 
 
 class ReplicaSave(CoordinatedSave):
-    """One rank's share of a replica-parallel save."""
+    """One rank's share of a replica-parallel save (into a folder, or a bucket's generation)."""
 
-    def __init__(self, obj: Any, path: Path, opts: SaveOptions):
-        super().__init__(obj, path, opts)
+    def __init__(self, obj: Any, path: Path, opts: SaveOptions, **kwargs: Any):
+        super().__init__(obj, path, opts, **kwargs)
         self.coord.proposal["layout"] = PROPOSED_LAYOUT
         self.coord.agreed += (replica_plan.AGREED_FIELD,)
 
+    def parts(self) -> Parts:
+        return shares(self.opts.writer_rank)
+
     def _prepare(self, obj: Any) -> pipeline.FileSave:
-        folder = self.target
-        if self.rank == self.opts.writer_rank:
-            if folder.exists() and not folder.is_dir():
-                err = paths.write_error(FileExistsError(17, "File exists"), folder, stage="mkdir")
-                err.add_note("A replica-parallel save writes a folder; this path holds a single-file "
-                             "checkpoint (or another file): save to a new path.")
-                raise err
-            try:
-                folder.mkdir(exist_ok=True)
-            except OSError as e:
-                raise paths.write_error(e, folder, stage="mkdir") from e
-            self.prepared["id"] = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
         self.coord.proposal[replica_plan.AGREED_FIELD] = replica_plan.digest(obj, self.world)
         mine = replica_plan.share(obj, self.rank, self.world, self.opts.writer_rank)
-        return pipeline.prepare(mine, folder / "share.pt", self.opts, check_target=False)
-
-    def agree(self, op: Operation) -> None:
-        self.coord.agree(op, self.prepared, self.error)
-        save_id = self.coord.proposals[self.opts.writer_rank]["id"]
-        self.job.final = self.target / share_name(self.rank, self.world, save_id)
-
-    def _write_replicated(self, op: Operation, items: Any) -> None:
-        folder, writer = self.target, self.opts.writer_rank
-        paths.remove_stale_temps(folder, stem_prefix=SHARE_PREFIX)
-        paths.remove_stale_temps(folder, stem=folders.COMMIT_RECORD)
-        pipeline.write(op, self.job, items, commit=_rename_shard)
-        mine = self.job.final
-        self.coord.vote({"file": mine.name, "bytes": mine.stat().st_size, "checksums": shard_digest(mine)})
-        if self.rank != writer:
-            self._expect_commit(op, writer)
-            return
-        votes = self.coord.votes(op)
-        record = {"format": REPLICATED_FORMAT, "version": VERSION,
-                  "id": self.coord.proposals[writer]["id"], "world": self.world, "writer_rank": writer,
-                  "shares": [{"rank": r, **{k: votes[r][k] for k in ("file", "bytes", "checksums")}}
-                             for r in range(self.world)]}
-        self.commit_record(op, folder, record, "shares", _SHARE_NAME)
+        return pipeline.prepare(mine, self.dest.label(self.rank, self.world), self.opts, check_target=False)
 
 
-def save(obj: Any, path: Path, opts: SaveOptions):
+def save(obj: Any, path: Path, opts: SaveOptions, **kwargs: Any):
+    """`xlakit.save(..., replica_parallel=True)` on every rank (`kwargs`: `ranks.save`'s `store`)."""
     from xlakit.checkpoint.multirank import ranks
 
-    return ranks.save(obj, path, opts, saver=ReplicaSave)
+    return ranks.save(obj, path, opts, saver=ReplicaSave, **kwargs)
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -181,7 +152,7 @@ def restore(folder: Path, template: Any, opts: LoadOptions, load_whole: Any = No
     """`xlakit.restore` of a replica-parallel checkpoint: loaded whole (in the job, each share read
     once and broadcast), then copied into the template as a plain file's state is; one deadline."""
     from xlakit.checkpoint.file import restoring
-    from xlakit.checkpoint.multirank.agreement import world_size
+    from xlakit.checkpoint.coordination.agreement import world_size
     from xlakit.checkpoint.file.matching import match
 
     start = time.monotonic()

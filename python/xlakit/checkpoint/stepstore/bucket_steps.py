@@ -1,6 +1,10 @@
 """A `CheckpointManager` URL on object storage: the steps of `steps.py` as prefixes of a bucket.
 
 The object-storage sibling of `steps.LocalFolder`; `step_folders.folder_at` hands a manager URL here.
+The manager runs one flow over either (the same methods: scan, prepare, hold, discard, clean); the
+two stay two because the stores differ in each of them: a bucket has no folder to make, no lock
+file (a lease instead), and no rename to take a step out of every scan at once (a deletion record
+instead).
 
     M/xlakit-lease.<n>.json            the manager that holds M (lease.py)
     M/<step>/xlakit-step.json          step, layout, metrics: created before the save

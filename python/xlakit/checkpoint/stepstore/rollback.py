@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
-from xlakit.checkpoint.multirank import decisions
+from xlakit.checkpoint.coordination import decisions
 from xlakit.checkpoint.core.operation import Watch
 from xlakit.checkpoint.stepstore.steps import Scan
 

@@ -1,6 +1,7 @@
-"""`dcp_save` / `dcp_load` on object storage: DCP's fsspec storage into a generation's prefix.
+"""DCP checkpoints on object storage: DCP's fsspec storage into a generation's prefix.
 
-The object-storage sibling of `dcp.py` / `dcp_ranks.py`; `dcp_save` and `dcp_load` hand a URL here.
+The bucket destination of `dcp_ranks.py`'s flow (`BucketDcp`; `dcp.LocalDcp` is the folder's);
+`dcp_save` and `dcp_load` hand a URL here.
 
 DCP writes and reads through its fsspec storage (`FsspecWriter` /
 `FsspecReader`), pointed at xlakit's client for the store (the same
@@ -14,13 +15,12 @@ commit is then `generations.py`'s: the commit record
 `U/xlakit-commit.<g>.json`, created last and create-only, names every file
 with its size and xxh3-64.
 
-With several ranks the agreement is `dcp_ranks.py`'s: rank 0 proposes the
-generation, every rank writes its files (DCP's collectives on a fresh gloo
-group) and votes with their sizes and hashes, and rank 0 checks that every
-voted file is in the bucket with its size, then creates the record at the
-agreed commit point: once every rank voted, never after one gave up. A load
-reads the generation rank 0 names; each rank first verifies its share of the
-files against the record (`verify`), then DCP reads and reshards.
+With several ranks rank 0 proposes the generation, every rank writes its files
+and votes with their sizes and hashes, and rank 0 checks that every voted file
+is in the bucket with its size before it creates the record at the agreed
+commit point. A load reads the generation rank 0 names; each rank first
+verifies its share of the files against the record
+(`store.bucket.verify_object`), then DCP reads and reshards.
 """
 
 from __future__ import annotations
@@ -31,28 +31,23 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
-import xxhash
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
-from xlakit.checkpoint.file import loading
+from xlakit.checkpoint.core.operation import Operation
+from xlakit.checkpoint.core.options import SaveOptions
 from xlakit.checkpoint.format import dcp_metadata
-from xlakit.checkpoint.torch_dcp import dcp, dcp_ranks
-from xlakit.checkpoint.multirank.agreement import Coordination, world_size
-from xlakit.checkpoint.core.operation import Operation, Watch
-from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.objstore import generations
-from xlakit.checkpoint.core import workers
-from xlakit.checkpoint.file import bucket_file
 from xlakit.checkpoint.objstore.client import Location, Store, store_for
-from xlakit.checkpoint.objstore.reader import CHUNK_BYTES, PARALLEL, ObjectFile
+from xlakit.checkpoint.objstore.reader import ObjectFile
 from xlakit.checkpoint.objstore.upload import Upload
-from xlakit.errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
+from xlakit.checkpoint.store import bucket
+from xlakit.checkpoint.torch_dcp import dcp
+from xlakit.errors import CheckpointIncompleteError
 
 KIND = "dcp"
 SUFFIX = ".dcp"
 _READ_BUFFER = 1 << 20  # torch.load reads a record's header in small pieces
-_VERIFY_BYTES = 4 * CHUNK_BYTES
 
 
 class _Stream(io.RawIOBase):
@@ -170,82 +165,65 @@ def reader_for(op: Operation, loc: Location, record: dict, *, safe_metadata: boo
     return (_SafeReader if safe_metadata else _Reader)(op, store_for(loc), loc.child(folder), sizes)
 
 
-def _agreed(op: Operation, coord: Coordination | None, prepare, error: BaseException | None) -> dict:
-    """Rank 0's proposal, agreed by every rank (alone: prepared here)."""
-    prepared = {}
-    if error is None and (coord is None or coord.rank == 0):
-        try:
-            prepared = prepare()
-        except (CheckpointError, OSError, ValueError) as e:
-            error = e
-    if coord is None:
-        if error is not None:
-            raise error
-        return prepared
-    coord.agree(op, prepared, error)
-    return coord.proposals[0]
+class BucketDcp(dcp.DcpStore):
+    """A DCP checkpoint at a URL: generation `g`'s files under `U/<g>.<host>.<pid>.<token>.dcp/`,
+    committed by the create-only record `U/xlakit-commit.<g>.json` naming every file."""
 
+    def __init__(self, url: str):
+        self.loc = Location.parse(url)  # a bad URL is refused before any work
+        self.identity = self.name = self.loc.url
+        self.chosen: dict = {}
+        self.record: dict | None = None
 
-def _giving_up(coord: Coordination | None, op: Operation):
-    return contextlib.nullcontext() if coord is None else coord.giving_up(op, waiting=dcp_ranks.waiting(op))
+    @property
+    def store(self) -> Store:
+        return store_for(self.loc)
 
-
-def save(state: dict, url: str, opts: SaveOptions) -> None:
-    """`xlakit.dcp_save(state, "gs://...")`, alone or on every rank of the job."""
-    loc = Location.parse(url)
-    store = store_for(loc)
-    device = dcp.device_tensors(state)
-    coord = Coordination("dcp_save", {"path": loc.url, "layout": KIND}) if world_size() > 1 else None
-    op = Operation("dcp save", loc.url, Watch.of(opts), gate=coord.gate if coord else None,
-                   rank=coord.rank if coord else None,
-                   bytes_total=sum(t.numel() * t.element_size() for t in device))
-    if coord is not None:
-        coord.op = op
-
-    def propose() -> dict:
+    def propose(self, op: Operation) -> dict:
         op.enter("list")
         token = secrets.token_hex(4)
-        generation = generations.next_generation(generations.scan(store, op, loc))
+        generation = generations.next_generation(generations.scan(self.store, op, self.loc))
         return {"generation": generation, "operation": generations.operation_id(token),
                 "folder": generations.data_name(generation, generations.operation_id(token), SUFFIX)}
 
-    def work(op: Operation) -> None:
-        error = None
-        try:
-            workers.check_idle(exclude=op)
-        except CheckpointError as e:
-            error = e
-        chosen = _agreed(op, coord, propose, error)
-        rank = coord.rank if coord else 0
-        root = loc.child(chosen["folder"])
-        with _giving_up(coord, op):
-            if rank == 0:
-                op.enter("tidy")  # agreed: what no commit can name any more may go
-                generations.tidy(store, op, loc)
-            writer = _Writer(op, store, root)
-            dcp.write_folder(op, state, device, None, opts, group=coord.group(op) if coord else None,
-                             writer=writer)
-            entries = {f"{chosen['folder']}/{n}": e for n, e in writer.fs.entries.items()}
-            if coord is not None:
-                coord.vote({"files": entries})
-                if rank != 0:
-                    coord.expect_commit(op, loc.url)
-                    return
-                entries = {n: e for v in coord.votes(op).values() for n, e in v["files"].items()}
-            op.enter("commit")
-            _check_present(op, store, loc, root, entries)
-            record = {"kind": KIND, "generation": chosen["generation"], "operation": chosen["operation"],
-                      "folder": chosen["folder"], "objects": entries}
-            bucket_file.commit(op, store, loc, record, [generations.Leftover(store, loc.child(n)) for n in entries])
-            if coord is not None:
-                coord.finish({"ok": True})
-            bucket_file.tidy_after(op, store, loc, record)
+    def adopt(self, proposal: dict) -> None:
+        self.chosen = proposal
 
-    try:
-        op.run(work)
-    finally:
-        if coord is not None:
-            coord.close()
+    def tidy(self, op: Operation) -> None:
+        op.enter("tidy")
+        generations.tidy(self.store, op, self.loc)
+
+    def write(self, op: Operation, state: dict, device: list, opts: SaveOptions, group: Any) -> dict[str, dict]:
+        writer = _Writer(op, self.store, self.loc.child(self.chosen["folder"]))
+        dcp.write_folder(op, state, device, None, opts, group, writer=writer)
+        return {f"{self.chosen['folder']}/{n}": e for n, e in writer.fs.entries.items()}
+
+    def commit(self, op: Operation, entries: dict[str, dict]) -> None:
+        op.enter("commit")
+        store, loc = self.store, self.loc
+        _check_present(op, store, loc, loc.child(self.chosen["folder"]), entries)
+        self.record = {"kind": KIND, "generation": self.chosen["generation"], "operation": self.chosen["operation"],
+                       "folder": self.chosen["folder"], "objects": entries}
+        bucket.commit_record(op, store, loc, self.record, [generations.Leftover(store, loc.child(n)) for n in entries])
+
+    def after_commit(self, op: Operation) -> None:
+        bucket.tidy_after(op, self.store, self.loc, self.record)
+
+    def pin(self, op: Operation) -> dict:
+        op.enter("list")
+        return {"generation": generations.latest_record(self.store, op, self.loc, KIND)["generation"]}
+
+    def files(self, op: Operation, pinned: dict) -> dict[str, dict]:
+        self.record = generations.read_record(self.store, op, self.loc, pinned["generation"])
+        if self.record.get("kind") != KIND:
+            raise generations.kind_error(self.loc, self.record, KIND)
+        return self.record["objects"]
+
+    def verify(self, op: Operation, name: str, entry: dict) -> None:
+        bucket.verify_object(op, self.store, self.loc, name, entry)
+
+    def reader(self, op: Operation) -> _Reader:
+        return reader_for(op, self.loc, self.record)
 
 
 def _check_present(op: Operation, store: Store, loc: Location, root: Location, entries: dict[str, dict]) -> None:
@@ -257,77 +235,3 @@ def _check_present(op: Operation, store: Store, loc: Location, root: Location, e
         raise CheckpointIncompleteError(f"{loc}: {', '.join(wrong[:5])} reported written by the rank that "
                                         f"wrote it but not found in {root} with its size; every rank must "
                                         f"write to the same bucket and endpoint")
-
-
-def load(state: dict, url: str, opts: LoadOptions) -> None:
-    """`xlakit.dcp_load(state, "gs://...")`: verified, then read (and resharded) in place."""
-    loc = Location.parse(url)
-    store = store_for(loc)
-    coord = Coordination("dcp_load", {"path": loc.url, "layout": KIND}) if world_size() > 1 else None
-    op = Operation("dcp load", loc.url, Watch.of(opts), gate=coord.gate if coord else None,
-                   rank=coord.rank if coord else None, untouched=dcp.PARTLY_LOADED)
-    if coord is not None:
-        coord.op = op
-
-    def propose() -> dict:
-        op.enter("list")
-        return {"generation": generations.latest_record(store, op, loc, KIND)["generation"]}
-
-    def work(op: Operation) -> None:
-        chosen = _agreed(op, coord, propose, None)
-        rank, world = (coord.rank, coord.world) if coord else (0, 1)
-        with _giving_up(coord, op):
-            record = generations.read_record(store, op, loc, chosen["generation"])
-            if record.get("kind") != KIND:
-                raise generations.kind_error(loc, record, KIND)
-            objects = record["objects"]
-            op.bytes_total = sum(e["nbytes"] for e in objects.values())
-            if opts.verify:  # each rank checks its share of the files
-                for name in sorted(objects)[rank::world]:
-                    verify_object(op, store, loc, name, objects[name])
-            if coord is not None:
-                coord.vote({}, "verified")
-                coord.votes(op, "verified")
-            dcp.read_folder(op, state, None, group=coord.group(op) if coord else None,
-                            reader=reader_for(op, loc, record))
-            if coord is not None:
-                coord.vote({}, "read")
-                coord.votes(op, "read")
-
-    try:
-        op.run(work)
-    finally:
-        if coord is not None:
-            coord.close()
-
-
-def verify(loc: Location, record: dict, opts: LoadOptions) -> None:
-    """Every file of the DCP checkpoint `record` (a commit record at `loc`) read and checked."""
-    store = store_for(loc)
-    op = Operation("verify", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED,
-                   bytes_total=sum(e["nbytes"] for e in record["objects"].values()))
-    op.run(lambda op: [verify_object(op, store, loc, n, e) for n, e in sorted(record["objects"].items())])
-
-
-def verify_object(op: Operation, store: Store, loc: Location, name: str, expected: dict) -> None:
-    """Read the object `name` whole and check its size and xxh3-64 against its commit record entry."""
-    op.enter("verify", name)
-    obj = loc.child(name)
-    try:
-        size = store.size(op, obj)
-    except FileNotFoundError as e:
-        raise bucket_file.replaced_error(loc, name) from e
-    h, n = xxhash.xxh3_64(), 0
-    buffer = memoryview(bytearray(max(min(size, _VERIFY_BYTES), 1)))
-    while n < size:
-        got = store.get_into(op, obj, n, buffer[:min(len(buffer), size - n)], chunk_bytes=CHUNK_BYTES,
-                             parallel=PARALLEL)
-        if got == 0:
-            break  # shorter than it was a moment ago
-        h.update(buffer[:got])
-        n += got
-        op.advance(got)
-    if n != expected["nbytes"] or h.hexdigest() != expected["xxh3_64"]:
-        raise CheckpointCorruptError(f"{obj}: expected {expected['nbytes']} bytes with xxh3_64 "
-                                     f"{expected['xxh3_64']}, found {n} bytes with {h.hexdigest()}; the object "
-                                     f"or its commit record was changed or damaged after the save committed")

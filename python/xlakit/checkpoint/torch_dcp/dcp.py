@@ -16,14 +16,21 @@ xlakit wraps it the way `xlakit.save` wraps torch's zip format:
 
 A folder without the commit record is refused on load and replaced by the
 next save. Loading is in place, into a state whose tensors carry the target
-sharding (any mesh or device count); DCP reads the overlapping chunks. This
-module is one process's part; `dcp_ranks.py` runs the same writing and reading
-on every rank of a job around one agreed commit.
+sharding (any mesh or device count); DCP reads the overlapping chunks.
+
+This module is DCP as the engine (the write and read of one process's part,
+its storage reader and writer, its errors) and `LocalDcp`, the folder on disk;
+`dcp_ranks.py` runs the one flow, alone or on every rank of a job around one
+agreed commit, into a folder or a bucket (`bucket_dcp.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +39,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from xlakit.checkpoint.core import operation, paths, workers
+from xlakit.checkpoint.core import operation, paths
 from xlakit.checkpoint.file import transfer
 from xlakit.checkpoint.format import folders
 from xlakit.checkpoint.torch_dcp import dcp_plan
-from xlakit.checkpoint.core.operation import Cancelled, Operation, Watch
-from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
+from xlakit.checkpoint.core.operation import Cancelled, Operation
+from xlakit.checkpoint.core.options import SaveOptions
 from xlakit.errors import CheckpointError, CheckpointPeerError
 
 PARTLY_LOADED = "nothing on disk was changed; the state may be partly loaded"
@@ -79,29 +86,6 @@ def commit_folder(op: Operation, tmp: Path, final: Path) -> None:
         operation.remove_path(previous)
 
 
-def save(state: dict, final: Path, opts: SaveOptions) -> None:
-    """`xlakit.dcp_save` in a single process."""
-    workers.check_idle()
-    device = device_tensors(state)
-    check_transfer(device, opts)
-    op = Operation("dcp save", final, Watch.of(opts),
-                   bytes_total=sum(t.numel() * t.element_size() for t in device))
-
-    def work(op: Operation) -> None:
-        try:
-            tmp = new_folder(op, final)
-            write_folder(op, state, device, tmp, opts)
-            op.enter("commit")
-            folders.write_commit_record(tmp)
-            commit_folder(op, tmp, final)
-        except OSError as e:
-            if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
-                raise
-            raise paths.write_error(e, final, stage=op.stage, bytes_done=op.bytes_done) from e
-
-    op.run(work)
-
-
 def write_folder(op: Operation, state: dict, device: list[torch.Tensor], folder: Path | None,
                  opts: SaveOptions, group: Any = None, *, writer: "StagedWriter | None" = None) -> list[str]:
     """Sync, then let DCP write this process's part of `state` into `folder`; its file names.
@@ -116,28 +100,6 @@ def write_folder(op: Operation, state: dict, device: list[torch.Tensor], folder:
     writer = writer or _Writer(op, folder)
     run_dcp(dcp.save, state, group, storage_writer=writer, planner=dcp_plan.SavePlanner(op, opts))
     return writer.files
-
-
-def load(state: dict, final: Path, opts: LoadOptions) -> None:
-    """`xlakit.dcp_load` in a single process."""
-    record = folders.read_commit_record(final)
-    op = Operation("dcp load", final, Watch.of(opts),
-                   bytes_total=sum(f["nbytes"] for f in record["files"].values()), untouched=PARTLY_LOADED)
-
-    def work(op: Operation) -> None:
-        if opts.verify:
-            verify_files(op, final, record, list(record["files"]))
-        read_folder(op, state, final)
-
-    op.run(work)
-
-
-def verify_files(op: Operation, final: Path, record: dict, names: list[str]) -> None:
-    for name in names:
-        expected = record["files"][name]
-        op.enter("verify", name)
-        folders.verify_file(final, name, expected)
-        op.advance(expected["nbytes"])
 
 
 def read_folder(op: Operation, state: dict, final: Path | None, group: Any = None, *,
@@ -202,6 +164,108 @@ class _Writer(StagedWriter, dcp.FileSystemWriter):
     def __init__(self, op: Operation, folder: Path):
         super().__init__(str(folder), single_file_per_rank=True, sync_files=True, thread_count=1)
         self.op, self.files = op, []
+
+
+class DcpStore(ABC):
+    """Where a DCP checkpoint's files go and how they become the checkpoint (`dcp_ranks.py` runs
+    the flow): a folder on disk (`LocalDcp`) or a generation of a URL (`bucket_dcp.BucketDcp`).
+
+    Attributes:
+        identity: what every rank must name alike; `name`: the checkpoint, in messages.
+    """
+
+    identity: str
+    name: str
+
+    def check(self, device: list[torch.Tensor], opts: SaveOptions) -> None:
+        """(Every rank, before agreeing to save.) Refuse what cannot be written."""
+
+    @abstractmethod
+    def propose(self, op: Operation) -> dict:
+        """(Rank 0, saving.) Where the files go."""
+
+    @abstractmethod
+    def adopt(self, proposal: dict) -> None:
+        """(Every rank.) Rank 0's proposal."""
+
+    def tidy(self, op: Operation) -> None:
+        """(Rank 0, agreed.) Remove what no commit can name any more."""
+
+    @abstractmethod
+    def write(self, op: Operation, state: dict, device: list[torch.Tensor], opts: SaveOptions,
+              group: Any) -> dict[str, dict]:
+        """DCP writes this rank's files; each with its size and xxh3-64."""
+
+    @abstractmethod
+    def commit(self, op: Operation, entries: dict[str, dict]) -> None:
+        """(Rank 0, every rank's files written.) The point of no return."""
+
+    def after_commit(self, op: Operation) -> None:
+        """(Rank 0.) Remove what the commit made obsolete."""
+
+    @contextlib.contextmanager
+    def writing(self, op: Operation) -> Iterator[None]:
+        yield
+
+    def pin(self, op: Operation) -> dict:
+        """(Rank 0, loading.) Which commit every rank reads."""
+        return {}
+
+    @abstractmethod
+    def files(self, op: Operation, pinned: dict) -> dict[str, dict]:
+        """The files the commit `pinned` names, each with its size and xxh3-64."""
+
+    @abstractmethod
+    def verify(self, op: Operation, name: str, entry: dict) -> None:
+        """Read the file `name` whole and check it against its entry."""
+
+    @abstractmethod
+    def reader(self, op: Operation) -> "StagedReader":
+        """DCP's storage reader of the commit `files` read."""
+
+
+class LocalDcp(DcpStore):
+    """A DCP folder: written into a temporary sibling, whose commit record (every file with its size and
+    xxh3-64) is written last; then the folder takes the final name (an atomic exchange on Linux)."""
+
+    def __init__(self, final: Path):
+        self.final, self.tmp = final, final
+        self.identity, self.name = os.path.abspath(final), str(final)
+
+    def check(self, device: list[torch.Tensor], opts: SaveOptions) -> None:
+        check_transfer(device, opts)
+        check_parent(self.final)
+
+    def propose(self, op: Operation) -> dict:
+        return {"folder": new_folder(op, self.final).name}
+
+    def adopt(self, proposal: dict) -> None:
+        self.tmp = self.final.parent / proposal["folder"]
+
+    def write(self, op: Operation, state: dict, device: list[torch.Tensor], opts: SaveOptions,
+              group: Any) -> dict[str, dict]:
+        files = write_folder(op, state, device, self.tmp, opts, group)
+        op.enter("checksum")
+        return {name: folders.file_entry(self.tmp / name) for name in files}
+
+    def commit(self, op: Operation, entries: dict[str, dict]) -> None:
+        op.enter("commit")
+        folders.write_commit_record(self.tmp, entries)
+        commit_folder(op, self.tmp, self.final)
+
+    def writing(self, op: Operation):
+        return paths.writing(self.final, op)
+
+    def files(self, op: Operation, pinned: dict) -> dict[str, dict]:
+        return folders.read_commit_record(self.final)["files"]
+
+    def verify(self, op: Operation, name: str, entry: dict) -> None:
+        op.enter("verify", name)
+        folders.verify_file(self.final, name, entry)
+        op.advance(entry["nbytes"])
+
+    def reader(self, op: Operation) -> "StagedReader":
+        return _Reader(op, self.final)
 
 
 def run_dcp(fn, state: dict, group: Any, **kwargs):

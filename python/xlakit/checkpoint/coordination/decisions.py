@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from xlakit.checkpoint.multirank.agreement import Coordination, world_size
+from xlakit.checkpoint.coordination.agreement import Coordination, world_size
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.errors import CheckpointPeerError, XlakitError
 

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from xlakit.checkpoint.multirank.agreed_gate import _POLL_S, STORE_HOST, AgreedGate
+from xlakit.checkpoint.coordination.agreed_gate import _POLL_S, STORE_HOST, AgreedGate
 from xlakit.checkpoint.core.operation import CANCEL, COMMIT, Operation
 from xlakit.errors import CheckpointPeerError, CheckpointTimeoutError, XlakitError
 

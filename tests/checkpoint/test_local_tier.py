@@ -47,7 +47,7 @@ def test_local_and_persistent_saves_keep_their_own_interval_and_retention(tmp_pa
         assert due == [2, 4, 5, 6, 8, 10]
         assert mgr.all_steps() == [10]  # persistent: every 5, max_to_keep=1
         assert local_steps(shm) == [8, 10]  # local: every 2, keep=2
-        assert parts(shm, 10) == ["part-00000-of-00001.pt"]
+        assert parts(shm, 10) == ["part-00000-of-00001.pt", "xlakit-local-step.json"]
         assert mgr.local.last_error is None
         assert 0 < mgr.local.bytes_used() < 3 * 5000  # two steps of one small part each, nothing else
         # The local part is an ordinary xlakit file, readable (and verified) by xlakit.load.
@@ -65,6 +65,9 @@ def test_restore_takes_the_newest_step_of_any_tier(tmp_path):
         assert mgr.local.restored_from["parts"] == {0: "local"}
         assert mgr.restore(3)["step"] == 3  # only the persistent tier holds it now
         assert mgr.local.restored_from["parts"] == {0: "persistent"}
+        # Issue 32: a persistent part's "host" was the persistent folder's path.
+        assert mgr.local.restored_from["hosts"] == {0: None}
+        assert mgr.local.restored_from["persistent"] == str(tmp_path / "ckpt")
         template = {"w": torch.zeros(1024), "step": 0}
         got = mgr.restore(6, template=template)  # filled in place
         assert got["step"] == 6 and template["w"][0] == 6.0 and mgr.local.restored_from["parts"] == {0: "local"}
@@ -217,13 +220,13 @@ def test_a_failed_local_save_keeps_the_last_whole_step_and_leaves_no_step_folder
         assert mgr.restore()["step"] == 2
         (host_dir(shm) / "4" / "part-00000-of-00001.pt").rmdir()
         (host_dir(shm) / "4").rmdir()
-        from xlakit.checkpoint.tier import tiered
+        from xlakit.checkpoint.tier import tier_rounds
 
         def full(*args, **kwargs):  # a fake full /dev/shm (running as root, a read-only folder is not)
             raise OSError(errno.ENOSPC, "No space left on device")
 
         with monkeypatch.context() as m:
-            m.setattr(tiered.pipeline, "save_file", full)
+            m.setattr(tier_rounds.pipeline, "save_file", full)
             assert not mgr.save(6, state(6))  # keep=1: step 2 is the only whole step
         assert "the local tier is full" in mgr.local.last_error
         assert mgr.restore()["step"] == 2 and mgr.local.restored_from["parts"] == {0: "local"}
@@ -232,7 +235,7 @@ def test_a_failed_local_save_keeps_the_last_whole_step_and_leaves_no_step_folder
 
 
 def test_a_full_local_tier_names_only_the_fixes_that_apply():
-    from xlakit.checkpoint.tier.tiered import _described
+    from xlakit.checkpoint.tier.tier_rounds import described as _described
 
     full = OSError(errno.ENOSPC, "No space left on device")
     one = _described(full, "/dev/shm/x/part", xlakit.LocalTier("/dev/shm/x", keep=1), world=1)
@@ -258,7 +261,8 @@ def test_a_rollback_to_a_local_step_and_a_local_save_below_the_latest(tmp_path):
         assert "retire_steps_after(4)" in "".join(info.value.__notes__)
         assert local_steps(shm) == [5, 6, 7]  # nothing was written
         assert mgr.restore(5)["step"] == 5 and mgr.local.restored_from["parts"] == {0: "local"}
-        assert mgr.retire_steps_after(5) == []  # the persistent tier has nothing newer
+        # Issue 32: the local steps it removed were left out of what it returned.
+        assert mgr.retire_steps_after(5) == [6, 7]  # the persistent tier has nothing newer, the local one has
         assert local_steps(shm) == [5]
         assert mgr.save(6, state(60))
         with pytest.raises(ValueError, match="not committed there .* nor whole in a local tier"):
@@ -316,7 +320,7 @@ def test_retention_does_not_run_once_the_deadline_passed(tmp_path):
         assert local_steps(shm) == [2]
         mgr.local.folder.make_step(3)
         xlakit.save(state(3), host_dir(shm) / "3" / "part-00000-of-00001.pt")
-        errors = mgr.local._settle_folder(3, [], True, deadline=time.monotonic() - 1)
+        errors = mgr.local._settle_folder(3, True, deadline=time.monotonic() - 1)
         assert "did not run" in errors[0] and "deadline" in errors[0]
         assert local_steps(shm) == [2, 3]  # nothing removed after the deadline
 
@@ -354,3 +358,45 @@ def test_a_part_copied_into_another_steps_folder_is_not_restored_as_that_step(tm
         assert "expected {'step': 6" in mgr.local.restored_from["damaged"][0]
         template = {"w": torch.zeros(1024), "step": 0}
         assert mgr.restore(5, template=template)["step"] == 5 and template["w"][0] == 5.0
+
+
+def test_a_local_that_is_not_a_local_tier_is_a_type_error(tmp_path):
+    # Issue 32: local="a string" gave AttributeError ('str' object has no attribute 'config').
+    for wrong in ("/dev/shm/ckpt", {"directory": "/dev/shm/ckpt"}):
+        with pytest.raises(TypeError, match=r"local must be an xlakit.LocalTier .* "
+                                            r"local=xlakit.LocalTier\('/dev/shm/ckpt'\)"):
+            xlakit.CheckpointManager(tmp_path / "ckpt", local=wrong)
+    with xlakit.CheckpointManager(tmp_path / "ckpt") as mgr:  # nothing was held
+        assert mgr.all_steps() == []
+
+
+def test_a_save_at_the_newest_local_step_is_refused_naming_retire_steps_after(tmp_path):
+    # Issue 32: at the newest local step the refusal advised "save the next one", never the rollback.
+    shm = tmp_path / "shm"
+    tier = xlakit.LocalTier(shm, interval_steps=1, keep=3)
+    with xlakit.CheckpointManager(tmp_path / "ckpt", save_interval_steps=1000, local=tier) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state(s))
+    with xlakit.CheckpointManager(tmp_path / "ckpt", save_interval_steps=1000, local=tier) as mgr:
+        with pytest.raises(ValueError, match=r"step 3 is already committed in the local tier .* "
+                                             r"`mgr.retire_steps_after\(2\)` first"):
+            mgr.save(3, state(30))
+        assert mgr.restore()["w"][0] == 3.0  # nothing was written
+
+
+def test_latest_step_sees_the_local_tier_so_the_resume_loop_goes_on(tmp_path):
+    # Issue 32: latest_step() saw only persistent steps, so the resume loop restored step 4 and its next
+    # local save was refused (the local tier held 7).
+    shm = tmp_path / "shm"
+    tier = xlakit.LocalTier(shm, interval_steps=1, keep=2)
+    with xlakit.CheckpointManager(tmp_path / "ckpt", save_interval_steps=4, local=tier) as mgr:
+        for s in range(1, 8):
+            mgr.save(s, state(s))
+    with xlakit.CheckpointManager(tmp_path / "ckpt", save_interval_steps=4, local=tier) as mgr:
+        assert mgr.all_steps() == [4]  # the persistent tier's steps
+        start = mgr.latest_step()  # docs/manager.md's resume loop, as written
+        assert start == 7 and mgr.restore(start)["step"] == 7
+        for step in range(start + 1, 10):
+            if mgr.should_save(step):
+                assert mgr.save(step, state(step)) and mgr.local.last_error is None
+        assert mgr.latest_step() == 9 and mgr.all_steps() == [4, 8]

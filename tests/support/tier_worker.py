@@ -22,6 +22,14 @@ Scenarios:
            middle of the peer copy of step 4; the others report and exit without a clean teardown
   late     keep=1, timeout_s=6, local saves at steps 1 and 2; at step 2 each received chunk
            lands 0.5 s late (a fake slow disk) and rank 3 reaches the digest exchange at 7.5 s
+  stall    keep=2, timeout_s=6, a local save every step to step STALL_STEP + 4; rank 3 (or
+           TIER_STALL_RANK) sends itself SIGSTOP just before the save of STALL_STEP (with
+           TIER_STALL_AT=copy: as its peer copy begins), the test sends SIGCONT; each save
+           is reported as an event {"event": "saved", "step", "whole", "seconds", "error"};
+           with TIER_SYNC=1 each step all-reduces first (a training step's collective); with
+           TIER_END=stall every rank stops after the stalled save and waits to be killed
+  retire   local saves to step 7, then three times: restore(5), retire_steps_after(5), save 6 and 7
+  odd      odd settings: peers=3 with 2 hosts; keep differs on rank 3; host1's tier folder blocked
 """
 
 from __future__ import annotations
@@ -95,6 +103,7 @@ def restore(folder: Path) -> dict:
     report = mgr.local.restored_from
     out = {"step": report["step"], "parts": {str(k): v for k, v in report["parts"].items()},
            "hosts": {str(k): v for k, v in report["hosts"].items()}, "damaged": report["damaged"],
+           "persistent": report.get("persistent"),
            "exact": digest(got) == digest(state(report["step"])), "got_step": got["step"]}
     mgr.close()
     return out
@@ -189,24 +198,120 @@ def late(folder: Path) -> dict:
 
     mgr = manager(folder, local_every=1, persistent_every=1000, keep=1, timeout_s=6)
     mgr.save(1, state(1))
-    real_gather, real_land, calls, t0 = peer_copy.gather, peer_copy._land, [], time.monotonic()
+    real_transfer, real_land, t0 = peer_copy.transfer, peer_copy._land, time.monotonic()
 
     def slow_land(r, buf, writers):  # a fake slow receiver: each chunk lands 0.5 s late
         time.sleep(0.5)
         return real_land(r, buf, writers)
 
-    def late_gather(group, value):  # rank 3 reaches the digest exchange after the deadline
-        calls.append(1)
-        if RANK == 3 and len(calls) == 2:
+    def late_transfer(*args, **kwargs):  # rank 3 reaches the digest exchange after the deadline
+        sent = real_transfer(*args, **kwargs)
+        if RANK == 3:
             time.sleep(max(0.0, t0 + 7.5 - time.monotonic()))
-        return real_gather(group, value)
+        return sent
 
-    peer_copy.gather, peer_copy._land, peer_copy.CHUNK_BYTES = late_gather, slow_land, 1 << 18
+    peer_copy.transfer, peer_copy._land, peer_copy.CHUNK_BYTES = late_transfer, slow_land, 1 << 18
     t0 = time.monotonic()
     whole = mgr.save(2, state(2))
-    peer_copy.gather, peer_copy._land = real_gather, real_land
-    out = {"whole": whole, "error": mgr.local.last_error, "held": held(mgr)}
+    peer_copy.transfer, peer_copy._land = real_transfer, real_land
+    time.sleep(max(0.0, t0 + 8 - time.monotonic()))  # rank 3's copy has ended: what it left is seen
+    out = {"whole": whole, "error": mgr.local.last_error, "held": held(mgr), "steps": mgr.local.folder.steps()}
     mgr.close()
+    return out
+
+
+STALL_STEP = 3
+
+
+def stall(folder: Path) -> dict:
+    import signal
+
+    import torch.distributed as dist
+
+    from xlakit.checkpoint.tier import peer_copy
+
+    mgr = manager(folder, local_every=1, persistent_every=1000, keep=2, timeout_s=6)
+    last = STALL_STEP if os.environ.get("TIER_END") == "stall" else STALL_STEP + 4
+    stalls = RANK == int(os.environ.get("TIER_STALL_RANK", "3"))
+    if stalls and os.environ.get("TIER_STALL_AT") == "copy":  # in the middle of the save instead
+        real = peer_copy.transfer
+
+        def stopping(*args, **kwargs):
+            if mgr.local.last_step == STALL_STEP:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(*args, **kwargs)
+
+        peer_copy.transfer = stopping
+    for step in range(1, last + 1):
+        if os.environ.get("TIER_SYNC") == "1":
+            dist.all_reduce(torch.ones(4))  # the training step's collective
+        time.sleep(0.1)
+        if stalls and step == STALL_STEP and os.environ.get("TIER_STALL_AT") != "copy":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        t0 = time.monotonic()
+        whole = mgr.save(step, state(step))
+        say(event="saved", step=step, whole=whole, seconds=round(time.monotonic() - t0, 2),
+            error=mgr.local.last_error)
+    if last == STALL_STEP:
+        while True:  # the test kills this process
+            time.sleep(1)
+    mgr.local.holds(last)  # a round every rank passes once every host's last save is settled
+    out = {"held": held(mgr), "steps": mgr.local.folder.steps(), "latest": mgr.latest_step()}
+    mgr.close()
+    return out
+
+
+def retire(folder: Path) -> dict:
+    """Local saves every step to 7 (persistent every 4), then three times: back to step 5 (restore,
+    retire_steps_after) and on again with new states, saving 6 and 7 at once."""
+    mgr = manager(folder, local_every=1, persistent_every=4, keep=3, timeout_s=30)
+    for step in range(1, 8):
+        mgr.save(step, state(step))
+    rounds = []
+    for i in range(1, 4):
+        got = mgr.restore(5)
+        retired = mgr.retire_steps_after(5)
+        saved = {s: [mgr.save(s, state(s * 10 * i)), mgr.local.last_error] for s in (6, 7)}
+        rounds.append({"restored": got["step"], "retired": retired, "saved": saved})
+    got = mgr.restore()
+    out = {"rounds": rounds, "last": mgr.local.restored_from["step"], "exact": digest(got) == digest(state(70 * 3))}
+    mgr.close()
+    return out
+
+
+def odd(folder: Path) -> dict:
+    """Odd settings, one manager each: peers=3 with 2 hosts; a setting one rank has otherwise;
+    host1's folder of the tier blocked by a file (it cannot be made)."""
+    import logging
+
+    from xlakit.checkpoint.tier.local_tier import run_name
+
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("xlakit").addHandler(handler)
+    out: dict = {}
+    tier = xlakit.LocalTier(folder / "shm", peers=3, keep=1, timeout_s=30)
+    with xlakit.CheckpointManager(folder / "a", layout=LAYOUT, save_interval_steps=1000, local=tier) as mgr:
+        out["clamped"] = {"copies": getattr(mgr.local, "copies", None), "peers": mgr.local.peers,
+                          "whole": mgr.save(1, state(1)),
+                          "warned": [w for w in warned if "peers=3" in w]}
+
+    def refused(directory: Path, tier: xlakit.LocalTier) -> dict:
+        t0 = time.monotonic()
+        try:
+            xlakit.CheckpointManager(directory, layout=LAYOUT, save_interval_steps=1000, local=tier)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            return {"error": type(e).__name__, "message": str(e), "notes": getattr(e, "__notes__", []),
+                    "seconds": time.monotonic() - t0}
+        return {"error": None}
+
+    out["disagree"] = refused(folder / "b", xlakit.LocalTier(folder / "shm", keep=3 if RANK == 3 else 2))
+    blocked = folder / "shm" / run_name(folder / "c") / "host1"
+    if RANK == 2:  # before the managers start: in the way of host1's folder when ranks 2 and 3 make it
+        blocked.parent.mkdir(parents=True, exist_ok=True)
+        blocked.write_text("not a folder")
+    out["blocked"] = refused(folder / "c", xlakit.LocalTier(folder / "shm", timeout_s=10))
     return out
 
 
@@ -223,6 +328,12 @@ def main(scenario: str, folder: Path) -> dict:
         return die(folder)
     if scenario == "late":
         return late(folder)
+    if scenario == "stall":
+        return stall(folder)
+    if scenario == "retire":
+        return retire(folder)
+    if scenario == "odd":
+        return odd(folder)
     raise SystemExit(f"unknown scenario {scenario!r}")
 
 

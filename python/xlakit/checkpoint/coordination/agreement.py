@@ -94,6 +94,21 @@ def world_size() -> int:
     return d.get_world_size() if d.is_available() and d.is_initialized() else 1
 
 
+def _differing(field: str, values: dict[int, Any]) -> tuple[str, dict[int, Any]]:
+    """The innermost settings that differ between the ranks' `values` of `field`, named by their path
+    (`config.local.keep`), and each rank's values of those alone."""
+    while all(isinstance(v, dict) for v in values.values()):
+        keys = sorted({k for v in values.values() for k in v})
+        odd = [k for k in keys if len({json.dumps(v.get(k, "<missing>")) for v in values.values()}) > 1]
+        if len(odd) != 1:
+            if odd:
+                field = f"{field} ({', '.join(f'{field}.{k}' for k in odd)})"
+                values = {r: {k: v.get(k, "<missing>") for k in odd} for r, v in values.items()}
+            break
+        field, values = f"{field}.{odd[0]}", {r: v.get(odd[0], "<missing>") for r, v in values.items()}
+    return field, values
+
+
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
@@ -233,6 +248,7 @@ class Coordination:
             err = CheckpointPeerError(message, rank=culprit)
         if "save" in self.kind:
             err.add_note("No rank commits after one gave up; the last committed checkpoint is untouched.")
+        err.decision = held  # the record itself, for callers that word it their own way
         return err
 
     # -- the phases -----------------------------------------------------------------------------
@@ -258,6 +274,7 @@ class Coordination:
                 raise self._mismatch(field, values)
 
     def _mismatch(self, field: str, values: dict[int, Any]) -> CheckpointPeerError:
+        field, values = _differing(field, values)
         common, _ = Counter(json.dumps(v) for v in values.values()).most_common(1)[0]
         odd = [r for r, v in values.items() if json.dumps(v) != common] or sorted(values)[1:]
         shown = ", ".join(f"rank {r}: {v!r}" for r, v in sorted(values.items()))

@@ -92,6 +92,7 @@ class CheckpointManager:
                  asynchronous: bool = False, replica_parallel: bool = False, options: SaveOptions | None = None,
                  local: LocalTier | None = None):
         self.policy = retention.Retention(max_to_keep, keep_every_n_steps, best_metric, best_mode)
+        local_config = tiered.config_of(local)  # a TypeError before anything is made
         _count("save_interval_steps", save_interval_steps, minimum=1)
         if layout not in steps.LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(map(repr, steps.LAYOUTS))}, got {layout!r}")
@@ -121,7 +122,7 @@ class CheckpointManager:
         self._closed = False
         config = {"layout": layout, "asynchronous": asynchronous, "interval": save_interval_steps,
                   "replica_parallel": replica_parallel,
-                  **dataclasses.asdict(self.policy), "local": local.config() if local is not None else None}
+                  **dataclasses.asdict(self.policy), "local": local_config}
         try:
             decisions.decide("manager start", self._path(), {"config": config, "latest": self._last,
                                                              "steps": sorted(self._steps),
@@ -139,12 +140,12 @@ class CheckpointManager:
 
     # -- queries ----------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
-        """The committed steps, oldest first (read from the folder)."""
+        """The committed steps, oldest first (read from the folder; the persistent tier's only)."""
         return sorted(self._scan().committed)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
-        return self._scan().latest
+        """The newest committed step, or None; with `local=`, the newest of either tier (docs/manager.md)."""
+        return self.local.latest(self._scan().latest) if self.local is not None else self._scan().latest
 
     def best_step(self) -> int | None:
         """The committed step with the best `best_metric`; None without one (or without a metric)."""
@@ -191,10 +192,10 @@ class CheckpointManager:
         preempt = self._preempting(step, deciding=True)
         local = self._local_due(step, preempt)  # at a preemption: the local tier first (docs/manager.md)
         if not (force or preempt or self._regular(step)):
-            return local and self.local.save(step, state)
+            return local and self.local.save(step, state, persistent=self._steps)
         with self._answering(step):
             refused = local and self.local.save_before_persistent(
-                step, state, preempt, self._preemption.remaining_s() if preempt else None)
+                step, state, preempt, self._preemption.remaining_s() if preempt else None, self._steps)
             saved = self._save(step, state, metrics, preempt)
             if refused:
                 raise refused
@@ -256,7 +257,7 @@ class CheckpointManager:
         the newer steps go as retention's do, once every rank agreed (`rollback.py`).
 
         Returns:
-            The steps deleted, oldest first (empty when `step` is the latest).
+            The steps deleted, oldest first (empty when `step` is the latest), local ones (any host) too.
 
         Raises:
             ValueError: `step` is not committed, nor whole in the local tier; nothing is deleted.
@@ -277,12 +278,11 @@ class CheckpointManager:
         held = self.local is not None and self.local.holds(step)  # a step restored from the local tier
         doomed = rollback.retire(self._folder, step, found, self._scan, self._watch(), held_locally=held)
         self._steps = set(found.committed).difference(doomed)
-        if self.local is not None:  # the local tier's newer steps go too: a restore must not resume there
-            self.local.retire_after(step)
+        removed = self.local.retire_after(step) if self.local is not None else []  # and before a save
         self._last = max(self._steps, default=None)
         if self._rank == 0:
             self._folder.clean()  # the retired steps' trash
-        return doomed
+        return sorted(set(doomed) | set(removed))
 
     # -- restoring --------------------------------------------------------------------------------
     def restore(self, step: int | None = None, *, template: Any = None, model: Any = None,

@@ -20,15 +20,20 @@ from xlakit.checkpoint.core.operation import Watch
 from xlakit.checkpoint.stepstore.steps import Scan
 
 
-def refuse_at_or_below_latest(step: int, committed: Collection[int], directory: Any) -> None:
-    """Raise ValueError when `step` is committed or below a committed step, saying how to roll back."""
+def refuse_at_or_below_latest(step: int, committed: Collection[int], directory: Any, *,
+                              retire_to: Collection[int] = ()) -> None:
+    """Raise ValueError when `step` is committed or below a committed step, saying how to roll back
+    (`retire_to`: other steps `retire_steps_after` takes, e.g. the persistent ones for a local tier)."""
     newer = sorted(s for s in committed if s > step)
+    base = max((s for s in (*committed, *retire_to) if s < step), default=None)
     if not newer:
         if step in committed:
+            again = (f"`mgr.retire_steps_after({base})` first (every rank; it deletes step {step})"
+                     if base is not None else f"move step {step} out of {directory} first")
             raise ValueError(f"step {step} is already committed in {directory}; a manager never "
-                             f"overwrites a step (save the next one)")
+                             f"overwrites a step: go on with a later step, or, to save step {step} again "
+                             f"from another state (a rollback), {again}; nothing was written")
         return
-    base = max((s for s in committed if s < step), default=None)
     shown = sorted(s for s in committed if s >= step)
     err = ValueError(f"cannot save step {step} into {directory}: the latest committed step is {newer[-1]} "
                      f"(committed at or after {step}: {shown}), so a restart would resume from {newer[-1]} "

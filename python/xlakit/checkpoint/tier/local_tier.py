@@ -7,6 +7,7 @@
           150/                      a step
             part-00002-of-00004.pt  rank 2's part: saved there by rank 2 (its own copy) or
             part-00000-of-00004.pt  copied there from rank 0 on another host (its peer copy)
+            xlakit-local-step.json  the step's marker: the job decided it whole; lists the parts
           .100.1f2e3d4c.xlakit-trash  a step retention gave up, being deleted
 
 Two jobs given the same directory (e.g. "/dev/shm/ckpt") have different
@@ -20,18 +21,26 @@ found under, `unwrap`, so a part copied into another step's folder is refused): 
 record by record, renamed into place whole under the save's deadline, so a
 part file either is whole or is not there; a part that is there but damaged
 (a torn or altered file) fails its verification at restore, is named and is
-never used (`tier_restore.py`). There is no step record: which parts a host
-holds is what its folder lists, and a step is restorable when every rank's
-part is held somewhere (or the persistent tier has the step).
+never used (`tier_restore.py`).
+
+A step folder counts only with its marker, written by the host's lowest rank
+once the whole job decided the save whole (`tier_rounds.py`), and only the
+parts the marker lists count: what a save given up left (a stalled rank's part
+written after the others gave up, a copy of a failed save) is never counted or
+restored, and goes at the host's next save. Each writer removes a step's marker
+before it writes into that step's folder. A step is restorable when every
+rank's part is held, marked, on some host (or the persistent tier has the step).
 
 Bounds: a host holds at most `keep + 1` steps (the new step is written before
 the oldest goes); each step holds the parts of the ranks on this host plus the
 parts copied to it from `peers` other hosts, so about `(keep + 1) * (1 + peers)`
 times this host's share of the state. Retention is per host, run by the host's
-lowest rank once the new step is whole on every rank (never after a failed
-save, so the newest whole step always stays); it counts and removes only the
-tier's own step folders: under a marked host folder, holding at least one part
-and nothing but parts and xlakit's temporary names.
+lowest rank (`tidy`) at the start of each save it takes part in and once the
+new step is whole on every rank: marked steps beyond the newest `keep` (never
+after a failed save, so the newest whole step always stays) and unmarked ones
+below the step being saved (saves given up). It counts and removes only the
+tier's own step folders: under a marked host folder, holding nothing but parts,
+the step's marker and xlakit's temporary names.
 """
 
 from __future__ import annotations
@@ -56,6 +65,8 @@ from xlakit.errors import CheckpointWriteError
 MARKER = "xlakit-local-tier.json"
 MARKER_FORMAT = "xlakit-local-tier"
 MARKER_VERSION = 1
+STEP_MARKER = "xlakit-local-step.json"
+STEP_MARKER_FORMAT = "xlakit-local-step"
 _PART_NAME = re.compile(r"part-(\d{5})-of-(\d{5})\.pt")
 _STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
 MAX_TIMEOUT_S = 86400.0  # a day: a gloo group's timeout must be finite
@@ -162,8 +173,8 @@ class HostFolder:
                                    "run": self.run})
                 paths.write_file(self.path / MARKER, lambda f: f.write(text.encode()))
         except OSError as e:
-            raise CheckpointWriteError(e.errno, f"cannot use {self.path} as this host's local checkpoint "
-                                       f"tier: {e.strerror}") from e
+            raise CheckpointWriteError(e.errno, f"cannot use {self.path} as host {self.host}'s local "
+                                       f"checkpoint tier: {e.strerror} ({type(e).__name__})") from e
 
     def marked(self) -> bool:
         try:
@@ -187,32 +198,55 @@ class HostFolder:
         return folder
 
     def inventory(self, world: int) -> dict[int, dict[int, int]]:
-        """{step: {rank: bytes}} of the part files of `world` ranks this host holds (none checked yet)."""
+        """{step: {rank: bytes}} of the parts of `world` ranks this host holds in marked steps, as
+        their markers list them (none checked yet)."""
         held: dict[int, dict[int, int]] = {}
-        if not self.marked():
-            return held
-        for name in os.listdir(self.path):
-            folder = self.path / name
-            if not _STEP_NAME.fullmatch(name) or not self._ours(int(name)):
-                continue  # not a step of the tier's own
-            for part in os.listdir(folder):
-                m = _PART_NAME.fullmatch(part)
-                if m is None or int(m.group(2)) != world or int(m.group(1)) >= world:
-                    continue
+        for step in self.steps():
+            listed = self.marked_parts(step, world)
+            for rank in listed or ():
                 try:
-                    size = os.lstat(folder / part).st_size
+                    size = os.lstat(self.part_path(step, rank, world)).st_size
                 except FileNotFoundError:
-                    continue  # retention took it meanwhile
-                held.setdefault(int(name), {})[int(m.group(1))] = size
+                    continue  # retention took it meanwhile, or the marker lists a part never written
+                held.setdefault(step, {})[rank] = size
         return held
 
+    def marked_parts(self, step: int, world: int) -> list[int] | None:
+        """The parts the marker of `step` lists; None when the step is not marked (for `world` ranks)."""
+        try:
+            record = json.loads((self.step_path(step) / STEP_MARKER).read_text())
+        except (OSError, ValueError):
+            return None
+        if not (isinstance(record, dict) and record.get("format") == STEP_MARKER_FORMAT
+                and record.get("step") == step and record.get("world") == world
+                and isinstance(record.get("parts"), list)):
+            return None
+        return sorted({int(p) for p in record["parts"] if isinstance(p, int) and 0 <= p < world})
+
+    def mark(self, step: int, world: int, parts: list[int]) -> None:
+        """(The host's lowest rank, once the job decided `step` whole.) Write the step's marker,
+        listing `parts` and those a marker there already lists."""
+        parts = sorted(set(parts) | set(self.marked_parts(step, world) or ()))
+        text = json.dumps({"format": STEP_MARKER_FORMAT, "step": step, "world": world, "parts": parts})
+        paths.write_file(self.step_path(step) / STEP_MARKER, lambda f: f.write(text.encode()))
+
+    def unmark(self, step: int) -> None:
+        """Before a write into the folder of `step`: it no longer counts until marked again."""
+        try:
+            (self.step_path(step) / STEP_MARKER).unlink()
+        except FileNotFoundError:
+            pass
+
     def steps(self) -> list[int]:
-        """The tier's own steps here: folders holding a part and nothing but parts and temporaries."""
+        """The tier's own step folders here (marked or not): nothing but parts, a marker, temporaries."""
         if not self.marked():
             return []
         return sorted(int(n) for n in os.listdir(self.path) if _STEP_NAME.fullmatch(n) and self._ours(int(n)))
 
-    def _ours(self, step: int, *, empty: bool = False) -> bool:
+    def marked_steps(self, world: int) -> list[int]:
+        return [s for s in self.steps() if self.marked_parts(s, world) is not None]
+
+    def _ours(self, step: int) -> bool:
         folder = self.step_path(step)
         if folder.is_symlink() or not folder.is_dir():
             return False
@@ -220,28 +254,23 @@ class HostFolder:
             entries = list(os.scandir(folder))
         except OSError:
             return False
-        parts = [e for e in entries if _PART_NAME.fullmatch(e.name)]
-        return (bool(parts) or empty) and all(
-            (_PART_NAME.fullmatch(e.name) or paths.parse_temp(e.name)) and e.is_file(follow_symlinks=False)
-            for e in entries)
+        return all((_PART_NAME.fullmatch(e.name) or e.name == STEP_MARKER or paths.parse_temp(e.name))
+                   and e.is_file(follow_symlinks=False) for e in entries)
 
     def bytes_used(self) -> int:
         return steps.folder_bytes(self.path) if self.path.exists() else 0
 
-    def retain(self, keep: int) -> list[int]:
-        """Remove the step folders older than the newest `keep`; returns the steps removed."""
-        return self._remove(self.steps()[:-keep])
+    def tidy(self, world: int, keep: int, below: int | None) -> list[int]:
+        """(The host's lowest rank, at a save of step `below` it takes part in, or at the start with
+        None.) Remove the marked steps older than the newest `keep` and the unmarked ones below
+        `below` (every one with None): saves given up, never counted. The steps removed."""
+        marked = self.marked_steps(world)
+        return self._remove([s for s in marked[:-keep] if s != below] + [
+            s for s in self.steps() if s not in marked and (below is None or s < below)])
 
     def remove_step(self, step: int) -> None:
         """Remove the folder of `step` (a failed save's), if it is the tier's own."""
         self._remove([step])
-
-    def drop_if_empty(self, step: int) -> None:
-        """Remove the folder a failed save of `step` left empty (never counted as a step)."""
-        try:
-            self.step_path(step).rmdir()
-        except OSError:
-            pass  # not empty (a part or a temporary is there), or already gone
 
     def retain_upto(self, last: int) -> list[int]:
         """Remove the step folders after `last` (a rollback); returns the steps removed."""
@@ -249,9 +278,9 @@ class HostFolder:
 
     def _remove(self, doomed: list[int]) -> list[int]:
         removed = []
-        for step in doomed:
+        for step in sorted(doomed):
             folder = self.step_path(step)
-            if not self._ours(step, empty=True):
+            if not self._ours(step):
                 continue  # not all ours: never touched
             remove_path(steps.to_trash(folder))
             removed.append(step)

@@ -7,7 +7,8 @@
    newest step for which every rank's part has a source, each part from the
    fastest: its own host's copy ("local"), else a copy on another host
    ("peer": that host's lowest rank sends the file, the receiving rank writes
-   it into its own host's folder, so a recreated host is filled again), else
+   it into its own host's folder and, once every rank restored, its host's
+   lowest rank marks it there, so a recreated host is filled again), else
    the persistent tier. Every part of the plan is of that one step: parts of
    different steps are never mixed.
 3. Every rank loads its part, verifying every checksum, and the ranks
@@ -98,9 +99,11 @@ def restore(run, found: steps.Scan, step: int | None, template: Any, options, di
                     together = layout != "sharded" or all(src == PERSISTENT for src, _ in plan.values())
                     state = readonly.read_step(found.committed[s], template, options=options,
                                                shard=None if together else rank, replicated=together and world > 1)
+                _mark_received(run, s, plan, deadline)
                 report = {"step": s, "parts": {r: src for r, (src, _) in plan.items()},
-                          "hosts": {r: lists[sender]["host"] if sender is not None else str(directory)
-                                    for r, (_, sender) in plan.items()}, "damaged": damaged}
+                          "hosts": {r: lists[sender]["host"] if sender is not None else None
+                                    for r, (_, sender) in plan.items()},
+                          "persistent": str(directory), "damaged": damaged}
                 if rank == 0:
                     log.info("xlakit: restored step %d: %s", s, _summary(report))
                 return state, report
@@ -165,8 +168,22 @@ def _name(part: int, world: int) -> str:
     return part_name(part, world)
 
 
+def _mark_received(run, s: int, plan: dict, deadline: float) -> None:
+    """(The host's lowest rank, once every rank restored.) The parts copied into this host's folder
+    count from now on: the step's marker lists them (a recreated host is filled again)."""
+    here = [r for r, (src, _) in plan.items() if src == PEER and run.hosts[r] == run.host]
+    if not (here and run.leader) or time.monotonic() >= deadline:
+        return
+    try:
+        run.folder.mark(s, run.world, here)
+    except OSError as e:  # only this refill is lost: the parts are restored, their source holds them
+        log.warning("xlakit: the copies of step %d restored into %s are not kept as a step there: %s",
+                    s, run.folder.path, e)
+
+
 def _summary(report: dict) -> str:
-    return ", ".join(f"rank {r}: {src} ({report['hosts'][r]})" for r, src in sorted(report["parts"].items()))
+    return ", ".join(f"rank {r}: {src} ({report['hosts'][r] or report['persistent']})"
+                     for r, src in sorted(report["parts"].items()))
 
 
 def _nothing(step: int | None, persistent: list[int], damaged: list[str], directory, run) -> FileNotFoundError:

@@ -3,17 +3,12 @@
 The manager owns one `TierRun` when given `local=LocalTier(...)`. A local save
 (every `interval_steps`, and at an agreed preemption step before the
 persistent save) runs on every rank, in the order the ranks call the manager:
-
-1. each rank saves its part (what it passed to `save`: its shard, or the whole
-   replicated state) as an ordinary xlakit file into its host's folder;
-2. over a fresh gloo group whose timeout is what is left of the deadline, the
-   ranks exchange sizes, then each rank's file goes to its peers on other
-   hosts (`peer_copy.py`); each copy is renamed into place only when its xxh3
-   is the one its sender read while sending;
-3. the ranks exchange outcomes; before the deadline, and only when the step
-   is whole on every rank (every rank's errors empty), each host's lowest rank
-   applies retention, so the newest whole step always stays. A failed step's
-   folder is removed from each host (it is never counted as a step).
+each rank saves its part (what it passed to `save`: its shard, or the whole
+replicated state) as an ordinary xlakit file into its host's folder, the parts
+go to their peers on other hosts (`peer_copy.py`), and the job decides, once,
+whether the step is whole; only then is it marked, counted and restorable.
+That agreement, what a rank that stalled past the deadline finds, and the
+rollback are `tier_rounds.py`'s; the folders and their markers `local_tier.py`'s.
 
 A local save at or below the newest whole local step is refused, as the
 persistent saves are (`rollback.py`): a rollback first retires the newer steps.
@@ -27,20 +22,26 @@ persistent saves go on. Restores are `tier_restore.py`.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import time
-from datetime import timedelta
+from collections.abc import Collection
 from typing import Any
 
-from xlakit.checkpoint.file import pipeline
-from xlakit.checkpoint.stepstore import rollback
-from xlakit.checkpoint.tier import local_tier, peer_copy, tier_restore
-from xlakit.checkpoint.tier.local_tier import HostFolder, LocalTier
 from xlakit.checkpoint.core.options import SaveOptions
+from xlakit.checkpoint.stepstore import rollback
+from xlakit.checkpoint.tier import peer_copy, tier_restore, tier_rounds
+from xlakit.checkpoint.tier.local_tier import HostFolder, LocalTier
 from xlakit.errors import CheckpointWriteError
 
 log = logging.getLogger("xlakit")
+
+
+def config_of(local: object) -> dict | None:
+    """What every rank must set alike of a manager's `local=` (None: no local tier)."""
+    if local is not None and not isinstance(local, LocalTier):
+        raise TypeError(f"local must be an xlakit.LocalTier (or None), got {local!r} "
+                        f"({type(local).__name__}): e.g. local=xlakit.LocalTier('/dev/shm/ckpt')")
+    return None if local is None else local.config()
 
 
 class TierRun:
@@ -50,8 +51,11 @@ class TierRun:
         host: this process's host (`XLAKIT_HOST_ID`, else the hostname).
         hosts: every rank's host, by rank.
         peers: {rank: the ranks holding a copy of its part}.
+        copies: how many other hosts hold a copy of each part (`LocalTier.peers`, at most the
+            number of other hosts).
         restored_from: after `restore`, {"step", "parts": {rank: "local"|"peer"|"persistent"},
-            "hosts": {rank: the host its bytes came from}, "damaged": [what was not trusted, and why]}.
+            "hosts": {rank: the host its bytes came from; None for a persistent part},
+            "persistent": the persistent tier, "damaged": [what was not trusted, and why]}.
         last_error: why the last local save was not whole everywhere (None: it was).
     """
 
@@ -66,49 +70,71 @@ class TierRun:
                                            replica_parallel=False, timeout_s=tier.timeout_s)
         self.folder = HostFolder(tier, run)  # `run`: the persistent folder; its steps only
         self.host = self.folder.host
-        self.folder.make()
-        lists = self._lists()
+        self.key = str(self.folder.path.parent)  # the run's folder: names its rounds in the job's store
+        self.hosts = [self.host]
+        error = None
+        try:
+            self.folder.make()
+        except CheckpointWriteError as e:  # named on every rank, with this host and rank
+            e.add_note(f"This is rank {rank} of {world}; every rank of the job is told.")
+            error = e
+        lists = self._lists(error)
         self.hosts = [x["host"] for x in lists]
         self.whole = _whole(lists, world)  # the local steps every rank's part of is held (agreed)
         self.peers = peer_copy.peers_of(self.hosts, tier.peers)
+        self.copies = min(tier.peers, len(set(self.hosts)) - 1)
         self.sources = [r for r, to in self.peers.items() if rank in to]  # whose copies this rank keeps
         self.leader = self.hosts.index(self.host) == rank
-        if tier.peers and world > 1 and len(set(self.hosts)) < 2:
-            log.warning("xlakit: the local tier at %s has peers=%d, but every rank runs on host %r: no copy "
-                        "to another host is made (set XLAKIT_HOST_ID per host if the hostnames are alike)",
-                        tier.directory, tier.peers, self.host)
-        if self.leader:
-            self.folder.clean()
+        on_host = {r for r, h in enumerate(self.hosts) if h == self.host}
+        # The parts this host holds of a whole step: its ranks' own and the copies its ranks receive.
+        self.held_here = sorted(on_host | {src for src, to in self.peers.items() if on_host & set(to)})
+        if self.copies < tier.peers and world > 1 and rank == 0:
+            log.warning("xlakit: the local tier at %s has peers=%d, but the job runs on %d host(s): each part is "
+                        "copied to %d other host(s) (the most there are; set XLAKIT_HOST_ID per host if the "
+                        "hostnames are alike)", tier.directory, tier.peers, len(set(self.hosts)), self.copies)
+        if self.leader:  # what killed saves, and saves given up, left before this start
+            try:
+                self.folder.clean()
+                self.folder.tidy(world, tier.keep, None)
+            except OSError as e:
+                log.warning("xlakit: tidying the local tier %s failed (%s); what is left is never counted",
+                            self.folder.path, e)
+        if world > 1:  # no rank saves before every host is tidied
+            tier_rounds.exchange(self, "local-tier start", {})
         self.last_step: int | None = None
-        self.saves = 0
         self.last_error: str | None = None
         self.restored_from: dict | None = None
 
     def due(self, step: int, preempt: bool = False) -> bool:
         return step != self.last_step and (preempt or step % self.tier.interval_steps == 0)
 
-    def _lists(self) -> list[dict]:
-        """Every rank's {"host", "held": {step: {part: bytes}}} (a collective with several ranks)."""
-        mine = {"host": self.host, "held": self.folder.inventory(self.world)}
+    def _lists(self, error: BaseException | None = None) -> list[dict]:
+        """Every rank's {"host", "held": {step: {part: bytes}}}, by rank (agreed through the job's store)."""
+        mine = {"host": self.host, "held": {} if error else self.folder.inventory(self.world)}
         if self.world == 1:
+            if error is not None:
+                raise error
             return [mine]
-        group = peer_copy.fresh_group(self.tier.timeout_s)
-        try:
-            return peer_copy.gather(group, mine)
-        finally:
-            peer_copy.close_group(group)
+        got = tier_rounds.exchange(self, "local-tier listing", mine, error=error)
+        return [{"host": got[r]["host"], "held": {int(s): {int(p): n for p, n in parts.items()}
+                                                  for s, parts in got[r]["held"].items()}} for r in range(self.world)]
 
     def holds(self, step: int) -> bool:
         """True when the local tier holds every rank's part of `step` (every rank calls it)."""
-        return step in _whole(self._lists(), self.world)
+        self.whole = _whole(self._lists(), self.world)
+        return step in self.whole
 
-    def save_before_persistent(self, step: int, state: Any, preempt: bool,
-                               timeout_s: float | None) -> ValueError | None:
+    def latest(self, persistent: int | None = None) -> int | None:
+        """The newest step saved whole in the local tier (agreed; no collective), or `persistent` if newer."""
+        return max((s for s in (*self.whole, persistent) if s is not None), default=None)
+
+    def save_before_persistent(self, step: int, state: Any, preempt: bool, timeout_s: float | None,
+                               persistent: Collection[int] = ()) -> ValueError | None:
         """The local save that comes before a persistent one. Its refusal (`step` below the newest local
         step) is raised, except at a preemption, the job's last chance: there it is returned, for the
         manager to raise once the persistent step is saved."""
         try:
-            self.save(step, state, timeout_s=timeout_s)
+            self.save(step, state, timeout_s=timeout_s, persistent=persistent)
         except ValueError as e:  # refused: nothing was written
             if not preempt:
                 raise
@@ -117,118 +143,74 @@ class TierRun:
             return e
         return None
 
-    def save(self, step: int, state: Any, *, timeout_s: float | None = None) -> bool:
+    def save(self, step: int, state: Any, *, timeout_s: float | None = None, persistent: Collection[int] = ()
+             ) -> bool:
         """Save this rank's part of `step`, copy it to its peers; True when whole on every rank.
 
         Raises:
-            ValueError: `step` is at or below the newest whole local step (`retire_steps_after`).
+            ValueError: `step` is at or below the newest whole local step (`retire_steps_after`, which
+                also takes the `persistent` steps).
         """
-        rollback.refuse_at_or_below_latest(step, self.whole, f"the local tier {self.folder.path.parent}")
+        rollback.refuse_at_or_below_latest(step, self.whole, f"the local tier {self.key}", retire_to=persistent)
         # At a preemption, what is left of the grace (a spent grace: the save times out at once, named).
         timeout_s = self.tier.timeout_s if timeout_s is None else max(min(timeout_s, self.tier.timeout_s), 1e-3)
         deadline = time.monotonic() + timeout_s
         self.last_step = step
-        self.saves += 1  # the same count on every rank: names this save's keys in the job's store
-        mine: dict = {"error": None, "size": -1}
-        path = self.folder.part_path(step, self.rank, self.world)
-        try:
-            self.folder.make()
-            self.folder.make_step(step)
-            pipeline.save_file(local_tier.wrap(state, step, self.rank, self.world), path,
-                               dataclasses.replace(self.options, timeout_s=timeout_s))
-            mine["size"] = path.stat().st_size
-        except Exception as e:  # noqa: BLE001 - the local tier is a cache: said, never fatal
-            mine["error"] = _described(e, path, self.tier, self.world)
-        errors = [] if mine["error"] is None else [f"rank {self.rank} on {self.host}: {mine['error']}"]
-        agreed = True
         if self.world > 1:
-            errors, agreed = self._copy(step, mine, deadline)
-        if not errors:
-            self.whole.add(step)
-        notes = self._settle_folder(step, errors, agreed, deadline) if self.leader else []
-        self.last_error = "; ".join(errors) or None
-        if errors:
+            outcome = tier_rounds.save(self, step, state, deadline)
+        else:
+            self.folder.tidy(1, self.tier.keep, step)
+            _, error = tier_rounds.write_part(self, step, state, deadline)
+            outcome = tier_rounds.Outcome(error is None and time.monotonic() < deadline,
+                                          None if error is None else str(error))
+            if error is None and not outcome.whole:
+                outcome.error = (f"the part was written after the save's deadline of {timeout_s:g} s "
+                                 f"(LocalTier.timeout_s) and is not kept")
+        if outcome.whole:
+            self.whole = set(sorted(self.whole | {step})[-self.tier.keep:])
+        notes = self._settle_folder(step, outcome.whole, deadline) if self.leader else []
+        self.last_error = outcome.error
+        if not outcome.whole:
             log.error("xlakit: the local-tier save of step %d is not whole (%s); it will not be restored from "
                       "the local tier, and the persistent saves go on", step, self.last_error)
         elif notes:  # the step is whole; the older steps stay a while longer
             log.warning("xlakit: the local-tier save of step %d is whole, but %s", step, "; ".join(notes))
-        return not errors
+        return outcome.whole
 
-    def _settle_folder(self, step: int, errors: list[str], agreed: bool, deadline: float) -> list[str]:
-        """(The host's lowest rank.) Before the deadline only (then nothing is deleted): retention after
-        a whole step, else the failed step's folder goes (all of it once every rank agreed it failed).
-        What went wrong."""
-        if time.monotonic() >= deadline:  # a failed step's folder stays too (counted, not restored whole)
-            return [] if errors else [f"retention on {self.host} did not run: the save's deadline of {self.tier.timeout_s:g} s "
-                    f"(LocalTier.timeout_s) had passed; the older steps stay until the next save"]
+    def _settle_folder(self, step: int, whole: bool, deadline: float) -> list[str]:
+        """(The host's lowest rank.) A whole step is marked (the job decided it); then, before the
+        deadline only (else nothing is deleted), retention. A failed step's folder, never counted, goes
+        at this host's next save (another rank of the host may still be writing into it) or, alone,
+        now. What went wrong."""
+        notes = []
         try:
-            if errors:
-                if agreed:
-                    self.folder.remove_step(step)  # not whole anywhere it counts: never restored or counted
-                else:
-                    self.folder.drop_if_empty(step)
-                return []
-            self.folder.retain(self.tier.keep)
+            if whole:
+                self.folder.mark(step, self.world, self.held_here)
+        except OSError as e:  # this host's copies of the step do not count; the other hosts' do
+            notes.append(f"its marker on {self.host} could not be written ({e}): this host's parts of it "
+                         f"are not counted")
+        if time.monotonic() >= deadline:  # a failed step's folder stays too (unmarked: never counted)
+            return notes + ([] if not whole else [
+                f"retention on {self.host} did not run: the save's deadline of {self.tier.timeout_s:g} s "
+                f"(LocalTier.timeout_s) had passed; the older steps stay until the next save"])
+        try:
+            self.folder.tidy(self.world, self.tier.keep, step + (0 if whole or self.world > 1 else 1))
         except OSError as e:
-            return [f"retention of {self.folder.path} on {self.host}: {e}"]
-        return []
-
-    def _copy(self, step: int, mine: dict, deadline: float) -> tuple[list[str], bool]:
-        """Exchange sizes, copy the parts to the peers, exchange outcomes: every rank's errors, and
-        whether every rank has the same list (False: a rank could not reach the others)."""
-        group = None
-        try:
-            group = peer_copy.fresh_group(deadline - time.monotonic())
-            infos = peer_copy.gather(group, mine)
-            path = self.folder.part_path(step, self.rank, self.world)
-            sends = [peer_copy.Send(to, path, mine["size"]) for to in self.peers[self.rank]
-                     if mine["error"] is None]
-            receives = [peer_copy.Receive(src, self.folder.part_path(step, src, self.world), infos[src]["size"])
-                        for src in self.sources if infos[src]["error"] is None]
-            copy_error, sent = None, []
-            try:
-                sent = peer_copy.transfer(group, sends, receives, deadline, f"the local-tier save of step {step}")
-            except Exception as e:  # noqa: BLE001 - gathered below, as every rank's
-                copy_error = f"{type(e).__name__}: {e}{_partners(self, sends, receives)}"
-            try:  # each copy kept only if it arrived with the xxh3 its sender read while sending
-                digests = peer_copy.gather(group, sent[0] if sent and len(set(sent)) == 1 else None)
-                if receives and time.monotonic() >= deadline:  # no late commit: nothing is renamed
-                    copy_error = copy_error or (
-                        f"the copies arrived after the save's deadline of {self.tier.timeout_s:g} s "
-                        f"(LocalTier.timeout_s) and were discarded; raise timeout_s if copies take this long")
-                else:
-                    peer_copy.settle(receives, dict(enumerate(digests)))
-            finally:
-                peer_copy.discard(receives)
-            own = [f"rank {self.rank} on {self.host}: {mine['error']}"] if mine["error"] else []
-            own += [f"the copy of rank {r.source}'s part on {self.host} (rank {self.rank}): {r.error}"
-                    for r in receives if r.error]
-            if copy_error:
-                own.append(f"rank {self.rank} on {self.host}: {copy_error}")
-            return [e for errs in peer_copy.gather(group, own) for e in errs], True
-        except Exception as e:  # noqa: BLE001 - a rank that died or stalled: the step is not whole
-            silent = _silent(self, deadline)
-            named = ", ".join(f"rank {r} on {self.hosts[r]}" for r in silent)
-            why = (f". {named} did not answer (died or stalled: look at its log, e.g. for an OOM kill); the "
-                   f"step is not kept in the local tier, the older steps stay; restart the job if it died "
-                   f"(restore() takes the newest whole step)") if silent else _partners(self, [], [])
-            return [f"rank {self.rank} on {self.host} could not reach the other ranks ({type(e).__name__}: "
-                    f"{e}){why}"], False
-        finally:
-            if group is not None:
-                peer_copy.close_group(group)
+            notes.append(f"retention of {self.folder.path} on {self.host}: {e}")
+        return notes
 
     def restore(self, found, step: int | None, template: Any, options, directory) -> Any:
         """This rank's state of `step` (default: the newest every rank can restore), from the fastest tiers."""
         state, self.restored_from = tier_restore.restore(self, found, step, template, options, directory)
         return state
 
-    def retire_after(self, step: int) -> None:
-        """(After a rollback to `step`.) This host's lowest rank removes the local steps after it."""
-        if self.leader:
-            self.folder.retain_upto(step)
+    def retire_after(self, step: int) -> list[int]:
+        """(After a rollback to `step`, every rank.) Each host's lowest rank removes the local steps after
+        it; every rank returns once every host did. The local steps removed, on any host."""
+        removed = tier_rounds.retire(self, step) if self.world > 1 else self.folder.retain_upto(step)
         self.whole = {s for s in self.whole if s <= step}
         self.last_step = None
+        return removed
 
     def bytes_used(self) -> int:
         """Bytes this host's folder of the local tier holds now."""
@@ -242,48 +224,3 @@ def _whole(lists: list[dict], world: int) -> set[int]:
         for s, parts in x["held"].items():
             held.setdefault(int(s), set()).update(int(p) for p in parts)
     return {s for s, parts in held.items() if len(parts) == world}
-
-
-def _silent(run: TierRun, deadline: float) -> list[int]:
-    """The ranks that did not say they are alive in the job's store by the deadline and a grace of
-    2 s (a rank blocked on a dead one answers when its own wait times out, at the deadline): after a
-    failed copy, the ones that died or stalled. [] when it cannot tell."""
-    try:
-        import torch.distributed as d
-
-        store = d.distributed_c10d._get_default_store()
-        key = f"xlakit/local-tier/{run.folder.path.parent.name}/{run.saves}/alive/"
-        store.set(key + str(run.rank), "1")
-        try:
-            store.wait([key + str(r) for r in range(run.world)],
-                       timedelta(seconds=max(deadline - time.monotonic(), 0.0) + 2.0))
-        except Exception:  # noqa: BLE001 - some did not answer: named below
-            pass
-        return [r for r in range(run.world) if not store.check([key + str(r)])]
-    except Exception:  # noqa: BLE001 - a diagnostic never fails the save's report
-        return []
-
-
-def _partners(run: TierRun, sends, receives) -> str:
-    """Which ranks this rank was copying with (one of them stalled or died), and the fix."""
-    ranks = sorted({*run.peers[run.rank], *run.sources} if not (sends or receives)
-                   else {*(s.to for s in sends), *(r.source for r in receives)})
-    if not ranks:
-        return ""
-    named = ", ".join(f"rank {r} on {run.hosts[r]}" for r in ranks)
-    return (f". This rank copies with {named}: look there for a process that died or stalled (its log, "
-            f"an OOM kill); the step is not kept in the local tier, the older steps stay")
-
-
-def _described(e: Exception, path, tier: LocalTier, world: int) -> str:
-    text = f"{type(e).__name__}: {e}"
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or (
-            isinstance(e, CheckpointWriteError) and e.errno in (errno.ENOSPC, errno.EDQUOT)):
-        lower = [f"keep (now {tier.keep})"] if tier.keep > 1 else []
-        lower += [f"peers (now {tier.peers})"] if tier.peers and world > 1 else []
-        text = (f"the local tier is full: {path} could not be written ({text}). It holds at most keep+1 "
-                f"steps of this host's parts" + (" and its peers' copies" if tier.peers and world > 1 else "")
-                + "; " + (f"lower {' or '.join(lower)}, " if lower else "")
-                + f"give {tier.directory} more room (/dev/shm: docker --shm-size, or the tmpfs size), "
-                f"or use a local disk")
-    return text

@@ -53,7 +53,7 @@ namespace pjrt_wrap {
 
 // The wrapper's own version: part of every key and of every entry's identity.
 // Bump it when what a key covers, or what an entry holds, changes.
-inline constexpr char kWrapperVersion[] = "2";
+inline constexpr char kWrapperVersion[] = "3";
 
 struct CacheConfig {
   std::string dir;

@@ -19,7 +19,9 @@
 #include <dlfcn.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cctype>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -30,6 +32,7 @@
 #include "pjrt_wrap/env.h"
 #include "pjrt_wrap/execute_bridge.h"
 #include "pjrt_wrap/memory_accounting.h"
+#include "pjrt_wrap/proto_canon.h"
 #include "pjrt_wrap/refusal.h"
 #include "xla/pjrt/c/pjrt_c_api.h"
 
@@ -372,4 +375,26 @@ XLAKIT_EXPORT size_t xlakit_pjrt_wrap_memory(char* buffer, size_t capacity,
     buffer[n] = '\0';
   }
   return json.size();
+}
+
+// The bytes a cache key hashes for a program of `format` (proto_canon.h
+// CanonicalProgram: the input itself where it does not read as expected), so
+// that the key's canonicalisation is tested as built here, against parsers
+// (tests/runtime/test_key_differential.py). Writes at most `capacity` bytes
+// (not NUL-terminated: they hold NULs) and returns the full length; SIZE_MAX
+// if it could not be made (no memory).
+XLAKIT_EXPORT size_t xlakit_pjrt_wrap_canonical_program(
+    const char* format, size_t format_size, const char* program,
+    size_t program_size, char* buffer, size_t capacity) {
+  try {
+    std::string out = xlakit::pjrt_wrap::CanonicalProgram(
+        std::string_view(format, format_size),
+        std::string_view(program, program_size));
+    if (buffer != nullptr) {
+      std::memcpy(buffer, out.data(), std::min(out.size(), capacity));
+    }
+    return out.size();
+  } catch (...) {
+    return SIZE_MAX;
+  }
 }

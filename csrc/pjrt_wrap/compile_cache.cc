@@ -230,8 +230,16 @@ std::unique_ptr<CompileCache> CompileCache::Open(const PJRT_Api* real,
   cache->plugin_build_ =
       digest + " " + std::to_string(real->pjrt_api_version.major_version) +
       "." + std::to_string(real->pjrt_api_version.minor_version);
-  cache->flags_ = KeyedEnvironment(*crypto);
-  cache->flag_parts_ = KeyedFlags(*crypto);
+  std::string flag_problem;
+  cache->flags_ = KeyedEnvironment(*crypto, &flag_problem);
+  cache->flag_parts_ = KeyedFlags(*crypto, &flag_problem);
+  if (!flag_problem.empty()) {
+    state->why_off = flag_problem +
+                     "; the cache stays off rather than key compiles without "
+                     "those flags (point the variable at a regular file of "
+                     "flags)";
+    return nullptr;
+  }
   cache->codegen_env_ = KeyedCodegenEnvironment();
   state->on = true;
   state->authenticated = !cfg.key.empty();
@@ -521,74 +529,87 @@ void CompileCache::Evict(const std::string& keep) {
   closedir(dir);
 }
 
-PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
+void CompileCache::EndFlight(const std::string& key,
+                             const std::shared_ptr<Flight>& flight) noexcept {
+  std::lock_guard<std::mutex> lock(flight_mu_);
+  flight->done = true;
+  in_flight_.erase(key);
+  pthread_cond_broadcast(&flight->cv);
+}
+
+bool CompileCache::Lookup(PJRT_Client_Compile_Args* args, CompileLookup* out) {
   Counters& counters = GlobalCounters();
-  std::string key;
-  std::string path;
-  ClientInfo info;
-  try {
-    info = Info(args->client);
-    if (info.ok) {
-      key = KeyFor(info, *args);
-      if (!key.empty()) path = cfg_.dir + "/" + key;
-    }
-  } catch (...) {
-    path.clear();
+  out->info = Info(args->client);
+  if (out->info.ok) {
+    out->key = KeyFor(out->info, *args);
+    if (!out->key.empty()) out->path = cfg_.dir + "/" + out->key;
   }
-  if (path.empty()) {
-    ++counters.bypassed;
+  if (out->path.empty()) {
     LogOnce("key", "cannot key a program for the cache (" +
-                       (info.error.empty() ? std::string("no program bytes")
-                                           : info.error) +
+                       (out->info.error.empty() ? std::string("no program bytes")
+                                                : out->info.error) +
                        "); compiling without it");
-    return real_->PJRT_Client_Compile(args);
+    return false;
   }
   // Single flight: wait while another thread has this key in hand, then take
-  // it; the flight ends (and the next waiter looks up) however this returns.
-  std::shared_ptr<Flight> mine = std::make_shared<Flight>();
+  // it; Compile ends the flight (and the next waiter looks up) however it
+  // returns.
   {
+    auto mine = std::make_shared<Flight>();
     std::unique_lock<std::mutex> lock(flight_mu_);
-    for (auto it = in_flight_.find(key); it != in_flight_.end();
-         it = in_flight_.find(key)) {
+    for (auto it = in_flight_.find(out->key); it != in_flight_.end();
+         it = in_flight_.find(out->key)) {
       std::shared_ptr<Flight> other = it->second;
       ++counters.flight_waits;
       while (!other->done) {
         pthread_cond_wait(&other->cv, lock.mutex()->native_handle());
       }
     }
-    in_flight_[key] = mine;
+    in_flight_[out->key] = mine;
+    out->flight = std::move(mine);
   }
-  struct Land {
-    CompileCache* cache;
-    const std::string& key;
-    const std::shared_ptr<Flight>& flight;
-    ~Land() {
-      std::lock_guard<std::mutex> lock(cache->flight_mu_);
-      flight->done = true;
-      cache->in_flight_.erase(key);
-      pthread_cond_broadcast(&flight->cv);
-    }
-  } land{this, key, mine};
-  bool hit = false;
   try {
-    hit = TryLoad(info, key, path, args);
+    if (TryLoad(out->info, out->key, out->path, args)) return true;
   } catch (...) {
     counters.Refused("exception");
   }
+  if (cfg_.explain || !cfg_.read_only) {
+    out->record = RecordFor(out->info, *args);
+    if (cfg_.explain) Log(ExplainMiss(out->record, cfg_.dir, out->key));
+  }
+  return false;
+}
+
+PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
+  Counters& counters = GlobalCounters();
+  // Everything before the real compile may fail (no memory, a plugin call
+  // that throws nothing but allocates): the compile then goes on as a miss,
+  // or without the cache where no key was made. Nothing after it may lose
+  // the real compile's result.
+  CompileLookup lookup;
+  bool hit = false;
+  try {
+    hit = Lookup(args, &lookup);
+  } catch (...) {
+    ++counters.internal_errors;  // a key made stays: the compile is a miss
+    hit = false;
+  }
+  struct Land {  // the flight ends however this returns
+    CompileCache* cache;
+    const CompileLookup& lookup;
+    ~Land() {
+      if (lookup.flight) cache->EndFlight(lookup.key, lookup.flight);
+    }
+  } land{this, lookup};
   if (hit) {
     ++counters.hits;
     return nullptr;
   }
-  ++counters.misses;
-  KeyRecord record;
-  if (cfg_.explain || !cfg_.read_only) {
-    try {
-      record = RecordFor(info, *args);
-      if (cfg_.explain) Log(ExplainMiss(record, cfg_.dir, key));
-    } catch (...) {
-      record = KeyRecord();
-    }
+  if (lookup.path.empty()) {
+    ++counters.bypassed;
+    return real_->PJRT_Client_Compile(args);
   }
+  ++counters.misses;
   Clock::time_point start = Clock::now();
   PJRT_Error* error = real_->PJRT_Client_Compile(args);
   const uint64_t compile_us = MicrosSince(start);
@@ -599,7 +620,8 @@ PJRT_Error* CompileCache::Compile(PJRT_Client_Compile_Args* args) {
   } else if (error == nullptr && args->executable != nullptr &&
              !cfg_.read_only) {
     try {
-      Store(info, key, path, args->executable, record);
+      Store(lookup.info, lookup.key, lookup.path, args->executable,
+            lookup.record);
     } catch (...) {
       ++counters.write_failures;
     }

@@ -29,6 +29,18 @@ constexpr int kMaxSlots = 4096;
 constexpr int kIndexSize = 2 * kMaxSlots;  // open addressing, power of two
 constexpr int kShards = 64;
 
+// Live bytes and buffers of one kind of memory, with their peak.
+struct Tally {
+  std::atomic<int64_t> bytes{0};
+  std::atomic<int64_t> buffers{0};
+  std::atomic<int64_t> peak{0};
+  std::atomic<uint64_t> created{0};
+};
+
+// A device's memories other than its default one (pinned_host,
+// unpinned_host, ...), each counted apart from the device's own bytes.
+constexpr int kMaxMemories = 4;
+
 struct Slot {
   PJRT_Device* device = nullptr;
   PJRT_Client* client = nullptr;
@@ -39,16 +51,25 @@ struct Slot {
   std::string kind;
   std::string platform;
   std::atomic<bool> live{false};  // false once its client is destroyed
-  std::atomic<int64_t> bytes{0};
-  std::atomic<int64_t> buffers{0};
-  std::atomic<int64_t> peak{0};
-  std::atomic<uint64_t> created{0};
+  Tally device_memory;            // the device's default memory
+  PJRT_Memory* default_memory = nullptr;
+  int num_memories = 0;
+  PJRT_Memory* memories[kMaxMemories] = {};
+  std::string memory_kinds[kMaxMemories];
+  Tally other_memory[kMaxMemories];
+  Tally views;  // CreateViewOfDeviceBuffer: memory the framework owns
 };
+
+// Where a buffer's bytes count.
+constexpr int kDeviceMemory = -1;
+constexpr int kViews = -2;
+constexpr int kUnknownMemory = -3;  // a memory the device did not list
 
 struct Record {
   int slot;
   int64_t bytes;
   bool deleted;  // its memory freed; the handle lives until destroyed
+  int bucket;    // kDeviceMemory, kViews, or an index into other_memory
 };
 
 struct Shard {
@@ -142,6 +163,64 @@ Args Make() {
 
 void Drop(PJRT_Error* error) { TakeError(state->real, error); }
 
+// The device's memories (kinds by name) and which is its default, where the
+// plugin says; without them every buffer counts as the device's.
+void RegisterMemories(PJRT_Device* device, Slot* s) {
+  const PJRT_Api* api = state->real;
+  s->num_memories = 0;
+  s->default_memory = nullptr;
+  if (!XLAKIT_PJRT_HAS(api, PJRT_Device_DefaultMemory) ||
+      !XLAKIT_PJRT_HAS(api, PJRT_Device_AddressableMemories) ||
+      !XLAKIT_PJRT_HAS(api, PJRT_Memory_Kind) ||
+      !XLAKIT_PJRT_HAS(api, PJRT_Buffer_Memory)) {
+    return;
+  }
+  auto def = Make<PJRT_Device_DefaultMemory_Args>();
+  def.device = device;
+  auto all = Make<PJRT_Device_AddressableMemories_Args>();
+  all.device = device;
+  if (PJRT_Error* e = api->PJRT_Device_DefaultMemory(&def)) return Drop(e);
+  if (PJRT_Error* e = api->PJRT_Device_AddressableMemories(&all)) return Drop(e);
+  for (size_t m = 0; m < all.num_memories && s->num_memories < kMaxMemories;
+       ++m) {
+    if (all.memories[m] == def.memory) continue;
+    auto kind = Make<PJRT_Memory_Kind_Args>();
+    kind.memory = all.memories[m];
+    if (PJRT_Error* e = api->PJRT_Memory_Kind(&kind)) {
+      Drop(e);
+      continue;
+    }
+    const int i = s->num_memories++;
+    s->memories[i] = all.memories[m];
+    s->memory_kinds[i].assign(kind.kind, kind.kind_size);
+  }
+  s->default_memory = def.memory;
+}
+
+// Where the buffer's bytes count: the device's default memory, or one of its
+// others (a buffer put in pinned_host memory is host memory).
+int MemoryBucket(PJRT_Buffer* buffer, const Slot& s) {
+  if (s.default_memory == nullptr) return kDeviceMemory;
+  auto memory = Make<PJRT_Buffer_Memory_Args>();
+  memory.buffer = buffer;
+  if (PJRT_Error* e = state->real->PJRT_Buffer_Memory(&memory)) {
+    Drop(e);
+    return kDeviceMemory;
+  }
+  if (memory.memory == s.default_memory) return kDeviceMemory;
+  for (int i = 0; i < s.num_memories; ++i) {
+    if (s.memories[i] == memory.memory) return i;
+  }
+  return kUnknownMemory;
+}
+
+Tally* TallyOf(Slot& s, int bucket) {
+  if (bucket == kDeviceMemory) return &s.device_memory;
+  if (bucket == kViews) return &s.views;
+  if (bucket >= 0 && bucket < s.num_memories) return &s.other_memory[bucket];
+  return nullptr;
+}
+
 void RegisterClient(PJRT_Client* client) {
   const PJRT_Api* api = state->real;
   if (!XLAKIT_PJRT_HAS(api, PJRT_Client_AddressableDevices)) return;
@@ -193,25 +272,37 @@ void RegisterClient(PJRT_Client* client) {
     hw.device = device;
     if (PJRT_Error* e = api->PJRT_Device_LocalHardwareId(&hw)) Drop(e);
     else s.local_hardware_id = hw.local_hardware_id;
+    RegisterMemories(device, &s);
     s.live.store(true, std::memory_order_release);
     state->slot_count.store(n + 1, std::memory_order_release);
     IndexSlot(device, n);
   }
 }
 
-void Raise(Slot& s, int64_t bytes) {
-  const int64_t now = s.bytes.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-  s.buffers.fetch_add(1, std::memory_order_relaxed);
-  s.created.fetch_add(1, std::memory_order_relaxed);
-  int64_t peak = s.peak.load(std::memory_order_relaxed);
+void Raise(Tally& t, int64_t bytes) {
+  const int64_t now = t.bytes.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  t.buffers.fetch_add(1, std::memory_order_relaxed);
+  t.created.fetch_add(1, std::memory_order_relaxed);
+  int64_t peak = t.peak.load(std::memory_order_relaxed);
   while (now > peak &&
-         !s.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+         !t.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
   }
 }
 
-// A buffer the C API just handed out.
-void Account(PJRT_Buffer* buffer) {
+void AccountOrCount(PJRT_Buffer* buffer, bool view);
+
+// A buffer the C API just handed out (`view`: one made with
+// CreateViewOfDeviceBuffer, over memory the framework owns); never throws.
+void Account(PJRT_Buffer* buffer, bool view = false) noexcept {
   if (buffer == nullptr) return;
+  try {
+    AccountOrCount(buffer, view);
+  } catch (...) {
+    ++state->unattributed;  // no memory to record it: it goes uncounted
+  }
+}
+
+void AccountOrCount(PJRT_Buffer* buffer, bool view) {
   Timed timed;
   const PJRT_Api* api = state->real;
   auto device = Make<PJRT_Buffer_Device_Args>();
@@ -227,14 +318,22 @@ void Account(PJRT_Buffer* buffer) {
     return;
   }
   const int64_t bytes = static_cast<int64_t>(size.on_device_size_in_bytes);
+  Slot& s = state->slots[slot];
+  const int bucket = view ? kViews : MemoryBucket(buffer, s);
+  Tally* tally = TallyOf(s, bucket);
+  if (tally == nullptr) {
+    ++state->unattributed;  // a memory its device did not list
+    return;
+  }
   Shard& shard = state->shards[Hash(buffer) % kShards];
   {
     std::lock_guard<std::mutex> lock(shard.mu);
-    if (!shard.live.try_emplace(buffer, Record{slot, bytes, false}).second) {
+    if (!shard.live.try_emplace(buffer, Record{slot, bytes, false, bucket})
+             .second) {
       return;  // counted already (a handle handed out twice)
     }
   }
-  Raise(state->slots[slot], bytes);
+  Raise(*tally, bytes);
 }
 
 // A buffer deleted (`destroy` false: its memory freed, the handle kept) or
@@ -243,7 +342,7 @@ void Account(PJRT_Buffer* buffer) {
 void Release(PJRT_Buffer* buffer, bool destroy) {
   Timed timed;
   Shard& shard = state->shards[Hash(buffer) % kShards];
-  Record record{-1, 0, true};
+  Record record{-1, 0, true, kDeviceMemory};
   {
     std::lock_guard<std::mutex> lock(shard.mu);
     auto it = shard.live.find(buffer);
@@ -256,18 +355,27 @@ void Release(PJRT_Buffer* buffer, bool destroy) {
     }
   }
   if (record.deleted) return;
-  Slot& s = state->slots[record.slot];
-  s.bytes.fetch_sub(record.bytes, std::memory_order_relaxed);
-  s.buffers.fetch_sub(1, std::memory_order_relaxed);
+  Tally* tally = TallyOf(state->slots[record.slot], record.bucket);
+  tally->bytes.fetch_sub(record.bytes, std::memory_order_relaxed);
+  tally->buffers.fetch_sub(1, std::memory_order_relaxed);
 }
 
 // Reads an out field only where the caller's struct holds it.
 #define XLAKIT_HOLDS(args, field) \
   ((args)->struct_size >= offsetof(std::remove_reference_t<decltype(*(args))>, field) + sizeof((args)->field))
 
+// The replacements below run after the plugin's own call succeeded: what
+// they record may fail (no memory), and then the client or buffer goes
+// unaccounted (counted), never the call failed or the process aborted.
 PJRT_Error* Client_Create(PJRT_Client_Create_Args* args) {
   PJRT_Error* e = state->inner->PJRT_Client_Create(args);
-  if (e == nullptr && XLAKIT_HOLDS(args, client)) RegisterClient(args->client);
+  if (e == nullptr && XLAKIT_HOLDS(args, client)) {
+    try {
+      RegisterClient(args->client);
+    } catch (...) {
+      ++state->unattributed;  // its devices (some, or all) go unlisted
+    }
+  }
   return e;
 }
 
@@ -300,12 +408,18 @@ PJRT_Error* Device_MemoryStats(PJRT_Device_MemoryStats_Args* args) {
   }
 XLAKIT_ACCOUNTED(Client_BufferFromHostBuffer, buffer)
 XLAKIT_ACCOUNTED(Client_CreateUninitializedBuffer, buffer)
-XLAKIT_ACCOUNTED(Client_CreateViewOfDeviceBuffer, buffer)
 XLAKIT_ACCOUNTED(Client_CreateAliasBuffer, alias_buffer)
 XLAKIT_ACCOUNTED(Buffer_CopyToDevice, dst_buffer)
 XLAKIT_ACCOUNTED(Buffer_CopyToMemory, dst_buffer)
 XLAKIT_ACCOUNTED(AsyncHostToDeviceTransferManager_RetrieveBuffer, buffer_out)
 #undef XLAKIT_ACCOUNTED
+
+PJRT_Error* Client_CreateViewOfDeviceBuffer(
+    PJRT_Client_CreateViewOfDeviceBuffer_Args* args) {
+  PJRT_Error* e = state->inner->PJRT_Client_CreateViewOfDeviceBuffer(args);
+  if (e == nullptr && XLAKIT_HOLDS(args, buffer)) Account(args->buffer, true);
+  return e;
+}
 
 PJRT_Error* Buffer_Delete(PJRT_Buffer_Delete_Args* args) {
   if (args != nullptr) Release(args->buffer, false);
@@ -355,10 +469,11 @@ PJRT_Error* LoadedExecutable_Execute(PJRT_LoadedExecutable_Execute_Args* args) {
   PJRT_Error* e = state->inner->PJRT_LoadedExecutable_Execute(args);
   if (e != nullptr || args == nullptr || args->output_lists == nullptr) return e;
   size_t outputs = 0;
-  bool known;
-  {
+  bool known = false;
+  try {
     Timed timed;
     known = NumOutputs(args->executable, &outputs);
+  } catch (...) {  // no memory to remember the count: asked again next time
   }
   if (!known) {
     state->unattributed += args->num_devices;
@@ -419,6 +534,17 @@ std::string PluginStats(PJRT_Device* device) {
 template <typename Fn>
 void Replace(PJRT_Api* table, Fn PJRT_Api::*field, size_t offset, Fn fn) {
   if (HasFunction(state->inner, offset, sizeof(Fn))) table->*field = fn;
+}
+
+// A tally's fields; `reset_peak` then sets its peak to its live bytes.
+std::string TallyJson(Tally& t, bool reset_peak) {
+  const int64_t bytes = t.bytes.load(std::memory_order_relaxed);
+  std::string out = "\"live_bytes\": " + std::to_string(bytes) +
+                    ", \"live_buffers\": " + std::to_string(t.buffers.load()) +
+                    ", \"peak_bytes\": " + std::to_string(t.peak.load()) +
+                    ", \"created_buffers\": " + std::to_string(t.created.load());
+  if (reset_peak) t.peak.store(bytes, std::memory_order_relaxed);
+  return out;
 }
 
 }  // namespace
@@ -489,20 +615,23 @@ std::string MemoryJson(bool plugin_stats, bool reset_peaks) {
   for (int i = 0; i < n; ++i) {
     Slot& s = state->slots[i];
     if (!s.live.load(std::memory_order_acquire)) continue;
-    const int64_t bytes = s.bytes.load(std::memory_order_relaxed);
     out += std::string(first ? "" : ", ") + "{\"platform\": " +
            JsonString(s.platform) + ", \"client\": " +
            std::to_string(s.client_index) + ", \"id\": " + std::to_string(s.id) +
            ", \"process\": " + std::to_string(s.process) +
            ", \"local_hardware_id\": " + std::to_string(s.local_hardware_id) +
-           ", \"kind\": " + JsonString(s.kind) +
-           ", \"live_bytes\": " + std::to_string(bytes) +
-           ", \"live_buffers\": " + std::to_string(s.buffers.load()) +
-           ", \"peak_bytes\": " + std::to_string(s.peak.load()) +
-           ", \"created_buffers\": " + std::to_string(s.created.load());
+           ", \"kind\": " + JsonString(s.kind) + ", " +
+           TallyJson(s.device_memory, reset_peaks);
+    // Counted apart: the device's other memories (host memory), by kind, and
+    // views of memory the framework owns.
+    out += ", \"other_memories\": {";
+    for (int m = 0; m < s.num_memories; ++m) {
+      out += std::string(m ? ", " : "") + JsonString(s.memory_kinds[m]) +
+             ": {" + TallyJson(s.other_memory[m], reset_peaks) + "}";
+    }
+    out += "}, \"views\": {" + TallyJson(s.views, reset_peaks) + "}";
     if (plugin_stats) out += ", " + PluginStats(s.device);
     out += "}";
-    if (reset_peaks) s.peak.store(bytes, std::memory_order_relaxed);
     first = false;
   }
   return out + "]}";

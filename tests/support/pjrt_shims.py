@@ -89,6 +89,159 @@ const PJRT_Api* GetPjrtApi(void) {
 """
 
 
+# A fake, by necessity: no allocation can be made to fail on demand otherwise. Preloaded, it replaces the
+# process's operator new; while FAIL_NEW_FROM is set, an allocation made on behalf of xlakit's wrapper (its
+# library on the call stack) is counted, and from the FAIL_NEW_FROM-th one on ("N+") or only that one ("N")
+# it throws std::bad_alloc, as with no memory left. FAIL_NEW_REPORT=1 prints the count at exit.
+_FAIL_NEW = r"""
+#include <dlfcn.h>
+#include <elf.h>
+#include <execinfo.h>
+#include <link.h>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+static thread_local bool inside = false;
+static std::atomic<long> counted{0};
+static long from = -2;
+static bool onward = false;
+
+// Whether the code that asked is the wrapper's: the first caller outside this library and libstdc++ (whose
+// std::string and containers allocate for their callers). The direct caller decides most allocations
+// cheaply; only those libstdc++ makes are traced further.
+enum Origin { kWrapper, kLibstdcxx, kOther };
+
+// The executable ranges of the wrapper, libstdc++ and this library, read again whenever a library was loaded
+// (dladdr on every allocation would take minutes in torch's start).
+struct Range { uintptr_t lo = 0, hi = 0; };
+static Range wrapper_range, libstdcxx_range, self_range;
+static unsigned long long scanned_adds = ~0ull;
+static std::mutex ranges_mu;
+
+static int PeekAdds(struct dl_phdr_info* info, size_t, void* out) {
+  *static_cast<unsigned long long*>(out) = info->dlpi_adds;
+  return 1;
+}
+
+static int Scan(struct dl_phdr_info* info, size_t, void*) {
+  const char* name = info->dlpi_name ? info->dlpi_name : "";
+  Range* r = strstr(name, "libxlakit_pjrt_wrap") ? &wrapper_range
+             : strstr(name, "libstdc++")         ? &libstdcxx_range
+             : strstr(name, "libfail_new")       ? &self_range
+                                                 : nullptr;
+  if (r == nullptr) return 0;
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+    if (ph.p_type != PT_LOAD || !(ph.p_flags & PF_X)) continue;
+    r->lo = info->dlpi_addr + ph.p_vaddr;
+    r->hi = r->lo + ph.p_memsz;
+  }
+  return 0;
+}
+
+static Origin OriginOf(void* address) {
+  {
+    std::lock_guard<std::mutex> lock(ranges_mu);
+    unsigned long long adds = 0;
+    dl_iterate_phdr(PeekAdds, &adds);
+    if (adds != scanned_adds) {
+      scanned_adds = adds;
+      dl_iterate_phdr(Scan, nullptr);
+    }
+  }
+  const uintptr_t a = reinterpret_cast<uintptr_t>(address);
+  if (a >= wrapper_range.lo && a < wrapper_range.hi) return kWrapper;
+  if ((a >= libstdcxx_range.lo && a < libstdcxx_range.hi) || (a >= self_range.lo && a < self_range.hi)) {
+    return kLibstdcxx;
+  }
+  return kOther;
+}
+
+static bool FromWrapper(void* caller) {
+  Origin first = OriginOf(caller);
+  if (first != kLibstdcxx) return first == kWrapper;
+  void* frames[10];
+  int n = backtrace(frames, 10);
+  for (int i = 1; i < n; ++i) {
+    Origin o = OriginOf(frames[i]);
+    if (o != kLibstdcxx) return o == kWrapper;
+  }
+  return false;
+}
+
+static bool Fail(void* caller) {
+  if (inside) return false;
+  inside = true;
+  if (from == -2) {
+    const char* v = getenv("FAIL_NEW_FROM");
+    from = v ? atol(v) : -1;
+    onward = v && strchr(v, '+');
+  }
+  bool fail = false;
+  if (from >= 0 && FromWrapper(caller)) {
+    long k = ++counted;
+    fail = from > 0 && (onward ? k >= from : k == from);
+  }
+  inside = false;
+  return fail;
+}
+
+static void Report() {
+  if (getenv("FAIL_NEW_REPORT")) fprintf(stderr, "fail_new: %ld allocations on behalf of the wrapper\n", counted.load());
+}
+__attribute__((constructor)) static void Init() { atexit(Report); }
+
+void* operator new(size_t size) {
+  if (Fail(__builtin_return_address(0))) throw std::bad_alloc();
+  void* p = malloc(size ? size : 1);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+void* operator new[](size_t size) {
+  if (Fail(__builtin_return_address(0))) throw std::bad_alloc();
+  void* p = malloc(size ? size : 1);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+void* operator new(size_t size, const std::nothrow_t&) noexcept {
+  try { return operator new(size); } catch (...) { return nullptr; }
+}
+void* operator new[](size_t size, const std::nothrow_t&) noexcept {
+  try { return operator new(size); } catch (...) { return nullptr; }
+}
+void* operator new(size_t size, std::align_val_t align) {
+  if (Fail(__builtin_return_address(0))) throw std::bad_alloc();
+  void* p = nullptr;
+  if (posix_memalign(&p, static_cast<size_t>(align) < sizeof(void*) ? sizeof(void*) : static_cast<size_t>(align),
+                     size ? size : 1)) throw std::bad_alloc();
+  return p;
+}
+void* operator new[](size_t size, std::align_val_t align) { return operator new(size, align); }
+void operator delete(void* p) noexcept { free(p); }
+void operator delete[](void* p) noexcept { free(p); }
+void operator delete(void* p, size_t) noexcept { free(p); }
+void operator delete[](void* p, size_t) noexcept { free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { free(p); }
+void operator delete(void* p, size_t, std::align_val_t) noexcept { free(p); }
+void operator delete[](void* p, size_t, std::align_val_t) noexcept { free(p); }
+"""
+
+
+def fail_new_preload(folder: Path) -> Path:
+    """The allocation-failing preload (a fake), built in `folder`."""
+    src = folder / "fail_new.cc"
+    src.write_text(_FAIL_NEW)
+    lib = folder / "libfail_new.so"
+    subprocess.run(["c++", "-std=c++17", "-O1", "-shared", "-fPIC", "-o", str(lib), str(src), "-ldl"], check=True)
+    return lib
+
+
 def compile_plugin(source: str, folder: Path, name: str) -> Path:
     """`source` (C) built as `folder/lib<name>.so` against the PJRT header the wrapper is built with."""
     sys.path.insert(0, str(REPO / "build"))

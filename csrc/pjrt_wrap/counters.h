@@ -6,6 +6,7 @@
 #define XLAKIT_PJRT_WRAP_COUNTERS_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -55,6 +56,14 @@ struct Counters {
 };
 
 Counters& GlobalCounters();
+
+// Microseconds from `start` to now, for compile_us and load_us.
+inline uint64_t MicrosSince(std::chrono::steady_clock::time_point start) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(
+          std::chrono::steady_clock::now() - start)
+          .count());
+}
 
 // Writes `message` to stderr once per `kind` per process ("xlakit-pjrt: ...",
 // control bytes, format controls such as U+202E and bytes that are not UTF-8

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "pjrt_wrap/mlir_bytecode_format.h"
@@ -106,7 +107,7 @@ bool ReadEntries(std::string_view offsets, std::string_view data, Program* p) {
         p->groups.push_back(e.custom ? 'c' : 'a');
         e.data = data.substr(at, size);
         at += size;
-        p->entries.push_back(e);
+        p->entries.push_back(std::move(e));
       }
     }
   }

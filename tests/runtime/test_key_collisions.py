@@ -33,12 +33,9 @@ pytestmark = [pytest.mark.pjrt, pytest.mark.slow]
 _JAX = """
 import json, os
 import numpy as np
-os.environ["JAX_PLATFORMS"] = "shimcpu"
-import jax
-jax.config.update("jax_enable_compilation_cache", False)
-from jax._src import xla_bridge
+from tests.support import pjrt_job
 from xlakit.runtime import pjrt_wrap
-xla_bridge.register_plugin("shimcpu", library_path=os.environ["SHIM"])
+jax = pjrt_job.start_jax(os.environ["SHIM"])
 
 def f(x):  # lowered as module @jit_f: the shim hands the wrapper SHIM_REPLACE instead
     return x + 1.0

@@ -255,13 +255,11 @@ def test_memory_stats_zero_a_larger_callers_tail_and_every_client_device_is_repo
 # -- memory that is not the device's own ---------------------------------------------------------------------
 
 _PINNED = """
-import json, os
+import json
 import numpy as np
-os.environ["JAX_PLATFORMS"] = "xlakitcpu"
-import jax
-from jax._src import xla_bridge
-from xlakit.runtime import pjrt_wrap, wrap_memory
-xla_bridge.register_plugin("xlakitcpu", library_path=str(pjrt_wrap.library_path()))
+from tests.support import pjrt_job
+from xlakit.runtime import wrap_memory
+jax = pjrt_job.start_jax()
 device = jax.devices()[0]
 mem = lambda: wrap_memory.by_device(plugin_stats=False)["CPU:0"]
 out = {"before": mem()}
@@ -274,20 +272,12 @@ print(json.dumps(out))
 """
 
 _VIEW = """
-import json, os
-os.environ["PJRT_DEVICE"] = "XLACPU"
-import torch, torch_xla
-import torch_xla.experimental.plugins as plugins
+import json
+import torch
 import torch_xla.utils.dlpack as xla_dlpack
-from xlakit.runtime import pjrt_wrap, wrap_memory
-
-class Wrapped(plugins.DevicePlugin):
-    def library_path(self):
-        return str(pjrt_wrap.library_path())
-
-plugins.use_dynamic_plugins()
-plugins.register_plugin("XLACPU", Wrapped())
-torch_xla.device()
+from tests.support import pjrt_job
+from xlakit.runtime import wrap_memory
+pjrt_job.start_torch_xla().device()
 mem = lambda: wrap_memory.by_device(plugin_stats=False)["CPU:0"]
 out = {"before": mem()}
 host = torch.ones(1024)

@@ -26,52 +26,14 @@ PYTHONPATH = os.pathsep.join([str(Path(pjrt_wrap.__file__).resolve().parents[2])
 
 pytestmark = [pytest.mark.pjrt, pytest.mark.slow]
 
+# pjrt_job's programs, printing only their results (the status report is not asked for: under no memory the
+# wrapper answers it with an error object).
 _JAX = """
-import json, os
-import numpy as np
-os.environ["JAX_PLATFORMS"] = "xlakitcpu"
-import jax, jax.numpy as jnp
-jax.config.update("jax_enable_compilation_cache", False)
-from jax._src import xla_bridge
-from xlakit.runtime import pjrt_wrap
-xla_bridge.register_plugin("xlakitcpu", library_path=str(pjrt_wrap.library_path()))
-
-@jax.jit
-def step(x):
-    for i in range(4):
-        x = jnp.tanh(x @ x.T * 0.5 + i)
-    return x
-
-y = step(jnp.arange(64, dtype=jnp.float32).reshape(8, 8) / 64)
-z = jax.jit(lambda a: (a * 3).sum(axis=0))(y)
-print(json.dumps({"results": [np.asarray(y).tobytes().hex(), np.asarray(z).tobytes().hex()]}))
+import json
+from tests.support import pjrt_job
+print(json.dumps({"results": [r.hex() for r in pjrt_job.run_jax(0)]}))
 """
-
-_TORCH_XLA = """
-import json, os
-os.environ["PJRT_DEVICE"] = "XLACPU"
-import torch, torch_xla
-import torch_xla.experimental.plugins as plugins
-from xlakit.runtime import pjrt_wrap
-
-class Wrapped(plugins.DevicePlugin):
-    def library_path(self):
-        return str(pjrt_wrap.library_path())
-
-plugins.use_dynamic_plugins()
-plugins.register_plugin("XLACPU", Wrapped())
-torch.manual_seed(0)
-device = torch_xla.device()
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(device)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-x = (torch.arange(64, dtype=torch.float32).reshape(4, 16) / 64).to(device)
-for _ in range(2):
-    opt.zero_grad()
-    model(x).square().mean().backward()
-    opt.step()
-    torch_xla.sync()
-print(json.dumps({"results": [p.detach().cpu().numpy().tobytes().hex() for p in model.parameters()]}))
-"""
+_TORCH_XLA = _JAX.replace("run_jax(0)", "run_torch_xla(0, None)")
 
 
 def _run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -92,9 +54,9 @@ def _allocations(done: subprocess.CompletedProcess) -> int:
     return int(line.split()[1])
 
 
-def _survives_every_failure_point(tmp_path: Path, script: str, plugin: str) -> None:
+def _survives_every_failure_point(tmp_path: Path, script: str, plugin: str, **extra: str) -> None:
     preload = pjrt_shims.fail_new_preload(tmp_path)
-    env = dict(LD_PRELOAD=str(preload), XLAKIT_PJRT_PLUGIN=plugin)
+    env = dict(LD_PRELOAD=str(preload), XLAKIT_PJRT_PLUGIN=plugin, **extra)
     cold = _run(script, FAIL_NEW_FROM="0", FAIL_NEW_REPORT="1", XLAKIT_PJRT_CACHE_DIR=str(tmp_path / "counted"), **env)
     expected, n = _results(cold), _allocations(cold)
     warm = _run(script, FAIL_NEW_FROM="0", FAIL_NEW_REPORT="1", XLAKIT_PJRT_CACHE_DIR=str(tmp_path / "counted"), **env)
@@ -123,7 +85,8 @@ def test_no_memory_in_the_wrapper_under_jax_is_a_miss_or_an_error_never_an_abort
 
 def test_no_memory_in_the_wrapper_under_torch_xla_is_a_miss_or_an_error_never_an_abort(tmp_path):
     # Regression (issue 32): as above, through torch_xla's execute bridge and buffer accounting too.
-    _survives_every_failure_point(tmp_path, _TORCH_XLA, pjrt_job.xla_cpu_plugin())
+    _survives_every_failure_point(tmp_path, _TORCH_XLA, pjrt_job.xla_cpu_plugin(),
+                                  XLAKIT_TEST_REAL_PLUGIN=str(pjrt_wrap.library_path()))  # pjrt_job loads it
 
 
 # -- flag files ---------------------------------------------------------------------------------------------

@@ -19,14 +19,10 @@ from pathlib import Path
 def capture_jax() -> None:
     import numpy as np
 
-    os.environ["JAX_PLATFORMS"] = "capture"
-    import jax
+    from tests.support import pjrt_job
+
+    jax = pjrt_job.start_jax(os.environ["CAPTURE_SHIM"], "capture")
     import jax.numpy as jnp
-
-    jax.config.update("jax_enable_compilation_cache", False)
-    from jax._src import xla_bridge
-
-    xla_bridge.register_plugin("capture", library_path=os.environ["CAPTURE_SHIM"])
 
     @jax.jit
     def step(w, x):
@@ -57,17 +53,11 @@ def capture_jax() -> None:
 
 
 def capture_torch_xla() -> None:
-    os.environ["PJRT_DEVICE"] = "CAPTURE"
     import torch
-    import torch_xla
-    import torch_xla.experimental.plugins as plugins
 
-    class Shim(plugins.DevicePlugin):
-        def library_path(self) -> str:
-            return os.environ["CAPTURE_SHIM"]
+    from tests.support import pjrt_job
 
-    plugins.use_dynamic_plugins()
-    plugins.register_plugin("CAPTURE", Shim())
+    torch_xla = pjrt_job.start_torch_xla(os.environ["CAPTURE_SHIM"], "CAPTURE")
     torch.manual_seed(0)
     device = torch_xla.device()
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(device)

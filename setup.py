@@ -121,7 +121,8 @@ def _stamp() -> str:
 def _pjrt_wrap_sources() -> list[str]:
     # The plugin and the parts of the core it writes entries with; no bindings, no Python.
     wrap = sorted(str(p.relative_to(ROOT)) for p in (ROOT / CSRC / "pjrt_wrap").glob("*.cc"))
-    return wrap + [f"{CSRC}/core/{name}.cc" for name in ("envelope", "atomic_file", "folder_trust")]
+    return wrap + [f"{CSRC}/core/{name}.cc"
+                   for name in ("envelope", "envelope_mac", "envelope_read", "atomic_file", "folder_trust")]
 
 
 def _pjrt_header_dir() -> Path:

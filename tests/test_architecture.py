@@ -260,3 +260,24 @@ def test_the_architecture_map_draws_checkpoint_subpackages_in_their_order():
         if name:
             drawn.append(ENTRY if name == "__init__.py" else name.rstrip("/"))
     assert drawn == CHECKPOINT_ORDER
+
+
+# -- C++ (issue 36 item 3) ------------------------------------------------------------------------------------
+
+CSRC = REPO / "csrc"
+# A C++ source or header over this many lines does more than one job: split it along its seams.
+MAX_CXX_LINES = 500
+# The few files that stay over it, each with its reason.
+LONG_CXX_FILES: dict[str, str] = {
+    # (none)
+}
+
+
+@pytest.mark.parametrize("path", sorted([*CSRC.rglob("*.cc"), *CSRC.rglob("*.h")]),
+                         ids=lambda p: str(p.relative_to(CSRC)))
+def test_cxx_files_open_with_what_they_provide_and_have_a_bounded_size(path):
+    lines = path.read_text().splitlines()
+    name = str(path.relative_to(CSRC))
+    assert lines and lines[0].startswith("//"), f"csrc/{name} does not open with a comment saying what it provides"
+    assert len(lines) <= MAX_CXX_LINES or name in LONG_CXX_FILES, (
+        f"csrc/{name} has {len(lines)} lines: split it along its seams, or name it in LONG_CXX_FILES with the reason")

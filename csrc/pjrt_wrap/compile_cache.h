@@ -53,7 +53,7 @@ namespace pjrt_wrap {
 
 // The wrapper's own version: part of every key and of every entry's identity.
 // Bump it when what a key covers, or what an entry holds, changes.
-inline constexpr char kWrapperVersion[] = "2";
+inline constexpr char kWrapperVersion[] = "3";
 
 struct CacheConfig {
   std::string dir;
@@ -110,7 +110,33 @@ class CompileCache {
     std::string topology_source;  // "topology+devices" or "devices"
   };
 
+  // Single flight: the keys a thread of this process is looking up or
+  // compiling now; another thread asking for one waits for it, then looks
+  // the entry up again (a hit once the first wrote it).
+  // A pthread condition, not std::condition_variable, whose wait needs
+  // GLIBCXX_3.4.30 (GCC 12) where the library promises 3.4.21.
+  struct Flight {
+    bool done = false;
+    pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+    ~Flight() { pthread_cond_destroy(&cv); }
+  };
+  // What a compile learned before the real compile: the client, the key and
+  // the entry's path ("" when the program cannot be keyed), the flight it
+  // holds, and at a miss the key's parts.
+  struct CompileLookup {
+    ClientInfo info;
+    std::string key;
+    std::string path;
+    std::shared_ptr<Flight> flight;
+    KeyRecord record;
+  };
+
   CompileCache(const PJRT_Api* real, CacheConfig cfg, const Libcrypto& crypto);
+  // Keys the program, takes its flight and looks its entry up: true on a hit
+  // (`args->executable` set). May throw (no memory): Compile then compiles.
+  bool Lookup(PJRT_Client_Compile_Args* args, CompileLookup* out);
+  void EndFlight(const std::string& key,
+                 const std::shared_ptr<Flight>& flight) noexcept;
   ClientInfo Info(PJRT_Client* client);
   std::string KeyFor(const ClientInfo& info,
                      const PJRT_Client_Compile_Args& args);
@@ -143,16 +169,6 @@ class CompileCache {
   std::string codegen_env_;
   std::mutex mu_;
   std::map<PJRT_Client*, ClientInfo> clients_;
-  // Single flight: the keys a thread of this process is looking up or
-  // compiling now; another thread asking for one waits for it, then looks
-  // the entry up again (a hit once the first wrote it).
-  // A pthread condition, not std::condition_variable, whose wait needs
-  // GLIBCXX_3.4.30 (GCC 12) where the library promises 3.4.21.
-  struct Flight {
-    bool done = false;
-    pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
-    ~Flight() { pthread_cond_destroy(&cv); }
-  };
   std::mutex flight_mu_;
   std::map<std::string, std::shared_ptr<Flight>> in_flight_;
 };

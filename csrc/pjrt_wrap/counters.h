@@ -6,6 +6,7 @@
 #define XLAKIT_PJRT_WRAP_COUNTERS_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -41,7 +42,12 @@ struct Counters {
   std::atomic<uint64_t> compile_us{0};
   std::atomic<uint64_t> load_us{0};
 
-  void Refused(const std::string& reason);
+  // Never throws: without memory for the reason, refusals_unrecorded grows.
+  void Refused(const std::string& reason) noexcept;
+  std::atomic<uint64_t> refusals_unrecorded{0};
+  // Failures inside the wrapper (no memory) that a compile survived as a
+  // miss or a pass-through, and buffers memory accounting could not record.
+  std::atomic<uint64_t> internal_errors{0};
   std::map<std::string, uint64_t> RefusedByReason();
 
  private:
@@ -51,10 +57,19 @@ struct Counters {
 
 Counters& GlobalCounters();
 
+// Microseconds from `start` to now, for compile_us and load_us.
+inline uint64_t MicrosSince(std::chrono::steady_clock::time_point start) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(
+          std::chrono::steady_clock::now() - start)
+          .count());
+}
+
 // Writes `message` to stderr once per `kind` per process ("xlakit-pjrt: ...",
-// control bytes escaped).
-void LogOnce(const std::string& kind, const std::string& message);
-void Log(const std::string& message);
+// control bytes, format controls such as U+202E and bytes that are not UTF-8
+// escaped). Never throws: without memory the line says it was lost.
+void LogOnce(const std::string& kind, const std::string& message) noexcept;
+void Log(const std::string& message) noexcept;
 
 // `s` as a JSON string literal.
 std::string JsonString(const std::string& s);

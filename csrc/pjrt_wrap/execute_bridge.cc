@@ -17,13 +17,16 @@ PJRT_Error* ExecuteWithBridge(const PJRT_Api* real,
   }
   const int minor = real->pjrt_api_version.minor_version;
   if (minor > kBridgeTestedUpToMinor) {
-    LogOnce("bridge",
-            "the framework passes a " + std::to_string(given->struct_size) +
-                "-byte PJRT_ExecuteOptions; not padded for a plugin of C API "
-                "0." + std::to_string(minor) +
-                " (padding is tested up to 0." +
-                std::to_string(kBridgeTestedUpToMinor) +
-                "): use a plugin built for the framework's C API");
+    try {
+      LogOnce("bridge",
+              "the framework passes a " + std::to_string(given->struct_size) +
+                  "-byte PJRT_ExecuteOptions; not padded for a plugin of C "
+                  "API 0." + std::to_string(minor) +
+                  " (padding is tested up to 0." +
+                  std::to_string(kBridgeTestedUpToMinor) +
+                  "): use a plugin built for the framework's C API");
+    } catch (...) {  // no memory for the message: the call goes on unpadded
+    }
     return real->PJRT_LoadedExecutable_Execute(args);
   }
   PJRT_ExecuteOptions padded;

@@ -2,8 +2,15 @@
 // plugin generates, and nothing that only changes what it logs or dumps.
 //
 // Each variable of env.h kKeyedFlagEnvs is split into whitespace-separated
-// flags. A --flagfile=PATH is replaced by the SHA-256 of the file's contents
-// (the flags in it count; where the file lies does not). When every flag has
+// flags. A flag file (--flagfile=PATH, -flagfile=PATH, or --flagfile PATH;
+// for absl's comma-separated lists, the list as one name and each file of
+// it) is replaced by the SHA-256 of the file's contents and, recursively, of
+// the flag files those name (the flags in them count; where the files lie
+// does not; a missing file counts as absent). A flag file that cannot be
+// keyed so (not a regular file: a FIFO, /dev/zero; over kMaxFlagFileBytes;
+// unreadable; nested deeper than kMaxFlagFileDepth) is a problem: the cache
+// stays off rather than key flags it cannot see, and nothing blocks or reads
+// without end. When every flag has
 // the plain form (starts with '-'; for LIBTPU_INIT_ARGS, which absl parses and
 // where `--flag value` takes the next word, also holds a '=') and none is a
 // flag file, the dump and logging flags are dropped (--xla_dump_*, --v,
@@ -16,6 +23,7 @@
 #ifndef XLAKIT_PJRT_WRAP_KEY_PARTS_H_
 #define XLAKIT_PJRT_WRAP_KEY_PARTS_H_
 
+#include <cstddef>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,13 +33,18 @@
 namespace xlakit {
 namespace pjrt_wrap {
 
-// One variable's flags, normalised as above. `absl_style`: LIBTPU_INIT_ARGS.
-std::string NormalizedFlags(const Libcrypto& crypto, const std::string& value,
-                            bool absl_style);
+inline constexpr size_t kMaxFlagFileBytes = size_t{1} << 20;
+inline constexpr int kMaxFlagFileDepth = 8;
 
-// Each variable of env.h kKeyedFlagEnvs with its normalised flags.
+// One variable's flags, normalised as above. `absl_style`: LIBTPU_INIT_ARGS.
+// A flag file that cannot be keyed sets *problem.
+std::string NormalizedFlags(const Libcrypto& crypto, const std::string& value,
+                            bool absl_style, std::string* problem);
+
+// Each variable of env.h kKeyedFlagEnvs with its normalised flags; the first
+// flag file that cannot be keyed sets *problem, naming the variable.
 std::vector<std::pair<std::string, std::string>> KeyedFlags(
-    const Libcrypto& crypto);
+    const Libcrypto& crypto, std::string* problem);
 
 // The variables of env.h kKeyedCodegenEnvs, one `NAME=value` (or
 // `NAME unset`) line each.
@@ -39,7 +52,7 @@ std::string KeyedCodegenEnvironment();
 
 // The text every key of this process hashes for its environment: the two
 // above, in that order.
-std::string KeyedEnvironment(const Libcrypto& crypto);
+std::string KeyedEnvironment(const Libcrypto& crypto, std::string* problem);
 
 }  // namespace pjrt_wrap
 }  // namespace xlakit

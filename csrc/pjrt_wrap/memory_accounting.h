@@ -12,6 +12,10 @@
 //     buffers), less those deleted or destroyed, with the peak since the last
 //     reset. A buffer's size is the plugin's PJRT_Buffer_OnDeviceSizeInBytes.
 //     A donated input counts until the framework deletes or destroys it.
+//     Only buffers in the device's default memory count as the device's: one
+//     in another of its memories (pinned_host, unpinned_host; where the
+//     plugin names them) counts apart by kind, and a view made with
+//     CreateViewOfDeviceBuffer (memory the framework owns) apart as a view.
 //
 // Devices are learned when a client is created (its addressable devices) and
 // forgotten when it is destroyed. The per-device figures are atomics; the

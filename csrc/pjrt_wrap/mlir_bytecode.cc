@@ -1,153 +1,23 @@
 // Canonical MLIR bytecode with locations neutralised; see mlir_bytecode.h.
+// The container (sections, strings, dialects, the attribute/type table), the
+// proof of what only locations name, and the canonical form; the entries of
+// known dialects are read in mlir_bytecode_dialects.cc, op properties in
+// mlir_bytecode_ir.cc.
 #include "pjrt_wrap/mlir_bytecode.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <set>
+#include <utility>
 #include <vector>
+
+#include "pjrt_wrap/mlir_bytecode_format.h"
 
 namespace xlakit {
 namespace pjrt_wrap {
+namespace mlir_bytecode {
 namespace {
-
-// MLIR's section ids (mlir/include/mlir/Bytecode/Encoding.h).
-enum Section : uint8_t {
-  kString = 0, kDialect = 1, kAttrType = 2, kAttrTypeOffset = 3, kIR = 4,
-  kResource = 5, kResourceOffset = 6, kDialectVersions = 7, kProperties = 8,
-};
-
-// Builtin attribute codes (mlir/include/mlir/IR/BuiltinDialectBytecode.td,
-// the order of BuiltinDialectAttributes; checked against jaxlib's programs).
-enum Builtin : uint64_t {
-  kArray = 0, kDictionary = 1, kStringAttr = 2, kStringWithType = 3,
-  kFlatSymbolRef = 4, kSymbolRef = 5, kTypeAttr = 6, kUnit = 7, kInteger = 8,
-  kFloat = 9, kCallSiteLoc = 10, kFileLineColLoc = 11, kFusedLoc = 12,
-  kFusedLocWithMetadata = 13, kNameLoc = 14, kUnknownLoc = 15,
-  kDenseResource = 16, kDenseArray = 17, kDenseIntOrFP = 18,
-  kDenseString = 19, kSparse = 20, kDistinct = 21, kFileLineColRange = 22,
-};
-
-class Reader {
- public:
-  explicit Reader(std::string_view data) : data_(data) {}
-  bool empty() const { return pos_ == data_.size(); }
-  size_t pos() const { return pos_; }
-  // MLIR's prefix varint: the first byte's trailing zeros say how many more
-  // bytes follow (0x00: eight).
-  bool VarInt(uint64_t* out) {
-    if (pos_ >= data_.size()) return false;
-    uint8_t first = static_cast<uint8_t>(data_[pos_]);
-    size_t n = 9;
-    if (first != 0) {
-      n = 1;
-      while (!(first & (1u << (n - 1)))) ++n;
-    }
-    if (data_.size() - pos_ < n) return false;
-    uint64_t value = 0;
-    if (n == 9) {
-      for (size_t i = 0; i < 8; ++i) {
-        value |= uint64_t(uint8_t(data_[pos_ + 1 + i])) << (8 * i);
-      }
-    } else {
-      for (size_t i = 0; i < n; ++i) {
-        value |= uint64_t(uint8_t(data_[pos_ + i])) << (8 * i);
-      }
-      value >>= n;
-    }
-    pos_ += n;
-    *out = value;
-    return true;
-  }
-  bool Flagged(uint64_t* value, bool* flag) {
-    if (!VarInt(value)) return false;
-    *flag = *value & 1;
-    *value >>= 1;
-    return true;
-  }
-  bool Byte(uint8_t* out) {
-    if (pos_ >= data_.size()) return false;
-    *out = static_cast<uint8_t>(data_[pos_++]);
-    return true;
-  }
-  bool Bytes(size_t n, std::string_view* out) {
-    if (data_.size() - pos_ < n) return false;
-    *out = data_.substr(pos_, n);
-    pos_ += n;
-    return true;
-  }
-  bool CString(std::string_view* out) {
-    size_t end = data_.find('\0', pos_);
-    if (end == std::string_view::npos) return false;
-    *out = data_.substr(pos_, end - pos_);
-    pos_ = end + 1;
-    return true;
-  }
-  // A list: its count, then `each` that many times.
-  template <typename F>
-  bool List(F each) {
-    uint64_t n = 0;
-    if (!VarInt(&n) || n > data_.size()) return false;
-    for (uint64_t i = 0; i < n; ++i) {
-      if (!each()) return false;
-    }
-    return true;
-  }
-
- private:
-  std::string_view data_;
-  size_t pos_ = 0;
-};
-
-// The encodings of `value` as an MLIR varint (the writer's shortest form).
-std::string EncodeVarInt(uint64_t value) {
-  std::string out;
-  if (value >> 56) {
-    out.push_back('\0');
-    for (int i = 0; i < 8; ++i) out.push_back(char(value >> (8 * i)));
-    return out;
-  }
-  size_t n = 1;
-  while (n < 8 && (value >> (7 * n))) ++n;
-  uint64_t encoded = ((value << 1) | 1) << (n - 1);
-  for (size_t i = 0; i < n; ++i) out.push_back(char(encoded >> (8 * i)));
-  return out;
-}
-
-void Put(uint64_t value, std::string* out) {  // fixed 8 bytes, little endian
-  for (int i = 0; i < 8; ++i) out->push_back(char(value >> (8 * i)));
-}
-
-void PutBytes(std::string_view bytes, std::string* out) {
-  Put(bytes.size(), out);
-  out->append(bytes);
-}
-
-struct Entry {
-  bool is_attr = true;
-  uint64_t dialect = 0;
-  bool custom = false;
-  std::string_view data;
-  bool location = false;
-  bool opaque = false;         // references unknown: scanned
-  bool vhlo_invariant = false;  // a vhlo entry of a portable artifact
-};
-
-struct Program {
-  std::map<uint8_t, std::pair<uint64_t, std::string_view>> sections;  // align, data
-  std::vector<uint8_t> order;
-  std::vector<std::string_view> strings;
-  std::vector<std::string_view> dialects;
-  std::vector<Entry> entries;  // attributes, then types
-  uint64_t num_attrs = 0;
-  std::string groups;  // the offset section's grouping, sizes left out
-  // Pieces that are not attribute or type entries and may name anything:
-  // dialect versions, properties, the resource offsets.
-  std::vector<std::string_view> opaque;
-  std::set<uint64_t> strings_named_elsewhere;  // by what is not a StringAttr
-  std::map<uint64_t, uint64_t> string_of_attr;  // builtin StringAttr -> string
-  std::set<uint64_t> attrs_named_elsewhere;    // by a builtin non-location
-  std::set<uint64_t> file_names;               // a location's file name attr
-};
 
 bool ReadStrings(std::string_view data, Program* p) {
   Reader r(data);
@@ -199,6 +69,8 @@ bool ReadDialects(std::string_view data, Program* p) {
         return false;
       }
       p->strings_named_elsewhere.insert(name);
+      p->op_names.push_back({p->dialects[dialect], p->strings[name]});
+      p->op_registered.push_back(registered);
       ++seen;
       return true;
     });
@@ -235,79 +107,42 @@ bool ReadEntries(std::string_view offsets, std::string_view data, Program* p) {
         p->groups.push_back(e.custom ? 'c' : 'a');
         e.data = data.substr(at, size);
         at += size;
-        p->entries.push_back(e);
+        p->entries.push_back(std::move(e));
       }
     }
   }
   return r.empty() && at == data.size();
 }
 
-// Reads one builtin attribute's references; false if it does not parse.
-bool ReadBuiltinAttr(uint64_t index, Entry* e, Program* p) {
-  Reader r(e->data);
-  uint64_t code = 0, v = 0, w = 0;
-  if (!r.VarInt(&code)) return false;
-  std::vector<uint64_t> attrs;  // what it names
-  auto attr = [&] {
-    if (!r.VarInt(&v) || v >= p->num_attrs) return false;
-    attrs.push_back(v);
-    return true;
-  };
-  auto varint = [&] { return r.VarInt(&w); };
-  auto type = [&] {
-    return r.VarInt(&w) && w < p->entries.size() - p->num_attrs;
-  };
-  auto blob = [&] {
-    std::string_view bytes;
-    return r.VarInt(&w) && r.Bytes(w, &bytes);
-  };
-  bool exact = true;  // must end where its fields do
-  bool ok = false;
-  switch (code) {
-    case kCallSiteLoc: ok = attr() && attr(); break;
-    case kFileLineColLoc:
-      ok = attr() && varint() && varint();
-      if (ok) p->file_names.insert(attrs[0]);
-      break;
-    case kFileLineColRange:
-      ok = attr() && r.List(varint);
-      if (ok) p->file_names.insert(attrs[0]);
-      break;
-    case kFusedLoc: ok = r.List(attr); break;
-    case kFusedLocWithMetadata: ok = r.List(attr) && attr(); break;
-    case kNameLoc: ok = attr() && attr(); break;
-    case kUnknownLoc: ok = true; break;
-    case kArray: ok = r.List(attr); break;
-    case kDictionary: ok = r.List([&] { return attr() && attr(); }); break;
-    case kStringAttr:
-      ok = r.VarInt(&v) && v < p->strings.size();
-      if (ok) p->string_of_attr[index] = v;
-      break;
-    case kStringWithType:
-      ok = r.VarInt(&v) && v < p->strings.size() && type();
-      if (ok) p->strings_named_elsewhere.insert(v);
-      break;
-    case kFlatSymbolRef: ok = attr(); break;
-    case kSymbolRef: ok = attr() && r.List(attr); break;
-    case kTypeAttr: ok = type(); break;
-    case kUnit: ok = true; break;
-    case kInteger:  // the value's width is its type's: data, no references
-    case kFloat: ok = type(); exact = false; break;
-    case kDenseResource: ok = type() && varint(); break;
-    case kDenseArray: ok = type() && varint() && blob(); break;
-    case kDenseIntOrFP: ok = type() && blob(); break;
-    case kDenseString: ok = true; exact = false; e->opaque = true; break;
-    case kSparse: ok = type() && attr() && attr(); break;
-    case kDistinct: ok = attr(); break;
-    default: return false;  // a code this reader does not know
+// Whether locations name each other in a circle: MLIR's reader, resolving
+// an attribute's references before the attribute, recurses without end (and
+// crashes) on such a program, which must not share a key with one it reads.
+bool LocationCycle(const Program& p) {
+  enum Mark : uint8_t { kNew, kOpen, kDone };
+  std::vector<uint8_t> mark(p.entries.size(), kNew);
+  std::vector<std::pair<uint64_t, size_t>> stack;  // (entry, next reference)
+  for (uint64_t root = 0; root < p.entries.size(); ++root) {
+    if (!p.entries[root].location || mark[root] != kNew) continue;
+    stack.push_back({root, 0});
+    mark[root] = kOpen;
+    while (!stack.empty()) {
+      auto& [at, next] = stack.back();
+      const std::vector<uint64_t>& refs = p.entries[at].refs;
+      if (next == refs.size()) {
+        mark[at] = kDone;
+        stack.pop_back();
+        continue;
+      }
+      const uint64_t to = refs[next++];
+      if (!p.entries[to].location) continue;
+      if (mark[to] == kOpen) return true;
+      if (mark[to] == kNew) {
+        mark[to] = kOpen;
+        stack.push_back({to, 0});
+      }
+    }
   }
-  if (!ok || (exact && !r.empty())) return false;
-  e->location = code == kCallSiteLoc || code == kFileLineColLoc ||
-                code == kFileLineColRange || code == kFusedLoc ||
-                code == kFusedLocWithMetadata || code == kNameLoc ||
-                code == kUnknownLoc;
-  if (!e->location) p->attrs_named_elsewhere.insert(attrs.begin(), attrs.end());
-  return true;
+  return false;
 }
 
 bool ReadProgram(std::string_view bytes, Program* p, std::string* header) {
@@ -352,21 +187,31 @@ bool ReadProgram(std::string_view bytes, Program* p, std::string* header) {
                    p->sections[kAttrType].second, p)) {
     return false;
   }
-  bool portable = producer.substr(0, 11) == "StableHLO_v";
   for (size_t i = 0; i < p->entries.size(); ++i) {
     Entry& e = p->entries[i];
     std::string_view dialect = p->dialects[e.dialect];
     if (!e.custom) {  // text, NUL-terminated: names nothing by index
       if (e.data.empty() || e.data.back() != '\0') return false;
-      e.location = e.is_attr && dialect == "builtin" &&
-                   e.data.substr(0, 4) == "loc(";
     } else if (e.is_attr && dialect == "builtin") {
       if (!ReadBuiltinAttr(i, &e, p)) return false;
     } else {
-      e.opaque = true;
-      e.vhlo_invariant = portable && dialect == "vhlo";
+      ReadOtherEntry(&e, dialect, p);
     }
   }
+  // What a location names must be what MLIR reads there.
+  for (const Entry& e : p->entries) {
+    for (uint64_t a : e.must_be_locations) {
+      const Entry& l = p->entries[a];
+      const bool text_location = !l.custom &&
+                                 p->dialects[l.dialect] == "builtin" &&
+                                 l.data.substr(0, 4) == "loc(";
+      if (!l.location && !text_location) return false;
+    }
+    for (uint64_t a : e.must_be_strings) {
+      if (!p->string_attrs.count(a)) return false;
+    }
+  }
+  if (LocationCycle(*p)) return false;
   // Properties: a count, then each op's blob, encoded by its dialect.
   if (p->sections.count(kProperties)) {
     Reader props(p->sections[kProperties].second);
@@ -374,60 +219,112 @@ bool ReadProgram(std::string_view bytes, Program* p, std::string* header) {
       uint64_t n = 0;
       std::string_view blob;
       if (!props.VarInt(&n) || !props.Bytes(n, &blob)) return false;
-      p->opaque.push_back(blob);
+      p->properties.push_back(blob);
       return true;
     });
     if (!ok || !props.empty()) return false;
   }
-  if (p->sections.count(kResourceOffset)) {
+  ReadProperties(p);
+  // The resource offsets name resource keys (strings); no resources at all
+  // (a count of zero groups, as jax writes) names nothing.
+  if (p->sections.count(kResourceOffset) &&
+      p->sections[kResourceOffset].second != std::string_view("\x01", 1)) {
     p->opaque.push_back(p->sections[kResourceOffset].second);
   }
   return true;
 }
 
-bool Holds(std::string_view piece, uint64_t value) {
-  return piece.find(EncodeVarInt(value)) != std::string_view::npos;
+// Every value < `limit` that a varint starting at some byte of the opaque
+// pieces decodes to. Whatever a dialect's reader reads from a piece, an index
+// it names is a varint that starts at some offset, in whichever of its
+// encodings (MLIR's reader accepts every length), and the first byte alone
+// says how long the varint there is: so the value decoded at each offset is
+// every value any reader can read from the piece. An index absent from this
+// set, plain or flagged (2 * index + 1, an optional reference), is named by
+// no opaque piece, by proof rather than by search for one spelling.
+std::vector<bool> OpaqueValues(const Program& p, uint64_t limit) {
+  std::vector<bool> held(limit, false);
+  auto scan = [&](std::string_view piece) {
+    for (size_t i = 0; i < piece.size(); ++i) {
+      const size_t n = VarIntLength(static_cast<uint8_t>(piece[i]));
+      if (piece.size() - i < n) continue;
+      const uint64_t value = DecodeVarInt(piece.data() + i, n);
+      if (value < limit) held[value] = true;
+    }
+  };
+  for (const Entry& e : p.entries) {
+    if (e.opaque) scan(e.data.substr(e.scan_from));
+  }
+  for (std::string_view piece : p.opaque) scan(piece);
+  return held;
 }
 
-// The strings that only locations name, through StringAttrs only they name.
-std::set<uint64_t> FileNameStrings(const Program& p) {
-  std::set<uint64_t> attrs;
-  for (uint64_t f : p.file_names) {
-    if (!p.string_of_attr.count(f) || p.attrs_named_elsewhere.count(f)) continue;
-    bool named = false;
-    for (size_t i = 0; i < p.entries.size() && !named; ++i) {
-      const Entry& e = p.entries[i];
-      named = e.opaque && !e.vhlo_invariant &&
-              (Holds(e.data, f) || Holds(e.data, 2 * f + 1));
+// What the canonical form leaves out: the locations that nothing but
+// locations reaches, and the strings that only their file names name.
+struct Dropped {
+  std::vector<bool> locations;  // by entry
+  std::set<uint64_t> strings;
+};
+
+Dropped Droppable(const Program& p) {
+  const uint64_t limit =
+      2 * std::max<uint64_t>(p.entries.size(), p.strings.size()) + 2;
+  const std::vector<bool> held = OpaqueValues(p, limit);
+  auto named_by_opaque = [&](uint64_t index) {
+    return held[index] || held[2 * index + 1];
+  };
+  // An attribute a non-location names (a builtin attribute's field, any
+  // opaque piece) is meaning, and so is everything a location reaches from
+  // it: those locations stay, and all they name.
+  std::vector<bool> semantic(p.entries.size(), false);
+  std::vector<uint64_t> work;
+  for (uint64_t a = 0; a < p.num_attrs; ++a) {
+    if (p.attrs_named_elsewhere.count(a) || named_by_opaque(a)) {
+      semantic[a] = true;
+      work.push_back(a);
     }
-    for (size_t i = 0; i < p.opaque.size() && !named; ++i) {
-      named = Holds(p.opaque[i], f) || Holds(p.opaque[i], 2 * f + 1);
+  }
+  while (!work.empty()) {
+    const Entry& e = p.entries[work.back()];
+    work.pop_back();
+    for (uint64_t a : e.refs) {  // empty but for locations
+      if (!semantic[a]) {
+        semantic[a] = true;
+        work.push_back(a);
+      }
     }
-    if (!named) attrs.insert(f);
   }
-  std::set<uint64_t> out;
+  Dropped out;
+  out.locations.resize(p.entries.size(), false);
+  std::set<uint64_t> file_names;  // StringAttrs only dropped locations name
+  for (size_t i = 0; i < p.entries.size(); ++i) {
+    const Entry& e = p.entries[i];
+    if (!e.location || semantic[i]) continue;
+    out.locations[i] = true;
+    if (e.file_name >= 0 && !semantic[e.file_name] &&
+        p.string_of_attr.count(e.file_name)) {
+      file_names.insert(static_cast<uint64_t>(e.file_name));
+    }
+  }
   for (const auto& [attr, string] : p.string_of_attr) {
-    if (attrs.count(attr)) out.insert(string);
+    if (file_names.count(attr)) out.strings.insert(string);
   }
   for (const auto& [attr, string] : p.string_of_attr) {
-    if (!attrs.count(attr)) out.erase(string);  // a StringAttr that is not a file name
+    if (!file_names.count(attr)) out.strings.erase(string);  // not a file name
   }
-  for (auto it = out.begin(); it != out.end();) {
-    bool named = p.strings_named_elsewhere.count(*it) > 0;
-    for (const Entry& e : p.entries) named = named || (e.opaque && Holds(e.data, *it));
-    for (std::string_view piece : p.opaque) named = named || Holds(piece, *it);
-    it = named ? out.erase(it) : std::next(it);
+  for (auto it = out.strings.begin(); it != out.strings.end();) {
+    const bool named =
+        p.strings_named_elsewhere.count(*it) > 0 || named_by_opaque(*it);
+    it = named ? out.strings.erase(it) : std::next(it);
   }
   return out;
 }
 
-}  // namespace
-
-std::optional<std::string> CanonicalMlirBytecode(std::string_view bytes) {
+std::optional<std::string> Canonical(std::string_view bytes) {
   Program p;
-  std::string out("\0xlakit-mlir-canon/1\0", 21);
+  std::string out("\0xlakit-mlir-canon/2\0", 21);
   if (!ReadProgram(bytes, &p, &out)) return std::nullopt;
-  std::set<uint64_t> dropped = FileNameStrings(p);
+  const Dropped dropped = Droppable(p);
   for (uint8_t id : p.order) {
     const auto& [align, data] = p.sections.at(id);
     out.push_back(char(id));
@@ -436,17 +333,18 @@ std::optional<std::string> CanonicalMlirBytecode(std::string_view bytes) {
     if (id == kString) {
       Put(p.strings.size(), &body);
       for (size_t i = 0; i < p.strings.size(); ++i) {
-        body.push_back(dropped.count(i) ? 'F' : 'S');
-        if (!dropped.count(i)) PutBytes(p.strings[i], &body);
+        const bool file_name = dropped.strings.count(i) > 0;
+        body.push_back(file_name ? 'F' : 'S');
+        if (!file_name) PutBytes(p.strings[i], &body);
       }
     } else if (id == kAttrTypeOffset) {
       Put(p.num_attrs, &body);
       Put(p.entries.size() - p.num_attrs, &body);
       body += p.groups;
     } else if (id == kAttrType) {
-      for (const Entry& e : p.entries) {
-        body.push_back(e.location ? 'L' : 'E');
-        if (!e.location) PutBytes(e.data, &body);
+      for (size_t i = 0; i < p.entries.size(); ++i) {
+        body.push_back(dropped.locations[i] ? 'L' : 'E');
+        if (!dropped.locations[i]) PutBytes(p.entries[i].data, &body);
       }
     } else {
       body = std::string(data);
@@ -454,6 +352,13 @@ std::optional<std::string> CanonicalMlirBytecode(std::string_view bytes) {
     PutBytes(body, &out);
   }
   return out;
+}
+
+}  // namespace
+}  // namespace mlir_bytecode
+
+std::optional<std::string> CanonicalMlirBytecode(std::string_view bytes) {
+  return mlir_bytecode::Canonical(bytes);
 }
 
 }  // namespace pjrt_wrap

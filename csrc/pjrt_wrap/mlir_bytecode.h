@@ -12,21 +12,31 @@
 //     attribute/type and attribute/type offset sections, byte for byte;
 //   * every attribute and type entry, each framed by its length, its dialect
 //     and encoding kept; a builtin location entry (CallSiteLoc,
-//     FileLineColLoc, FileLineColRange, FusedLoc, NameLoc, UnknownLoc, custom
-//     or text encoded) becomes one fixed marker: its lines, columns and the
-//     attributes it names are out;
+//     FileLineColLoc, FileLineColRange, FusedLoc, NameLoc, UnknownLoc) that
+//     nothing but locations reaches becomes one fixed marker: its lines,
+//     columns and the attributes it names are out;
 //   * every string, framed by its length, except a file name: a string that
-//     only builtin StringAttrs name, each of them named only by locations.
-//     The proof that nothing else names it: the dialect section and the
-//     builtin attributes are read; every other piece (other dialects' entries,
-//     types, properties, resources, dialect versions) must not hold the
-//     string's index as a varint anywhere (a false alarm keeps the string: a
-//     miss). One assumption: in a StableHLO portable artifact (producer
-//     "StableHLO_v...") vhlo attributes and types hold only vhlo ones
-//     (stablehlo's VHLO verifiers), so they cannot name a builtin StringAttr.
+//     only builtin StringAttrs name, each of them named only by the dropped
+//     locations' file names.
+// Only what is proven equivalent is left out. "Nothing else names it" is read,
+// not guessed: the builtin attributes and types, the vhlo dialect's
+// attributes and types (its bytecode tables), the dialect section and the
+// properties of builtin.module and of vhlo ops (their owners found by walking
+// the IR section) are parsed, so every index they name is known; anything
+// else (another dialect's entry, an unknown code, dialect versions, other
+// properties, resource keys) is opaque, and an index counts as named by it
+// if a varint at any of its offsets decodes to the index, plain or as an
+// optional reference (2 * index + 1). Since the first byte of a varint says
+// its length, that covers every spelling of every index MLIR's reader could
+// read there (a false alarm keeps the string or the location: a miss).
+// Varints read here must have their shortest spelling (MLIR's writer's), and
+// what MLIR reads as a location or a StringAttr must be one, with no
+// locations naming each other in a circle (MLIR's reader never ends on
+// those): a program MLIR would refuse never gets the key of one it reads.
 // Anything not read exactly as expected gives nullopt (the caller keys the
 // bytes as they are: a possible miss, never a wrong hit). MLIR text is not
-// bytecode: nullopt.
+// bytecode: nullopt. Tested against jaxlib's own reading
+// (tests/runtime/test_key_differential.py).
 #ifndef XLAKIT_PJRT_WRAP_MLIR_BYTECODE_H_
 #define XLAKIT_PJRT_WRAP_MLIR_BYTECODE_H_
 

@@ -19,7 +19,10 @@
 #include <dlfcn.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cctype>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -30,6 +33,7 @@
 #include "pjrt_wrap/env.h"
 #include "pjrt_wrap/execute_bridge.h"
 #include "pjrt_wrap/memory_accounting.h"
+#include "pjrt_wrap/proto_canon.h"
 #include "pjrt_wrap/refusal.h"
 #include "xla/pjrt/c/pjrt_c_api.h"
 
@@ -156,6 +160,10 @@ std::string ApiVersion(int major, int minor) {
   return std::to_string(major) + "." + std::to_string(minor);
 }
 
+// The functions below are what the framework calls: none lets an exception
+// out through the C ABI (that would abort the process). CompileCache::Compile
+// catches its own, around its lookup and its store, never around the real
+// compile, whose result it must not lose.
 PJRT_Error* WrappedCompile(PJRT_Client_Compile_Args* args) {
   ++GlobalCounters().compiles;
   if (wrapper->cache == nullptr) {
@@ -287,6 +295,32 @@ const PJRT_Api* Activate() {
   return table;
 }
 
+// Activate, or (no memory to start) a table that refuses with the reason,
+// or without one if even that cannot be made: an error for the framework to
+// report, never an abort.
+const PJRT_Api* ActivateOrRefuse() {
+  try {
+    return Activate();
+  } catch (...) {
+  }
+  try {
+    const std::string why =
+        "the wrapper ran out of memory while starting (loading " +
+        (wrapper ? wrapper->plugin_path : std::string("the real plugin")) +
+        "); free memory, or load the plugin without the wrapper";
+    if (wrapper != nullptr) {
+      wrapper->refused = why;
+      wrapper->real = nullptr;
+      wrapper->cache.reset();
+    }
+    Log(why);
+    return RefusingApi(why);
+  } catch (...) {
+    std::fputs("xlakit-pjrt: out of memory while starting\n", stderr);
+    return OutOfMemoryApi();
+  }
+}
+
 std::string StatusJson() {
   Counters& c = GlobalCounters();
   auto str = [](const std::string& s) { return JsonString(s); };
@@ -324,6 +358,7 @@ std::string StatusJson() {
          ", \"flight_waits\": " + std::to_string(c.flight_waits) +
          ", \"evictions\": " + std::to_string(c.evictions) +
          ", \"skipped_fast\": " + std::to_string(c.skipped_fast) +
+         ", \"internal_errors\": " + std::to_string(c.internal_errors) +
          ", \"compile_s\": " + std::to_string(c.compile_us / 1e6) +
          ", \"load_s\": " + std::to_string(c.load_us / 1e6) + "}";
   out += ", \"refused_entries\": {";
@@ -335,12 +370,35 @@ std::string StatusJson() {
   return out + "}}";
 }
 
+// Writes `make()`'s JSON into `buffer` (at most `capacity` bytes,
+// NUL-terminated) and returns its full length, like snprintf; without memory
+// to make it, a JSON object saying so.
+template <typename Make>
+size_t CopyJson(Make make, char* buffer, size_t capacity) {
+  static const char kOutOfMemory[] = "{\"error\": \"out of memory\"}";
+  std::string json;
+  const char* data = kOutOfMemory;
+  size_t size = sizeof(kOutOfMemory) - 1;
+  try {
+    json = make();
+    data = json.data();
+    size = json.size();
+  } catch (...) {
+  }
+  if (buffer != nullptr && capacity > 0) {
+    const size_t n = size < capacity - 1 ? size : capacity - 1;
+    std::memcpy(buffer, data, n);
+    buffer[n] = '\0';
+  }
+  return size;
+}
+
 }  // namespace
 }  // namespace pjrt_wrap
 }  // namespace xlakit
 
 XLAKIT_EXPORT const PJRT_Api* GetPjrtApi() {
-  static const PJRT_Api* api = xlakit::pjrt_wrap::Activate();
+  static const PJRT_Api* api = xlakit::pjrt_wrap::ActivateOrRefuse();
   return api;
 }
 
@@ -348,13 +406,8 @@ XLAKIT_EXPORT const PJRT_Api* GetPjrtApi() {
 // ctypes): writes at most `capacity` bytes (NUL-terminated) and returns the
 // full length, like snprintf.
 XLAKIT_EXPORT size_t xlakit_pjrt_wrap_status(char* buffer, size_t capacity) {
-  std::string json = xlakit::pjrt_wrap::StatusJson();
-  if (buffer != nullptr && capacity > 0) {
-    size_t n = json.size() < capacity - 1 ? json.size() : capacity - 1;
-    std::memcpy(buffer, json.data(), n);
-    buffer[n] = '\0';
-  }
-  return json.size();
+  return xlakit::pjrt_wrap::CopyJson(
+      [] { return xlakit::pjrt_wrap::StatusJson(); }, buffer, capacity);
 }
 
 // Memory per device of every client the wrapper wraps, as one JSON object
@@ -364,12 +417,32 @@ XLAKIT_EXPORT size_t xlakit_pjrt_wrap_status(char* buffer, size_t capacity) {
 // length, like xlakit_pjrt_wrap_status.
 XLAKIT_EXPORT size_t xlakit_pjrt_wrap_memory(char* buffer, size_t capacity,
                                              int flags) {
-  std::string json =
-      xlakit::pjrt_wrap::MemoryJson((flags & 1) != 0, (flags & 2) != 0);
-  if (buffer != nullptr && capacity > 0) {
-    size_t n = json.size() < capacity - 1 ? json.size() : capacity - 1;
-    std::memcpy(buffer, json.data(), n);
-    buffer[n] = '\0';
+  return xlakit::pjrt_wrap::CopyJson(
+      [flags] {
+        return xlakit::pjrt_wrap::MemoryJson((flags & 1) != 0,
+                                             (flags & 2) != 0);
+      },
+      buffer, capacity);
+}
+
+// The bytes a cache key hashes for a program of `format` (proto_canon.h
+// CanonicalProgram: the input itself where it does not read as expected), so
+// that the key's canonicalisation is tested as built here, against parsers
+// (tests/runtime/test_key_differential.py). Writes at most `capacity` bytes
+// (not NUL-terminated: they hold NULs) and returns the full length; SIZE_MAX
+// if it could not be made (no memory).
+XLAKIT_EXPORT size_t xlakit_pjrt_wrap_canonical_program(
+    const char* format, size_t format_size, const char* program,
+    size_t program_size, char* buffer, size_t capacity) {
+  try {
+    std::string out = xlakit::pjrt_wrap::CanonicalProgram(
+        std::string_view(format, format_size),
+        std::string_view(program, program_size));
+    if (buffer != nullptr) {
+      std::memcpy(buffer, out.data(), std::min(out.size(), capacity));
+    }
+    return out.size();
+  } catch (...) {
+    return SIZE_MAX;
   }
-  return json.size();
 }

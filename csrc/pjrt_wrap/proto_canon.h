@@ -7,14 +7,23 @@
 // The canonical form sorts the entries of the map fields named below (by
 // their key) and keeps everything else byte for byte. Only fields known to be
 // maps are reordered: reordering anything else could make two different
-// programs one key, which must never happen. Unparsable input, or a map with a
-// key twice, is returned unchanged (a possible miss, never a wrong hit).
+// programs one key, which must never happen. A map's key is read as protobuf
+// reads it, and only from a plain entry (one key of the key's wire type, one
+// value, each tag in its shortest spelling, an integer key too, nothing
+// else); any other entry, a map with a key twice (protobuf keeps the last,
+// which a sort would move), a message whose length is written again from a
+// longer spelling, or unparsable input, returns the input unchanged (a
+// possible miss, never a wrong hit).
 // An HLO module also loses its debug metadata (each instruction's OpMetadata
 // op type and name, source file, lines, columns and stack frame id, and the
 // module's stack_frame_index): they never change the executable, and with
-// torch_xla's XLA_HLO_DEBUG=1 they change with every line added above an op. MLIR
-// bytecode (jax) loses its locations too, read without MLIR
-// (mlir_bytecode.h).
+// torch_xla's XLA_HLO_DEBUG=1 they change with every line added above an op.
+// A field is left out only with its own wire type, its tag's shortest
+// spelling and contents a proto3 parser takes (UTF-8 strings): otherwise it
+// is another (unknown) field, or makes the module one XLA refuses, and stays.
+// MLIR bytecode (jax) loses its locations too, read without MLIR
+// (mlir_bytecode.h). Tested against protobuf's own parser
+// (tests/runtime/test_key_differential.py).
 //
 // Field numbers are XLA's (xla/pjrt/proto/compile_options.proto,
 // xla/xla.proto, xla/service/hlo.proto, xla/xla_data.proto); fields never

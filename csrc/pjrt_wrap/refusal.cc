@@ -16,12 +16,30 @@ namespace pjrt_wrap {
 namespace {
 
 std::string* refusal_message = nullptr;
+// Handed out when no memory is left for a copy of the message: never freed,
+// its message below (nothing allocated when the library loads).
+PJRT_Error out_of_memory;
+constexpr char kOutOfMemoryMessage[] = "xlakit PJRT wrapper: out of memory";
 
-PJRT_Error* Refuse(void*) { return new PJRT_Error{*refusal_message}; }
+PJRT_Error* Refuse(void*) {
+  if (refusal_message == nullptr) return &out_of_memory;
+  try {
+    return new PJRT_Error{*refusal_message};
+  } catch (...) {
+    return &out_of_memory;
+  }
+}
 
-void ErrorDestroy(PJRT_Error_Destroy_Args* args) { delete args->error; }
+void ErrorDestroy(PJRT_Error_Destroy_Args* args) {
+  if (args->error != &out_of_memory) delete args->error;
+}
 
 void ErrorMessage(PJRT_Error_Message_Args* args) {
+  if (args->error == &out_of_memory) {
+    args->message = kOutOfMemoryMessage;
+    args->message_size = sizeof(kOutOfMemoryMessage) - 1;
+    return;
+  }
   args->message = args->error->message.data();
   args->message_size = args->error->message.size();
 }
@@ -31,11 +49,10 @@ PJRT_Error* ErrorGetCode(PJRT_Error_GetCode_Args* args) {
   return nullptr;
 }
 
-}  // namespace
+PJRT_Api refusing_api;
 
-const PJRT_Api* RefusingApi(const std::string& message) {
-  static PJRT_Api api;
-  refusal_message = new std::string("xlakit PJRT wrapper: " + message);
+const PJRT_Api* FillRefusingApi() noexcept {
+  PJRT_Api& api = refusing_api;
   std::memset(&api, 0, sizeof(api));
   api.struct_size = PJRT_Api_STRUCT_SIZE;
   api.pjrt_api_version.struct_size = PJRT_Api_Version_STRUCT_SIZE;
@@ -52,6 +69,18 @@ const PJRT_Api* RefusingApi(const std::string& message) {
   api.PJRT_Error_Message = &ErrorMessage;
   api.PJRT_Error_GetCode = &ErrorGetCode;
   return &api;
+}
+
+}  // namespace
+
+const PJRT_Api* RefusingApi(const std::string& message) {
+  refusal_message = new std::string("xlakit PJRT wrapper: " + message);
+  return FillRefusingApi();
+}
+
+const PJRT_Api* OutOfMemoryApi() noexcept {
+  refusal_message = nullptr;
+  return FillRefusingApi();
 }
 
 }  // namespace pjrt_wrap

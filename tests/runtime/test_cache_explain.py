@@ -66,7 +66,7 @@ def test_each_entry_records_its_key_parts_and_no_secret(tmp_path):
     for name, r in recorded.items():
         assert r["entry"] == name and r["format"] == cache_explain.PARTS_FORMAT
         assert set(r["parts"]) == set(cache_explain.EXPLAINED)  # no constant-free hash for MLIR
-        assert r["parts"]["key_id"] == key_id(key.encode()) and r["parts"]["wrapper_version"] == "2"
+        assert r["parts"]["key_id"] == key_id(key.encode()) and r["parts"]["wrapper_version"] == "3"
         assert r["details"]["XLA_FLAGS"] == "sorted: --xla_cpu_enable_fast_math=false"
         assert "LIBTPU_INIT_ARGS" not in r["details"]
     text = "".join(p.read_text() for p in folder.iterdir() if p.name.endswith(SUFFIX))

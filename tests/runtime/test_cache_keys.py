@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, pjrt_job
+from tests.support import REPO, pjrt_job, pjrt_shims
 from xlakit import _C
 from xlakit.runtime import cache_explain, cache_files, pjrt_wrap
 
@@ -85,18 +85,7 @@ const PJRT_Api* GetPjrtApi(void) {
 
 
 def _host_shim(tmp_path: Path) -> Path:
-    sys.path.insert(0, str(REPO / "build"))
-    try:
-        import pjrt_header
-
-        include = pjrt_header.include_dir(REPO / "VERSIONS.toml")  # the header the wrapper is built against
-    finally:
-        sys.path.pop(0)
-    src = tmp_path / "host_shim.c"
-    src.write_text(_HOST_SHIM)
-    lib = tmp_path / "libhost_shim.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-I", str(include), "-o", str(lib), str(src), "-ldl"], check=True)
-    return lib
+    return pjrt_shims.compile_plugin(_HOST_SHIM, tmp_path, "host_shim")
 
 
 def test_a_read_only_worker_on_another_host_hits_what_the_writer_published(tmp_path):

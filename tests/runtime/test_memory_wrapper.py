@@ -250,3 +250,66 @@ def test_memory_stats_zero_a_larger_callers_tail_and_every_client_device_is_repo
     assert [(d["platform"], d["id"], d["live_bytes"]) for d in report["devices"]] == [("cpu", i, 0) for i in range(4)]
     assert all(d["plugin_unavailable"].startswith(UNIMPLEMENTED) for d in report["devices"])
     assert out["after_destroy"]["devices"] == []  # a destroyed client's devices are never asked again
+
+
+# -- memory that is not the device's own ---------------------------------------------------------------------
+
+_PINNED = """
+import json
+import numpy as np
+from tests.support import pjrt_job
+from xlakit.runtime import wrap_memory
+jax = pjrt_job.start_jax()
+device = jax.devices()[0]
+mem = lambda: wrap_memory.by_device(plugin_stats=False)["CPU:0"]
+out = {"before": mem()}
+pinned = jax.device_put(np.ones(1024, np.float32), jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
+pinned.block_until_ready()
+out["pinned"] = mem()
+del pinned
+out["freed"] = mem()
+print(json.dumps(out))
+"""
+
+_VIEW = """
+import json
+import torch
+import torch_xla.utils.dlpack as xla_dlpack
+from tests.support import pjrt_job
+from xlakit.runtime import wrap_memory
+pjrt_job.start_torch_xla().device()
+mem = lambda: wrap_memory.by_device(plugin_stats=False)["CPU:0"]
+out = {"before": mem()}
+host = torch.ones(1024)
+view = xla_dlpack.from_dlpack(host)  # PJRT_Client_CreateViewOfDeviceBuffer over the CPU tensor's memory
+out["view"] = mem()
+print(json.dumps(out))
+"""
+
+
+def _memory_job(script: str, env: dict[str, str]) -> dict:
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_buffer_in_pinned_host_memory_counts_apart_from_the_devices_memory():
+    # Regression (issue 32): buffers copied to pinned_host memory counted as device memory.
+    out = _memory_job(_PINNED, {k: v for k, v in _env(XLAKIT_PJRT_PLUGIN=pjrt_job.lammps_plugin()).items()
+                                if k != "XLA_FLAGS"})
+    before, pinned, freed = out["before"], out["pinned"], out["freed"]
+    assert pinned["live_bytes"] == before["live_bytes"] and pinned["live_buffers"] == before["live_buffers"]
+    host = pinned["other_memories"]["pinned_host"]
+    assert host["live_bytes"] - before["other_memories"]["pinned_host"]["live_bytes"] == 4096
+    assert host["live_buffers"] == 1 and freed["other_memories"]["pinned_host"]["live_bytes"] == 0
+    assert freed["other_memories"]["pinned_host"]["peak_bytes"] >= 4096
+
+
+def test_a_view_of_the_frameworks_memory_counts_apart_from_the_devices_memory():
+    # Regression (issue 32): views made with CreateViewOfDeviceBuffer counted as device memory.
+    env = {k: v for k, v in _env(XLAKIT_PJRT_PLUGIN=pjrt_job.xla_cpu_plugin()).items() if k != "XLA_FLAGS"}
+    out = _memory_job(_VIEW, env)
+    before, view = out["before"], out["view"]
+    assert view["live_bytes"] == before["live_bytes"]
+    assert view["views"]["live_bytes"] - before["views"]["live_bytes"] == 4096 and view["views"]["live_buffers"] == 1

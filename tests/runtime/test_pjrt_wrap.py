@@ -420,7 +420,7 @@ def test_the_library_exports_its_entry_point_and_reports_and_loads_on_glibc_2_34
     lib = str(pjrt_wrap.library_path())
     exported = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True, check=True)
     assert sorted(line.split()[-1] for line in exported.stdout.splitlines()) == [
-        "GetPjrtApi", "xlakit_pjrt_wrap_memory", "xlakit_pjrt_wrap_status"]
+        "GetPjrtApi", "xlakit_pjrt_wrap_canonical_program", "xlakit_pjrt_wrap_memory", "xlakit_pjrt_wrap_status"]
     needed = subprocess.run(["objdump", "-T", lib], capture_output=True, text=True, check=True).stdout
 
     def newest(prefix: str) -> tuple[int, ...]:

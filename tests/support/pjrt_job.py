@@ -39,17 +39,40 @@ def xla_cpu_plugin() -> str:
     return str(Path(p.__file__).parent / "xla_cpu_pjrt.so")
 
 
-def run_jax(variant: int) -> list[bytes]:
-    from xlakit.runtime import pjrt_wrap
-
-    os.environ.setdefault("XLAKIT_PJRT_PLUGIN", lammps_plugin())
-    os.environ["JAX_PLATFORMS"] = "xlakitcpu"
+def start_jax(library: str | None = None, platform: str = "xlakitcpu"):
+    """jax with `library` (default: the wrapper) as its only platform, jax's own compilation cache off."""
+    os.environ["JAX_PLATFORMS"] = platform
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)
     from jax._src import xla_bridge
 
-    xla_bridge.register_plugin("xlakitcpu", library_path=str(pjrt_wrap.library_path()))
+    from xlakit.runtime import pjrt_wrap
+
+    xla_bridge.register_plugin(platform, library_path=library or str(pjrt_wrap.library_path()))
+    return jax
+
+
+def start_torch_xla(library: str | None = None, name: str = "XLACPU"):
+    """torch_xla with `library` (default: the wrapper) registered as the device plugin `name`."""
+    os.environ["PJRT_DEVICE"] = name
+    import torch_xla
+    import torch_xla.experimental.plugins as plugins
+
+    from xlakit.runtime import pjrt_wrap
+
+    class Plugin(plugins.DevicePlugin):
+        def library_path(self) -> str:
+            return library or str(pjrt_wrap.library_path())
+
+    plugins.use_dynamic_plugins()
+    plugins.register_plugin(name, Plugin())
+    return torch_xla
+
+
+def run_jax(variant: int) -> list[bytes]:
+    os.environ.setdefault("XLAKIT_PJRT_PLUGIN", lammps_plugin())
+    jax = start_jax()
     import jax.numpy as jnp
 
     @jax.jit
@@ -65,18 +88,13 @@ def run_jax(variant: int) -> list[bytes]:
 
 
 def run_torch_xla(variant: int, enable: str | None, tpu: bool = False) -> list[bytes]:
-    os.environ["PJRT_DEVICE"] = "TPU" if tpu else "XLACPU"
     import torch
-    import torch_xla
-    import torch_xla.experimental.plugins as plugins
 
-    class XlaCpuPlugin(plugins.DevicePlugin):
-        def library_path(self) -> str:
-            return os.environ.get("XLAKIT_TEST_REAL_PLUGIN") or xla_cpu_plugin()
-
-    if not tpu:
-        plugins.use_dynamic_plugins()
-        plugins.register_plugin("XLACPU", XlaCpuPlugin())
+    if tpu:  # torch_xla's own TPU route: TPU_LIBRARY_PATH names the plugin standing in for libtpu
+        os.environ["PJRT_DEVICE"] = "TPU"
+        import torch_xla
+    else:
+        torch_xla = start_torch_xla(os.environ.get("XLAKIT_TEST_REAL_PLUGIN") or xla_cpu_plugin())
     if enable:
         import xlakit
 

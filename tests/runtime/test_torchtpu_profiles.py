@@ -3,6 +3,7 @@ test under tests/build is skipped without XLAKIT_TORCH_XLA_GIT ("build" is a key
 
 from __future__ import annotations
 
+import os
 import sys
 
 from tests.support import REPO
@@ -37,13 +38,15 @@ def test_make_setup_of_a_torchtpu_profile_ends_by_saying_how_to_start_torchtpu(t
     from xlakit.runtime import torchtpu
 
     venv = tmp_path / "venv"
-    plan = subprocess.run(["make", "-n", "setup", "PROFILE=torchtpu-cpu", f"VENV={venv}"], capture_output=True,
-                          text=True, cwd=REPO, timeout=60)
+    # Run as a top-level make: under `make test` (CI) a nested make prints "Leaving directory" last.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    plan = subprocess.run(["make", "--no-print-directory", "-n", "setup", "PROFILE=torchtpu-cpu", f"VENV={venv}"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60, env=env)
     assert plan.returncode == 0, plan.stderr
     last = plan.stdout.strip().splitlines()[-1]
     assert last == f"""{venv}/bin/python -c 'from xlakit.runtime.torchtpu import setup_hint; print(setup_hint("{venv}"))'"""
-    cpu_dev = subprocess.run(["make", "-n", "setup", f"VENV={venv}"], capture_output=True, text=True, cwd=REPO,
-                             timeout=60)
+    cpu_dev = subprocess.run(["make", "--no-print-directory", "-n", "setup", f"VENV={venv}"], capture_output=True,
+                             text=True, cwd=REPO, timeout=60, env=env)
     assert "setup_hint" not in cpu_dev.stdout
     hint = torchtpu.setup_hint(".venv-torchtpu")
     assert "TPU_LIBRARY_PATH is not set" in hint and "torchtpu.start_on_cpu_plugin()" in hint

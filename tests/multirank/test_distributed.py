@@ -122,3 +122,24 @@ def test_stale_temporary_folders_of_dead_processes_are_removed_too(tmp_path):
     stale.mkdir()
     (stale / "shard").write_bytes(b"x")
     assert paths.remove_stale_temps(tmp_path, stem="ckpt") == [stale] and not stale.exists()
+
+
+def test_a_shard_that_cannot_be_written_names_itself_and_its_missing_folder(tmp_path, one_rank, monkeypatch):
+    # Regression (issue 36's store split): a shard's write error named the folder as the file, and lost
+    # the diagnosis ("the folder ... does not exist") for "No such file or directory; check the disk".
+    import shutil
+
+    from xlakit.checkpoint.core import paths
+
+    folder, real = tmp_path / "ckpt", paths.temp_path
+
+    def vanishing(final, *args, **kwargs):  # the folder gone when the shard is opened (storage this rank lost)
+        if final.name.startswith("shard-"):
+            shutil.rmtree(folder)
+        return real(final, *args, **kwargs)
+
+    monkeypatch.setattr(paths, "temp_path", vanishing)
+    with pytest.raises(xlakit.CheckpointWriteError, match=rf"cannot save .*ckpt/shard-00000-of-00001\.\S+\.pt "
+                                                          rf"\(open\): the folder {folder} does not exist") as e:
+        xlakit.save({"w": torch.ones(2)}, folder, layout="sharded", timeout_s=30)
+    assert e.value.filename.startswith(str(folder / "shard-00000-of-00001.")), e.value.filename

@@ -143,3 +143,25 @@ def test_a_shard_that_cannot_be_written_names_itself_and_its_missing_folder(tmp_
                                                           rf"\(open\): the folder {folder} does not exist") as e:
         xlakit.save({"w": torch.ones(2)}, folder, layout="sharded", timeout_s=30)
     assert e.value.filename.startswith(str(folder / "shard-00000-of-00001.")), e.value.filename
+
+
+def test_a_commit_record_that_cannot_be_written_is_a_checkpoint_write_error(tmp_path, one_rank, monkeypatch):
+    # Regression: the committing rank raised the raw OSError of writing a sharded save's commit record
+    # (a full disk), where every other failure of the save is a CheckpointWriteError naming what it wrote.
+    import errno
+
+    from xlakit.checkpoint.store import local
+
+    class FullDisk:  # a fake: the disk fills up exactly when the commit record is written
+        dumps = staticmethod(json.dumps)
+
+        @staticmethod
+        def dump(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(local, "json", FullDisk)
+    folder = tmp_path / "ckpt"
+    with pytest.raises(xlakit.CheckpointWriteError, match=r"cannot save .*ckpt/xlakit-commit\.json \(\w+\): no "
+                                                          r"space for the checkpoint"):
+        xlakit.save({"w": torch.ones(2)}, folder, layout="sharded", timeout_s=30)
+    assert [p.name for p in folder.iterdir()] == [], "nothing committed, the shard and the temporaries removed"

@@ -131,7 +131,7 @@ class LocalFolder(_Local):
         self.identity = os.path.abspath(folder)
         self.id = ""
         self.record: dict | None = None
-        self.writing_to: Path | None = None  # this rank's part, once opened
+        self.writing_to: Path | None = None  # what this rank writes now: its part, then the commit record
         self._part_name = re.compile(rf"{re.escape(parts.name)}-\d{{5}}-of-\d{{5}}\.\d{{8}}T\d{{6}}-[0-9a-f]{{6}}\.pt")
 
     def part_path(self, rank: int, world: int) -> Path:
@@ -176,7 +176,7 @@ class LocalFolder(_Local):
         self.record = {**parts.folder_record, "id": self.id, "world": world, **writer,
                        parts.listed_as: [{"rank": r, **{k: votes[r][k] for k in ("file", "bytes", "checksums")}}
                                          for r in range(world)]}
-        final = self.target / folders.COMMIT_RECORD
+        final = self.writing_to = self.target / folders.COMMIT_RECORD
         tmp = op.own(paths.temp_path(final))
         with open(tmp, "x") as f:
             json.dump(self.record, f, indent=1)

@@ -87,6 +87,20 @@ def no_pending_save():
         background._pending = None
 
 
+@pytest.fixture
+def one_rank():
+    """torch.distributed with one rank (gloo on loopback): a coordinated save of one rank, in this process."""
+    import torch.distributed as dist
+
+    from tests.support.objstore_servers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 # -- object storage: real servers on 127.0.0.1, shared by the session -----------------------------
 
 @pytest.fixture(scope="session")

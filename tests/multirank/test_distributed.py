@@ -122,3 +122,46 @@ def test_stale_temporary_folders_of_dead_processes_are_removed_too(tmp_path):
     stale.mkdir()
     (stale / "shard").write_bytes(b"x")
     assert paths.remove_stale_temps(tmp_path, stem="ckpt") == [stale] and not stale.exists()
+
+
+def test_a_shard_that_cannot_be_written_names_itself_and_its_missing_folder(tmp_path, one_rank, monkeypatch):
+    # Regression (issue 36's store split): a shard's write error named the folder as the file, and lost
+    # the diagnosis ("the folder ... does not exist") for "No such file or directory; check the disk".
+    import shutil
+
+    from xlakit.checkpoint.core import paths
+
+    folder, real = tmp_path / "ckpt", paths.temp_path
+
+    def vanishing(final, *args, **kwargs):  # the folder gone when the shard is opened (storage this rank lost)
+        if final.name.startswith("shard-"):
+            shutil.rmtree(folder)
+        return real(final, *args, **kwargs)
+
+    monkeypatch.setattr(paths, "temp_path", vanishing)
+    with pytest.raises(xlakit.CheckpointWriteError, match=rf"cannot save .*ckpt/shard-00000-of-00001\.\S+\.pt "
+                                                          rf"\(open\): the folder {folder} does not exist") as e:
+        xlakit.save({"w": torch.ones(2)}, folder, layout="sharded", timeout_s=30)
+    assert e.value.filename.startswith(str(folder / "shard-00000-of-00001.")), e.value.filename
+
+
+def test_a_commit_record_that_cannot_be_written_is_a_checkpoint_write_error(tmp_path, one_rank, monkeypatch):
+    # Regression: the committing rank raised the raw OSError of writing a sharded save's commit record
+    # (a full disk), where every other failure of the save is a CheckpointWriteError naming what it wrote.
+    import errno
+
+    from xlakit.checkpoint.store import local
+
+    class FullDisk:  # a fake: the disk fills up exactly when the commit record is written
+        dumps = staticmethod(json.dumps)
+
+        @staticmethod
+        def dump(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(local, "json", FullDisk)
+    folder = tmp_path / "ckpt"
+    with pytest.raises(xlakit.CheckpointWriteError, match=r"cannot save .*ckpt/xlakit-commit\.json \(\w+\): no "
+                                                          r"space for the checkpoint"):
+        xlakit.save({"w": torch.ones(2)}, folder, layout="sharded", timeout_s=30)
+    assert [p.name for p in folder.iterdir()] == [], "nothing committed, the shard and the temporaries removed"

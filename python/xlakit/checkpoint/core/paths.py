@@ -246,14 +246,16 @@ def write_error(e: OSError, final: Path, *, stage: str, bytes_done: int = 0) -> 
 
 
 @contextlib.contextmanager
-def writing(final: Path, op: "Operation") -> Iterator[None]:
-    """Around writing `final`: an OSError becomes its `write_error`; xlakit's own errors pass."""
+def writing(final: Path | Callable[[], Path], op: "Operation") -> Iterator[None]:
+    """Around writing `final` (or the file `final()` names once it fails, where that is decided
+    inside): an OSError becomes its `write_error`; xlakit's own errors pass."""
     try:
         yield
     except OSError as e:
         if isinstance(e, CheckpointError):  # CheckpointTimeoutError is an OSError too
             raise
-        raise write_error(e, final, stage=op.stage, bytes_done=op.bytes_done) from e
+        where = final() if callable(final) else final
+        raise write_error(e, where, stage=op.stage, bytes_done=op.bytes_done) from e
 
 
 def check_target(final: Path) -> None:

@@ -146,7 +146,8 @@ class CoordinatedSave:
         if not committing:
             self.coord.expect_commit(op, self.target)
             return
-        dest.commit(op, self.coord.votes(op))
+        with dest.writing(op):  # the commit record's write errors as xlakit's, as the parts'
+            dest.commit(op, self.coord.votes(op))
         self.coord.finish({"ok": True})
         dest.after_commit(op)
 

@@ -1,13 +1,13 @@
 """Object storage (`gs://`, `s3://`): the store and its commit protocol, below the checkpoint entry points.
 
 This package is a lower layer: it knows objects, prefixes and deadlines, never
-checkpoints. The object-storage flavour of each entry point is a sibling of
-the local one in `xlakit.checkpoint`, named `bucket_*` (`bucket_file.py` beside
-`pipeline.py` / `loading.py`, `bucket_ranks.py` beside `ranks.py`,
-`bucket_dcp.py` beside `dcp.py`, `bucket_steps.py` beside `steps.py`,
-`bucket_describe.py` beside `describe.py`); each entry point decides once
-whether a path is a URL (`is_url`, here) and hands it to its sibling. A local
-path keeps its own code (`paths.py`: temporary files, rename, fsync).
+checkpoints. Each entry point decides once whether a path is a URL (`is_url`,
+here). The saves are then one flow over `checkpoint/store/` (`store/bucket.py`
+is a bucket's destination, `store/local.py` a path's: temporary files, rename,
+fsync); DCP's over `torch_dcp/`'s `DcpStore`. What stays twinned has a `bucket_*`
+module beside its local one, in its concern's sub-package (`file/bucket_file.py`,
+`multirank/bucket_ranks.py` and `bucket_replicas.py`, `torch_dcp/bucket_dcp.py`,
+`stepstore/bucket_steps.py`, `inspect/bucket_describe.py`).
 
 * `client.py`: the one module that talks to a store (fsspec with gcsfs or
   s3fs); every request bounded by what is left of the operation's deadline and

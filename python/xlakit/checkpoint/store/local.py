@@ -131,6 +131,7 @@ class LocalFolder(_Local):
         self.identity = os.path.abspath(folder)
         self.id = ""
         self.record: dict | None = None
+        self.writing_to: Path | None = None  # what this rank writes now: its part, then the commit record
         self._part_name = re.compile(rf"{re.escape(parts.name)}-\d{{5}}-of-\d{{5}}\.\d{{8}}T\d{{6}}-[0-9a-f]{{6}}\.pt")
 
     def part_path(self, rank: int, world: int) -> Path:
@@ -160,7 +161,13 @@ class LocalFolder(_Local):
         paths.remove_stale_temps(self.target, stem=folders.COMMIT_RECORD)
 
     def open_part(self, op: "Operation", rank: int, world: int) -> LocalPart:
-        return LocalPart(op, self.part_path(rank, world), in_folder=True)
+        self.writing_to = self.part_path(rank, world)
+        return LocalPart(op, self.writing_to, in_folder=True)
+
+    def writing(self, op: "Operation"):
+        """A write error names the part being written, so its folder is the one diagnosed (a
+        folder this rank cannot see, or cannot write)."""
+        return paths.writing(lambda: self.writing_to or self.target, op)
 
     def commit(self, op: "Operation", votes: dict[int, dict]) -> None:
         """The commit record, written durably, then renamed into place at the commit point."""
@@ -169,7 +176,7 @@ class LocalFolder(_Local):
         self.record = {**parts.folder_record, "id": self.id, "world": world, **writer,
                        parts.listed_as: [{"rank": r, **{k: votes[r][k] for k in ("file", "bytes", "checksums")}}
                                          for r in range(world)]}
-        final = self.target / folders.COMMIT_RECORD
+        final = self.writing_to = self.target / folders.COMMIT_RECORD
         tmp = op.own(paths.temp_path(final))
         with open(tmp, "x") as f:
             json.dump(self.record, f, indent=1)

@@ -465,3 +465,89 @@ def test_a_module_gets_its_extra_state_back(tmp_path):
     fresh = Counted()
     xlakit.restore(tmp_path / "c.pt", model=fresh)
     assert fresh.seen == 41 and torch.equal(fresh.weight, saved.weight)
+
+
+class _WithUnused(torch.nn.Module):
+    """A model whose `unused` layer never gets a gradient (a pooler outside the loss, an unrouted expert)."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        super().__init__()
+        self.used, self.unused, self.frozen = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(self.frozen(x))
+
+
+def _adamw_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    data = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(3, 4, generator=data)).square().sum().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("case", ["unused", "frozen-later", "before-first-step"])
+def test_a_fresh_optimizer_takes_the_state_of_exactly_the_parameters_that_had_one(tmp_path, case):
+    # Regression: restore(model=, optimizer=) created state for every trainable parameter and then
+    # required it in the checkpoint (and none for frozen ones): a parameter without a gradient, one
+    # frozen after stepping, or a checkpoint saved before the first step gave CheckpointMismatchError.
+    model = _WithUnused(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if case != "frozen-later":
+        model.frozen.requires_grad_(False)  # frozen from the start: never any state
+    _adamw_steps(model, opt, 0 if case == "before-first-step" else 2, 1)
+    if case == "frozen-later":
+        model.used.requires_grad_(False)  # its moments stay in the optimizer's state
+        _adamw_steps(model, opt, 1, 2)
+    xlakit.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.pt")
+    fresh = _WithUnused(3)
+    fresh.load_state_dict(model.state_dict())
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        b.requires_grad_(a.requires_grad)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    xlakit.restore(tmp_path / "c.pt", model=fresh, optimizer=fresh_opt)
+    assert _same_optimizer_state(opt, fresh_opt)
+    model.frozen.requires_grad_(True)
+    fresh.frozen.requires_grad_(True)
+    for m, o in ((model, opt), (fresh, fresh_opt)):  # trained on alike, bit for bit
+        _adamw_steps(m, o, 2, 4)
+    assert _same_optimizer_state(opt, fresh_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+@pytest.mark.parametrize("failure", ["mismatch", "deadline", "interrupt"])
+def test_a_failed_restore_leaves_a_fresh_optimizer_without_state(tmp_path, monkeypatch, failure):
+    # Regression: restore(optimizer=opt) created the optimizer's state (step 1, zero moments) before
+    # reading; when the restore then failed ("nothing was changed"), the optimizer kept that state
+    # and a run that went on from scratch trained with it.
+    model, opt = _stepped("cpu", "adamw", 0, 2)
+    xlakit.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2}, tmp_path / "c.pt")
+    fresh, fresh_opt = _stepped("cpu", "adamw", 1, 0)
+    if failure == "mismatch":
+        with pytest.raises(xlakit.CheckpointMismatchError):
+            xlakit.restore(tmp_path / "c.pt", model=fresh, optimizer=fresh_opt)  # "step" is not in it
+    elif failure == "deadline":
+        with pytest.raises(xlakit.CheckpointTimeoutError):
+            xlakit.restore(tmp_path / "c.pt", {"step": 0}, model=fresh, optimizer=fresh_opt, timeout_s=1e-6)
+    else:
+        from xlakit.checkpoint.file import restoring
+
+        def interrupted(*args):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(restoring, "_restore_batch", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            xlakit.restore(tmp_path / "c.pt", {"step": 0}, model=fresh, optimizer=fresh_opt)
+    assert not fresh_opt.state and all(p.grad is None for p in fresh.parameters())
+    assert fresh_opt.param_groups[0]["lr"] == 0.01
+
+
+def test_model_and_optimizer_of_the_wrong_kind_are_named(tmp_path):
+    # Regression: model=3 was taken as a template entry and reported as a checkpoint mismatch.
+    model, opt = _stepped("cpu", "adamw", 0, 1)
+    xlakit.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.pt")
+    with pytest.raises(TypeError, match=r"model= takes a torch.nn.Module or its state dict, got int"):
+        xlakit.restore(tmp_path / "c.pt", model=3, optimizer=opt)
+    with pytest.raises(TypeError, match=r"optimizer= takes a torch.optim.Optimizer or its state dict, got Linear"):
+        xlakit.restore(tmp_path / "c.pt", model=model, optimizer=model[0])

@@ -9,30 +9,48 @@ state dict (its parameters and buffers, filled in place), and a
 `torch.distributed.checkpoint.state_dict` creates it (`_init_optim_state`):
 one `step()` with zero gradients at a learning rate of 0, which leaves the
 parameters as they were; the gradients and learning rates are put back after.
+The state is created for every parameter of the optimizer, also those that
+will have none in the checkpoint (never given a gradient, frozen from the
+start, or a checkpoint saved before the first step), so that a parameter
+frozen after it stepped gets its saved state too; the entries the checkpoint
+lacks are then dropped (`matching.MayBeAbsent`), as `set_state_dict` drops them.
 The restore then fills those state tensors in place on their devices, like any
 template's, and each optimizer loads its restored state dict (the saved
 hyper-parameters; its state tensors are already the restored ones, so nothing
 is copied), each module its extra state (`get_extra_state`), if it has any.
+When the restore fails, the state created for it is removed again: the
+optimizer is left as fresh as it came.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from xlakit.checkpoint.file.matching import MayBeAbsent
+
 _EXTRA_STATE = "_extra_state"  # torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 
 
-def template_of(template: Any, **named: Any) -> tuple[Any, list[tuple[tuple, Any]]]:
-    """The template as plain state dicts, and where each live module or optimizer was.
+_KINDS = {"model": (torch.nn.Module, "torch.nn.Module"), "optimizer": (torch.optim.Optimizer, "torch.optim.Optimizer")}
+
+
+def template_of(template: Any, **named: Any) -> tuple[Any, list[tuple[tuple, Any, bool]]]:
+    """The template as plain state dicts, and where each live module or optimizer was (with whether
+    xlakit created the optimizer's state).
 
     `named` (`model=`, `optimizer=`) are entries of the template under their own
     names (None: not given). No template and nothing named gives None. Raises
-    ValueError when a name is given twice.
+    ValueError when a name is given twice, TypeError for a named object of another kind.
     """
     named = {k: v for k, v in named.items() if v is not None}
+    for name, value in named.items():
+        kind, kind_name = _KINDS[name]
+        if not isinstance(value, (kind, Mapping)):
+            raise TypeError(f"{name}= takes a {kind_name} or its state dict, got {type(value).__name__}; "
+                            f"pass anything else inside the template")
     if named:
         if template is None:
             template = {}
@@ -44,13 +62,33 @@ def template_of(template: Any, **named: Any) -> tuple[Any, list[tuple[tuple, Any
             raise ValueError(f"{', '.join(map(repr, twice))} given both in the template and as a keyword; "
                              f"pass each once")
         template = {**template, **named}
-    live: list[tuple[tuple, Any]] = []
-    return _expand(template, (), live), live
+    live: list[tuple[tuple, Any, bool]] = []
+    try:
+        return _expand(template, (), live), live
+    except BaseException:
+        _forget(live)
+        raise
 
 
-def settle(restored: Any, live: list[tuple[tuple, Any]]) -> Any:
+def fill(live: list[tuple[tuple, Any, bool]], restore: Callable[[], Any]) -> Any:
+    """`restore()`'s result, settled into the live objects; on any failure (an interrupt too) the
+    optimizer state created for it is removed again."""
+    try:
+        return settle(restore(), live)
+    except BaseException:
+        _forget(live)
+        raise
+
+
+def _forget(live: list[tuple[tuple, Any, bool]]) -> None:
+    for _, obj, created in live:
+        if created:
+            obj.state.clear()
+
+
+def settle(restored: Any, live: list[tuple[tuple, Any, bool]]) -> Any:
     """After the restore: each optimizer loads its restored state dict, each module its extra state."""
-    for path, obj in live:
+    for path, obj, _ in live:
         state = restored
         for key in path:
             state = state[key]
@@ -63,14 +101,17 @@ def settle(restored: Any, live: list[tuple[tuple, Any]]) -> Any:
     return restored
 
 
-def _expand(node: Any, path: tuple, live: list[tuple[tuple, Any]]) -> Any:
+def _expand(node: Any, path: tuple, live: list[tuple[tuple, Any, bool]]) -> Any:
     if isinstance(node, torch.nn.Module):
-        live.append((path, node))
+        live.append((path, node, False))
         return node.state_dict()
     if isinstance(node, torch.optim.Optimizer):
-        create_state(node)
-        live.append((path, node))
-        return node.state_dict()
+        created = create_state(node)
+        live.append((path, node, created))
+        state = node.state_dict()
+        if created:  # the parameters the checkpoint holds no state for keep none
+            state["state"] = MayBeAbsent(state["state"])
+        return state
     if isinstance(node, Mapping):
         out = {k: _expand(v, (*path, k), live) for k, v in node.items()}
         return node if all(out[k] is v for k, v in node.items()) else out
@@ -80,17 +121,20 @@ def _expand(node: Any, path: tuple, live: list[tuple[tuple, Any]]) -> Any:
     return node
 
 
-def create_state(opt: torch.optim.Optimizer) -> None:
-    """Give an optimizer without state its state, as its first step would, leaving the parameters alone.
+def create_state(opt: torch.optim.Optimizer) -> bool:
+    """Give an optimizer without state its state, as its first step would, leaving the parameters alone;
+    whether it created any.
 
-    An optimizer that has state (it stepped, or was restored) is left as it is.
+    An optimizer that has state (it stepped, or was restored) is left as it is. Every
+    parameter gets state, a frozen one too (it may have stepped before it was frozen).
     Its parameters' gradients and its learning rates are put back afterwards.
     """
     if opt.state:
-        return
-    params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+        return False
+    params = [p for group in opt.param_groups for p in group["params"]
+              if p.requires_grad or p.is_floating_point() or p.is_complex()]
     if not params:
-        return
+        return False
     grads = [p.grad for p in params]
     rates = [group.get("lr") for group in opt.param_groups]
     try:
@@ -101,6 +145,7 @@ def create_state(opt: torch.optim.Optimizer) -> None:
                 group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
         opt.step()
     except Exception as e:
+        opt.state.clear()  # what the failed step made: the optimizer had none
         e.add_note(f"xlakit created the state of {type(opt).__name__} for the restore by one step at a learning "
                    f"rate of 0 with zero gradients, as torch.distributed.checkpoint does; an optimizer whose step "
                    f"needs more (a closure) must take a real step first, then be restored")
@@ -111,3 +156,4 @@ def create_state(opt: torch.optim.Optimizer) -> None:
                 group["lr"] = lr
         for p, grad in zip(params, grads):
             p.grad = grad
+    return bool(opt.state)

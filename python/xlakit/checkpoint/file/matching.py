@@ -10,7 +10,9 @@ tied entries receive the same values is decided from metadata: the same
 stored tensor, a view with the same relation to one storage, or records
 with equal digests (equal bytes). With `strict=False` the checkpoint's
 entries that the template lacks are allowed: they are not read, not in the
-result, and are reported (logged, and given to `extra_keys_callback`).
+result, and are reported (logged, and given to `extra_keys_callback`). The
+template's entries that the checkpoint lacks are a difference, except in a
+`MayBeAbsent` mapping (an optimizer's state that xlakit created for the restore).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class Target:
     tensor: torch.Tensor
     source: TensorSpec | torch.Tensor
     direct: bool = False
+
+
+class MayBeAbsent(dict):
+    """A template mapping whose entries the checkpoint may lack: those are left out of the result,
+    not a difference (the optimizer state that `live.py` created for parameters that had none saved)."""
 
 
 def match(saved: Any, template: Any, path: Path, opts: LoadOptions,
@@ -97,8 +104,9 @@ def match(saved: Any, template: Any, path: Path, opts: LoadOptions,
         if s_tensor or isinstance(t, torch.Tensor):
             problems.append(f"{name}: the checkpoint has {kind(s)}, the template {kind(t)}")
         elif isinstance(s, dict) and isinstance(t, dict):
-            for k in t.keys() - s.keys():
-                problems.append(f"{_child(where, k)}: missing from the checkpoint")
+            if not isinstance(t, MayBeAbsent):
+                for k in t.keys() - s.keys():
+                    problems.append(f"{_child(where, k)}: missing from the checkpoint")
             out = {}
             for k, x in s.items():  # in the checkpoint's order, which is (mostly) the file's
                 child = f"{where}/{k}" if where else str(k)

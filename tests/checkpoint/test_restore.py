@@ -516,6 +516,21 @@ def test_a_fresh_optimizer_takes_the_state_of_exactly_the_parameters_that_had_on
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
 
+def test_a_dcp_step_restores_a_fresh_optimizer_with_a_parameter_that_never_stepped(tmp_path):
+    # Regression: the state created for a parameter without a gradient went to DCP as part of the
+    # template: "RuntimeError: Missing key in checkpoint state_dict: optimizer.state.2.step".
+    model = _WithUnused(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _adamw_steps(model, opt, 2, 1)
+    with xlakit.CheckpointManager(tmp_path / "run", layout="dcp") as mgr:
+        mgr.save(2, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        fresh = _WithUnused(3)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+        mgr.restore(2, model=fresh, optimizer=fresh_opt)
+    assert _same_optimizer_state(opt, fresh_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
 @pytest.mark.parametrize("failure", ["mismatch", "deadline", "interrupt"])
 def test_a_failed_restore_leaves_a_fresh_optimizer_without_state(tmp_path, monkeypatch, failure):
     # Regression: restore(optimizer=opt) created the optimizer's state (step 1, zero moments) before

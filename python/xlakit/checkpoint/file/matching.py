@@ -54,6 +54,25 @@ class MayBeAbsent(dict):
     not a difference (the optimizer state that `live.py` created for parameters that had none saved)."""
 
 
+def drop_absent(template: Any, saved_keys: Any, where: str = "") -> None:
+    """Remove, in place, the entries of each `MayBeAbsent` mapping in `template` that a DCP checkpoint
+    lacks; `saved_keys`: its flattened keys ("optimizer.state.0.step"), or a set of their prefixes."""
+    if not isinstance(saved_keys, set):
+        saved_keys = {key[:i] for key in saved_keys for i, c in enumerate(key + ".") if c == "."}
+    if isinstance(template, dict):
+        items = list(template.items())
+    elif isinstance(template, (list, tuple)):
+        items = list(enumerate(template))
+    else:
+        return
+    for k, v in items:
+        child = f"{where}.{k}" if where else str(k)
+        if isinstance(template, MayBeAbsent) and child not in saved_keys:
+            del template[k]
+        else:
+            drop_absent(v, saved_keys, child)
+
+
 def match(saved: Any, template: Any, path: Path, opts: LoadOptions,
           digests: list[str] | None) -> tuple[list[Target], Any]:
     """Every (template tensor, saved tensor) pair, and the restored state: the saved structure with

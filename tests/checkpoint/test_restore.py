@@ -566,3 +566,26 @@ def test_model_and_optimizer_of_the_wrong_kind_are_named(tmp_path):
         xlakit.restore(tmp_path / "c.pt", model=3, optimizer=opt)
     with pytest.raises(TypeError, match=r"optimizer= takes a torch.optim.Optimizer or its state dict, got Linear"):
         xlakit.restore(tmp_path / "c.pt", model=model, optimizer=model[0])
+
+
+def test_a_template_written_during_the_restore_does_not_make_a_good_file_corrupt(tmp_path, monkeypatch):
+    # Regression: a large record read straight into a CPU template tensor was hashed from that
+    # tensor's memory; another thread writing the tensor meanwhile made restore call a good file
+    # corrupt (CheckpointCorruptError). The other thread is a fake: a write right after each read.
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(4)}
+    xlakit.save(state, tmp_path / "c.pt")
+    template = {k: torch.zeros_like(v) for k, v in state.items()}
+    real = loading.RecordReader.read_into
+
+    def read_then_written(self, offset, dst, what, tensor):
+        real(self, offset, dst, what, tensor)
+        if len(dst) == template["w"].nbytes:
+            template["w"].add_(1)  # what the other thread does between the read and the hash
+
+    monkeypatch.setattr(loading.RecordReader, "read_into", read_then_written)
+    with pytest.raises(RuntimeError, match="'w' of the template changed while it was restored") as caught:
+        xlakit.restore(tmp_path / "c.pt", template)
+    assert not isinstance(caught.value, xlakit.CheckpointCorruptError)
+    monkeypatch.setattr(loading.RecordReader, "read_into", real)
+    xlakit.restore(tmp_path / "c.pt", template)  # the file itself is good
+    assert torch.equal(template["w"], state["w"])

@@ -91,6 +91,19 @@ def test_secrets_are_shown_as_set_never_their_value(monkeypatch):
     assert all(s not in scrubbed for s in (SECRET, "aws-abcdef", "tok-123456")), scrubbed
 
 
+def test_a_token_in_a_urls_query_or_a_password_with_a_slash_is_not_shown(monkeypatch):
+    # Regression: only a URL's user:password was hidden; a token in its query string
+    # (?access_token=..., a signed URL's signature) reached the report, and so did a password holding "/".
+    monkeypatch.setenv("XLAKIT_CACHE_TIER_URL", "https://storage.example.com/b/x?access_token=ya29.tok&X-Amz-Signature=f00d#frag")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "http://admin:pa/ss@host:1234/x")
+    env = environment.variables()
+    assert env["XLAKIT_CACHE_TIER_URL"] == ("https://storage.example.com/b/x?access_token=<not shown>"
+                                            "&X-Amz-Signature=<not shown>#frag")
+    assert env["JAX_COORDINATOR_ADDRESS"] == "http://<not shown>@host:1234/x"
+    scrubbed = environment.scrub({"reason": "GET https://h/o?sig=abc123 failed"}, [])
+    assert scrubbed == {"reason": "GET https://h/o?sig=<not shown> failed"}
+
+
 def test_the_children_run_without_the_jobs_cache_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("XLAKIT_PJRT_CACHE_READ_ONLY", "1")
     monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", str(tmp_path))

@@ -562,10 +562,18 @@ def test_model_and_optimizer_of_the_wrong_kind_are_named(tmp_path):
     # Regression: model=3 was taken as a template entry and reported as a checkpoint mismatch.
     model, opt = _stepped("cpu", "adamw", 0, 1)
     xlakit.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.pt")
-    with pytest.raises(TypeError, match=r"model= takes a torch.nn.Module or its state dict, got int"):
+    with pytest.raises(TypeError, match=r"model= takes a torch.nn.Module or its state dict .*got int"):
         xlakit.restore(tmp_path / "c.pt", model=3, optimizer=opt)
-    with pytest.raises(TypeError, match=r"optimizer= takes a torch.optim.Optimizer or its state dict, got Linear"):
+    with pytest.raises(TypeError, match=r"optimizer= takes a torch.optim.Optimizer or its state dict .*got Linear"):
         xlakit.restore(tmp_path / "c.pt", model=model, optimizer=model[0])
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)  # a list of optimizers stays an entry
+    model(torch.randn(4, 8)).sum().backward()
+    head.step()
+    xlakit.save({"model": model.state_dict(), "optimizer": [opt.state_dict(), head.state_dict()]}, tmp_path / "c.pt")
+    fresh, fresh_opt = _stepped("cpu", "adamw", 1, 0)
+    fresh_head = torch.optim.SGD(fresh[2].parameters(), lr=0.1, momentum=0.9)
+    xlakit.restore(tmp_path / "c.pt", model=fresh, optimizer=[fresh_opt, fresh_head])
+    assert _same_optimizer_state(opt, fresh_opt) and _same_optimizer_state(head, fresh_head)
 
 
 def test_a_template_written_during_the_restore_does_not_make_a_good_file_corrupt(tmp_path, monkeypatch):

@@ -48,9 +48,9 @@ def template_of(template: Any, **named: Any) -> tuple[Any, list[tuple[tuple, Any
     named = {k: v for k, v in named.items() if v is not None}
     for name, value in named.items():
         kind, kind_name = _KINDS[name]
-        if not isinstance(value, (kind, Mapping)):
-            raise TypeError(f"{name}= takes a {kind_name} or its state dict, got {type(value).__name__}; "
-                            f"pass anything else inside the template")
+        if not all(isinstance(v, (kind, Mapping)) for v in (value if type(value) in (list, tuple) else [value])):
+            raise TypeError(f"{name}= takes a {kind_name} or its state dict (or a list of them), got "
+                            f"{type(value).__name__}; pass anything else inside the template")
     if named:
         if template is None:
             template = {}

@@ -597,3 +597,30 @@ def test_a_template_written_during_the_restore_does_not_make_a_good_file_corrupt
     monkeypatch.setattr(loading.RecordReader, "read_into", real)
     xlakit.restore(tmp_path / "c.pt", template)  # the file itself is good
     assert torch.equal(template["w"], state["w"])
+
+
+class _CastOnSave(torch.nn.Module):
+    """Keeps float32 weights; its state dict holds bfloat16 copies of them (a state-dict hook), so the
+    state dict's tensors are not the module's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self._register_state_dict_hook(lambda module, state, prefix, local: {k: v.to(torch.bfloat16)
+                                                                             for k, v in state.items()})
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_module_whose_state_dict_holds_copies_is_loaded_not_left_as_it_was(tmp_path):
+    # Regression: restore(model=m) filled the tensors of m.state_dict() in place; where those were copies
+    # (a state-dict hook that casts), the restore succeeded and the module kept its old weights.
+    torch.manual_seed(0)
+    saved = _CastOnSave()
+    xlakit.save({"model": saved.state_dict()}, tmp_path / "c.pt")
+    torch.manual_seed(1)
+    fresh = _CastOnSave()
+    weight = fresh.lin.weight
+    xlakit.restore(tmp_path / "c.pt", model=fresh)
+    assert fresh.lin.weight is weight and torch.equal(fresh.lin.weight, saved.lin.weight.to(torch.bfloat16).float())

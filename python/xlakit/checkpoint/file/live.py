@@ -17,7 +17,9 @@ lacks are then dropped (`matching.MayBeAbsent`), as `set_state_dict` drops them.
 The restore then fills those state tensors in place on their devices, like any
 template's, and each optimizer loads its restored state dict (the saved
 hyper-parameters; its state tensors are already the restored ones, so nothing
-is copied), each module its extra state (`get_extra_state`), if it has any.
+is copied), each module its extra state (`get_extra_state`), if it has any, and
+the entries of its state dict that were copies, not its own tensors (a
+`state_dict` hook that casts), through its `load_state_dict`.
 When the restore fails, the state created for it is removed again: the
 optimizer is left as fresh as it came.
 """
@@ -94,11 +96,30 @@ def settle(restored: Any, live: list[tuple[tuple, Any, bool]]) -> Any:
             state = state[key]
         if isinstance(obj, torch.optim.Optimizer):
             obj.load_state_dict(state)
-        else:
-            extra = {k: v for k, v in state.items() if k.endswith(_EXTRA_STATE)}
-            if extra:  # the parameters and buffers were filled in place; only these need the module
-                obj.load_state_dict(extra, strict=False)
+        else:  # its own parameters and buffers were filled in place; the rest goes through the module
+            own = _memory_of(obj)
+            rest = type(state)((k, v) for k, v in state.items()
+                               if k.endswith(_EXTRA_STATE) or not _filled_in_place(v, own))
+            if rest:
+                if hasattr(state, "_metadata"):
+                    rest._metadata = state._metadata
+                obj.load_state_dict(rest, strict=False)
     return restored
+
+
+def _memory_of(module: torch.nn.Module) -> set[int]:
+    """Where the module's parameters and buffers keep their values (devices with addresses)."""
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
+            if t.device.type != "xla" and t.numel()}
+
+
+def _filled_in_place(value: Any, own: set[int]) -> bool:
+    """Whether a module's state-dict entry is its own tensor (filled by the restore itself), not a copy
+    its `state_dict()` made (a hook that casts): only a copy needs `load_state_dict`. On XLA, where a
+    state dict's detached aliases have no address, the entry is taken as the module's own."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "xla" or not value.numel():
+        return True
+    return value.untyped_storage().data_ptr() in own
 
 
 def _expand(node: Any, path: tuple, live: list[tuple[tuple, Any, bool]]) -> Any:

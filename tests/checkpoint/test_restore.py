@@ -465,3 +465,162 @@ def test_a_module_gets_its_extra_state_back(tmp_path):
     fresh = Counted()
     xlakit.restore(tmp_path / "c.pt", model=fresh)
     assert fresh.seen == 41 and torch.equal(fresh.weight, saved.weight)
+
+
+class _WithUnused(torch.nn.Module):
+    """A model whose `unused` layer never gets a gradient (a pooler outside the loss, an unrouted expert)."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        super().__init__()
+        self.used, self.unused, self.frozen = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(self.frozen(x))
+
+
+def _adamw_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    data = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(3, 4, generator=data)).square().sum().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("case", ["unused", "frozen-later", "before-first-step"])
+def test_a_fresh_optimizer_takes_the_state_of_exactly_the_parameters_that_had_one(tmp_path, case):
+    # Regression: restore(model=, optimizer=) created state for every trainable parameter and then
+    # required it in the checkpoint (and none for frozen ones): a parameter without a gradient, one
+    # frozen after stepping, or a checkpoint saved before the first step gave CheckpointMismatchError.
+    model = _WithUnused(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if case != "frozen-later":
+        model.frozen.requires_grad_(False)  # frozen from the start: never any state
+    _adamw_steps(model, opt, 0 if case == "before-first-step" else 2, 1)
+    if case == "frozen-later":
+        model.used.requires_grad_(False)  # its moments stay in the optimizer's state
+        _adamw_steps(model, opt, 1, 2)
+    xlakit.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.pt")
+    fresh = _WithUnused(3)
+    fresh.load_state_dict(model.state_dict())
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        b.requires_grad_(a.requires_grad)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    xlakit.restore(tmp_path / "c.pt", model=fresh, optimizer=fresh_opt)
+    assert _same_optimizer_state(opt, fresh_opt)
+    model.frozen.requires_grad_(True)
+    fresh.frozen.requires_grad_(True)
+    for m, o in ((model, opt), (fresh, fresh_opt)):  # trained on alike, bit for bit
+        _adamw_steps(m, o, 2, 4)
+    assert _same_optimizer_state(opt, fresh_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_a_dcp_step_restores_a_fresh_optimizer_with_a_parameter_that_never_stepped(tmp_path):
+    # Regression: the state created for a parameter without a gradient went to DCP as part of the
+    # template: "RuntimeError: Missing key in checkpoint state_dict: optimizer.state.2.step".
+    model = _WithUnused(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _adamw_steps(model, opt, 2, 1)
+    with xlakit.CheckpointManager(tmp_path / "run", layout="dcp") as mgr:
+        mgr.save(2, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        fresh = _WithUnused(3)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+        mgr.restore(2, model=fresh, optimizer=fresh_opt)
+    assert _same_optimizer_state(opt, fresh_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+@pytest.mark.parametrize("failure", ["mismatch", "deadline", "interrupt"])
+def test_a_failed_restore_leaves_a_fresh_optimizer_without_state(tmp_path, monkeypatch, failure):
+    # Regression: restore(optimizer=opt) created the optimizer's state (step 1, zero moments) before
+    # reading; when the restore then failed ("nothing was changed"), the optimizer kept that state
+    # and a run that went on from scratch trained with it.
+    model, opt = _stepped("cpu", "adamw", 0, 2)
+    xlakit.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2}, tmp_path / "c.pt")
+    fresh, fresh_opt = _stepped("cpu", "adamw", 1, 0)
+    if failure == "mismatch":
+        with pytest.raises(xlakit.CheckpointMismatchError):
+            xlakit.restore(tmp_path / "c.pt", model=fresh, optimizer=fresh_opt)  # "step" is not in it
+    elif failure == "deadline":
+        with pytest.raises(xlakit.CheckpointTimeoutError):
+            xlakit.restore(tmp_path / "c.pt", {"step": 0}, model=fresh, optimizer=fresh_opt, timeout_s=1e-6)
+    else:
+        from xlakit.checkpoint.file import restoring
+
+        def interrupted(*args):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(restoring, "_restore_batch", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            xlakit.restore(tmp_path / "c.pt", {"step": 0}, model=fresh, optimizer=fresh_opt)
+    assert not fresh_opt.state and all(p.grad is None for p in fresh.parameters())
+    assert fresh_opt.param_groups[0]["lr"] == 0.01
+
+
+def test_model_and_optimizer_of_the_wrong_kind_are_named(tmp_path):
+    # Regression: model=3 was taken as a template entry and reported as a checkpoint mismatch.
+    model, opt = _stepped("cpu", "adamw", 0, 1)
+    xlakit.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.pt")
+    with pytest.raises(TypeError, match=r"model= takes a torch.nn.Module or its state dict .*got int"):
+        xlakit.restore(tmp_path / "c.pt", model=3, optimizer=opt)
+    with pytest.raises(TypeError, match=r"optimizer= takes a torch.optim.Optimizer or its state dict .*got Linear"):
+        xlakit.restore(tmp_path / "c.pt", model=model, optimizer=model[0])
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)  # a list of optimizers stays an entry
+    model(torch.randn(4, 8)).sum().backward()
+    head.step()
+    xlakit.save({"model": model.state_dict(), "optimizer": [opt.state_dict(), head.state_dict()]}, tmp_path / "c.pt")
+    fresh, fresh_opt = _stepped("cpu", "adamw", 1, 0)
+    fresh_head = torch.optim.SGD(fresh[2].parameters(), lr=0.1, momentum=0.9)
+    xlakit.restore(tmp_path / "c.pt", model=fresh, optimizer=[fresh_opt, fresh_head])
+    assert _same_optimizer_state(opt, fresh_opt) and _same_optimizer_state(head, fresh_head)
+
+
+def test_a_template_written_during_the_restore_does_not_make_a_good_file_corrupt(tmp_path, monkeypatch):
+    # Regression: a large record read straight into a CPU template tensor was hashed from that
+    # tensor's memory; another thread writing the tensor meanwhile made restore call a good file
+    # corrupt (CheckpointCorruptError). The other thread is a fake: a write right after each read.
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(4)}
+    xlakit.save(state, tmp_path / "c.pt")
+    template = {k: torch.zeros_like(v) for k, v in state.items()}
+    real = loading.RecordReader.read_into
+
+    def read_then_written(self, offset, dst, what, tensor):
+        real(self, offset, dst, what, tensor)
+        if len(dst) == template["w"].nbytes:
+            template["w"].add_(1)  # what the other thread does between the read and the hash
+
+    monkeypatch.setattr(loading.RecordReader, "read_into", read_then_written)
+    with pytest.raises(RuntimeError, match="'w' of the template changed while it was restored") as caught:
+        xlakit.restore(tmp_path / "c.pt", template)
+    assert not isinstance(caught.value, xlakit.CheckpointCorruptError)
+    monkeypatch.setattr(loading.RecordReader, "read_into", real)
+    xlakit.restore(tmp_path / "c.pt", template)  # the file itself is good
+    assert torch.equal(template["w"], state["w"])
+
+
+class _CastOnSave(torch.nn.Module):
+    """Keeps float32 weights; its state dict holds bfloat16 copies of them (a state-dict hook), so the
+    state dict's tensors are not the module's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self._register_state_dict_hook(lambda module, state, prefix, local: {k: v.to(torch.bfloat16)
+                                                                             for k, v in state.items()})
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_module_whose_state_dict_holds_copies_is_loaded_not_left_as_it_was(tmp_path):
+    # Regression: restore(model=m) filled the tensors of m.state_dict() in place; where those were copies
+    # (a state-dict hook that casts), the restore succeeded and the module kept its old weights.
+    torch.manual_seed(0)
+    saved = _CastOnSave()
+    xlakit.save({"model": saved.state_dict()}, tmp_path / "c.pt")
+    torch.manual_seed(1)
+    fresh = _CastOnSave()
+    weight = fresh.lin.weight
+    xlakit.restore(tmp_path / "c.pt", model=fresh)
+    assert fresh.lin.weight is weight and torch.equal(fresh.lin.weight, saved.lin.weight.to(torch.bfloat16).float())

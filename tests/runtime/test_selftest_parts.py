@@ -91,6 +91,19 @@ def test_secrets_are_shown_as_set_never_their_value(monkeypatch):
     assert all(s not in scrubbed for s in (SECRET, "aws-abcdef", "tok-123456")), scrubbed
 
 
+def test_a_token_in_a_urls_query_or_a_password_with_a_slash_is_not_shown(monkeypatch):
+    # Regression: only a URL's user:password was hidden; a token in its query string
+    # (?access_token=..., a signed URL's signature) reached the report, and so did a password holding "/".
+    monkeypatch.setenv("XLAKIT_CACHE_TIER_URL", "https://storage.example.com/b/x?access_token=ya29.tok&X-Amz-Signature=f00d#frag")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "http://admin:pa/ss@host:1234/x")
+    env = environment.variables()
+    assert env["XLAKIT_CACHE_TIER_URL"] == ("https://storage.example.com/b/x?access_token=<not shown>"
+                                            "&X-Amz-Signature=<not shown>#frag")
+    assert env["JAX_COORDINATOR_ADDRESS"] == "http://<not shown>@host:1234/x"
+    scrubbed = environment.scrub({"reason": "GET https://h/o?sig=abc123 failed"}, [])
+    assert scrubbed == {"reason": "GET https://h/o?sig=<not shown> failed"}
+
+
 def test_the_children_run_without_the_jobs_cache_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("XLAKIT_PJRT_CACHE_READ_ONLY", "1")
     monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", str(tmp_path))
@@ -186,11 +199,13 @@ def _hanging_torch_xla(tmp_path: Path) -> dict[str, str]:
 
 
 def _gone(pid: int) -> bool:
+    """No such process, or only its exit status left (an orphan's, where nothing reaps it)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return True
-    return False
 
 
 @pytest.mark.slow
@@ -221,6 +236,28 @@ def test_sigterm_from_a_launcher_stops_the_child_and_removes_the_folder(tmp_path
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in out + err, err
     assert _gone(child) and list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_child_does_not_outlive_a_self_test_killed_outright(tmp_path):
+    # Regression: the child runs in a session of its own, so a SIGKILL of the self-test (a launcher's
+    # escalation, the OOM killer, kill -9) left it running on its own, holding the device.
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, **_hanging_torch_xla(tmp_path), "TMPDIR": str(tmp_path / "tmp")}
+    proc = subprocess.Popen([sys.executable, "-m", "xlakit", "selftest", "--checks", "stack"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    child = int((tmp_path / "pid").read_text())
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not _gone(child):
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the child outlived the self-test that started it")
 
 
 @pytest.mark.slow

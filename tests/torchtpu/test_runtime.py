@@ -190,6 +190,25 @@ def test_manifest_without_a_plugin_says_torch_cannot_be_imported_not_that_it_dri
     assert "2.13.0+cpu installed, which cannot be imported here: torch-tpu is installed" in check.stdout + check.stderr
 
 
+@pytest.mark.parametrize("plugin", ["missing", "not a library"])
+def test_a_tpu_library_path_that_names_no_plugin_is_reported_not_an_abort(tmp_path, plugin):
+    # Regression: only an unset TPU_LIBRARY_PATH was caught before `import torch`; one naming a missing
+    # file or a text file let torch_tpu's registration check abort manifest, doctor and memory (exit 1,
+    # no report, `--json` empty).
+    path = tmp_path / "libtpu.so"
+    if plugin == "not a library":
+        path.write_text("not a library")
+    env = {**os.environ, _knobs.TPU_LIBRARY_PATH: str(path)}
+    env.pop("PYTHONSTARTUP", None)
+    found = _xlakit("manifest", "--json", env=env)
+    assert found.returncode == 0, found.stderr[-2000:]
+    why = json.loads(found.stdout)["torch"]["why_not"]
+    assert f"TPU_LIBRARY_PATH={path}" in why and "aborts the process" in why, why
+    for command in ("doctor", "memory"):
+        done = _xlakit(command, env=env)
+        assert "Check failed" not in done.stderr and f"TPU_LIBRARY_PATH={path}" in done.stdout + done.stderr, done
+
+
 def _xlakit(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     # This checkout's xlakit, whatever the environment installed (its own python/ first on the path).
     env = dict(os.environ if env is None else env)

@@ -262,7 +262,7 @@ def restore(path: str | os.PathLike, template: Any = None, *, model: Any = None,
     if template is None:
         raise TypeError("restore needs something to fill: a template, model= or optimizer= (xlakit.load "
                         "reads a checkpoint without one)")
-    return live.settle(_restore(path, template, opts), objects)
+    return live.fill(objects, lambda: _restore(path, template, opts))
 
 
 def _restore(path: str | os.PathLike, template: Any, opts: LoadOptions) -> Any:

@@ -72,12 +72,21 @@ def start_hazard() -> str | None:
     """Why importing torch (which imports torch_tpu) would abort this process, with the fix; None if it won't.
 
     torch_tpu registers the PJRT plugin named by `TPU_LIBRARY_PATH`, which libtpu's
-    package sets at import; with neither, its registration check aborts the process.
+    package sets at import; with neither, or with a path that is no shared library
+    (missing, a text file), its registration check aborts the process.
     """
-    if not installed() or loaded() or os.environ.get(_knobs.TPU_LIBRARY_PATH):
+    if not installed() or loaded():
         return None
     if os.environ.get(_knobs.TORCH_DEVICE_BACKEND_AUTOLOAD, "1") == "0":
         return None
+    given = os.environ.get(_knobs.TPU_LIBRARY_PATH)
+    if given:
+        found = _not_a_library(given)
+        return None if found is None else (
+            f"{_knobs.TPU_LIBRARY_PATH}={given} {found}, and `import torch` imports torch-tpu, whose "
+            f"registration of that plugin then aborts the process; point it at libtpu.so or a PJRT plugin "
+            f"(pip install xla-cpu-pjrt gives a CPU one), or set {_knobs.TORCH_DEVICE_BACKEND_AUTOLOAD}=0 to "
+            f"keep torch from importing torch-tpu")
     if importlib.util.find_spec("libtpu") is not None:
         return None
     plugin = cpu_plugin_path()
@@ -86,6 +95,16 @@ def start_hazard() -> str | None:
     return (f"torch-tpu is installed, so `import torch` imports it, and with neither libtpu nor "
             f"{_knobs.TPU_LIBRARY_PATH} it aborts the process; install libtpu (a TPU host), or {hint}, "
             f"or set {_knobs.TORCH_DEVICE_BACKEND_AUTOLOAD}=0 to keep torch from importing it")
+
+
+def _not_a_library(path: str) -> str | None:
+    """What is wrong with `path` as a plugin to load (no file, not ELF), or None: it opens no library."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    return None if magic == b"\x7fELF" else "is not a shared library (no ELF header)"
 
 
 def setup_hint(venv: str = ".venv-torchtpu") -> str:

@@ -1,4 +1,4 @@
-"""The child process of the self-test: `python -m xlakit.selftest.child JOB IN.json OUT.json`.
+"""The child process of the self-test: `python -m xlakit.selftest.child JOB IN.json OUT.json PARENT_PID`.
 
 It runs one job's parts in order and rewrites OUT.json (atomically) before
 and after each part: `running` names the part under way, `parts` holds each
@@ -17,13 +17,18 @@ traceback; the next part still runs. The jobs:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Results:
@@ -68,8 +73,21 @@ def _jobs():
             "ranks": check_ranks.child}
 
 
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this child when the self-test that started it dies, even by SIGKILL (which gives it no
+    chance to stop this child's session): a child left on its own would hold the device."""
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    if prctl is None:  # not Linux: the self-test stops its children itself, unless killed outright
+        return
+    if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # it died before the signal was asked for
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
-    job, src, dst = argv
+    job, src, dst, parent = argv
+    _die_with_parent(int(parent))
     params = json.loads(Path(src).read_text())
     _jobs()[job](params, Results(Path(dst)))
     sys.stdout.flush()

@@ -9,7 +9,9 @@ naming the part it is in before each starts, so a crash or a timeout is told
 against the part it struck. Its stdout and stderr go to files in the
 self-test's temporary folder (no pipe to fill), and their last lines explain a
 failure. The child runs in a session of its own; on timeout or Ctrl-C that
-session, which holds only what the self-test started, is killed.
+session, which holds only what the self-test started, is killed. A self-test
+killed outright (SIGKILL) cannot do that: the child then dies with it
+(`child.py`, Linux's parent-death signal), rather than hold the device on.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ def run(job: str, params: dict[str, Any], *, scratch: Path, deadline: float, env
     out_path, err_path = scratch / f"{name}.stdout", scratch / f"{name}.stderr"
     start = time.monotonic()
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "xlakit.selftest.child", job, str(src), str(dst)],
+        proc = subprocess.Popen([sys.executable, "-m", "xlakit.selftest.child", job, str(src), str(dst),
+                                 str(os.getpid())],
                                 env=env, cwd=scratch, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                 start_new_session=True)
         timed_out = False

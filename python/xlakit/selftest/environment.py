@@ -6,7 +6,8 @@ was set up. It never holds a secret: a variable whose name says it holds one
 (`XLAKIT_CACHE_KEY`, `*_TOKEN`, `*SECRET*`, ...) is shown as set, with its
 length (and for the cache key its id, an HMAC of a constant that reveals
 nothing of the key), never its value, and `scrub` removes those values from
-anything else the report carries (a child's error line, a path).
+anything else the report carries (a child's error line, a path). In any URL,
+the user:password and the query's values (a token, a signature) are hidden.
 
 The children compile into the self-test's own temporary cache folder, so the
 job's own cache settings (its folder, read-only flag, size bounds) are set
@@ -30,7 +31,11 @@ _PREFIXES = ("XLAKIT_", "XLA_", "PJRT_", "TPU_", "LIBTPU_", "TORCH_TPU_", "JAX_"
 _NAMES = (_knobs.TORCH_DEVICE_BACKEND_AUTOLOAD, RANK, WORLD_SIZE, LOCAL_RANK, "LOCAL_WORLD_SIZE", "GROUP_RANK",
           MASTER_ADDR, MASTER_PORT, "TORCHELASTIC_RUN_ID", "CLOUD_TPU_TASK_ID", "TMPDIR")
 _SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSW|CREDENTIAL|AUTH|SIGNATURE|COOKIE")
-_URL_USER = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+# A URL's user:password (up to the last "@" before its query; a password may hold a "/") and the
+# values of its query (an access token, a signed URL's signature) are hidden wherever a URL appears.
+_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s\"'<>]+")
+_URL_USER = re.compile(r"^([^:]+://)[^@?#]*@")
+_QUERY_VALUE = re.compile(r"([?&][^=&#]+=)[^&#]*")
 # The job's own cache settings, set aside for the children (they use the self-test's temporary folder).
 _CACHE_PREFIXES = ("XLAKIT_PJRT_CACHE_", "XLA_PERSISTENT_CACHE_")
 _CACHE_NAMES = (_knobs.TORCH_TPU_TIER3_CACHE_ROOT, _knobs.CACHE_TIER_URL)
@@ -48,7 +53,7 @@ def _is_secret(name: str) -> bool:
 def shown(name: str, value: str) -> str:
     """The value as the report shows it: a secret as its length (the cache key with its id)."""
     if not _is_secret(name):
-        return _URL_USER.sub(lambda m: m.group(1) + NOT_SHOWN + "@", value)
+        return _hide_in_urls(value)
     if name == _knobs.CACHE_KEY and len(value.encode()) >= _knobs.MIN_CACHE_KEY_BYTES:
         return f"<set: {len(value.encode())} bytes, id {_C.cache_key_id(value.encode())}; value {NOT_SHOWN}>"
     return f"<set: {len(value.encode())} bytes; value {NOT_SHOWN}>"
@@ -72,12 +77,20 @@ def scrub(obj: Any, secrets: list[str]) -> Any:
     if isinstance(obj, str):
         for s in secrets:
             obj = obj.replace(s, NOT_SHOWN)
-        return _URL_USER.sub(lambda m: m.group(1) + NOT_SHOWN + "@", obj)
+        return _hide_in_urls(obj)
     if isinstance(obj, dict):
         return {scrub(k, secrets): scrub(v, secrets) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [scrub(v, secrets) for v in obj]
     return obj
+
+
+def _hide_in_urls(text: str) -> str:
+    def hidden(url: re.Match) -> str:
+        url = _URL_USER.sub(lambda m: m.group(1) + NOT_SHOWN + "@", url.group(0))
+        return _QUERY_VALUE.sub(lambda m: m.group(1) + NOT_SHOWN, url)
+
+    return _URL.sub(hidden, text)
 
 
 def _is_cache_setting(name: str) -> bool:

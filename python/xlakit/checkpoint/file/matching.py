@@ -10,7 +10,9 @@ tied entries receive the same values is decided from metadata: the same
 stored tensor, a view with the same relation to one storage, or records
 with equal digests (equal bytes). With `strict=False` the checkpoint's
 entries that the template lacks are allowed: they are not read, not in the
-result, and are reported (logged, and given to `extra_keys_callback`).
+result, and are reported (logged, and given to `extra_keys_callback`). The
+template's entries that the checkpoint lacks are a difference, except in a
+`MayBeAbsent` mapping (an optimizer's state that xlakit created for the restore).
 """
 
 from __future__ import annotations
@@ -45,6 +47,30 @@ class Target:
     tensor: torch.Tensor
     source: TensorSpec | torch.Tensor
     direct: bool = False
+
+
+class MayBeAbsent(dict):
+    """A template mapping whose entries the checkpoint may lack: those are left out of the result,
+    not a difference (the optimizer state that `live.py` created for parameters that had none saved)."""
+
+
+def drop_absent(template: Any, saved_keys: Any, where: str = "") -> None:
+    """Remove, in place, the entries of each `MayBeAbsent` mapping in `template` that a DCP checkpoint
+    lacks; `saved_keys`: its flattened keys ("optimizer.state.0.step"), or a set of their prefixes."""
+    if not isinstance(saved_keys, set):
+        saved_keys = {key[:i] for key in saved_keys for i, c in enumerate(key + ".") if c == "."}
+    if isinstance(template, dict):
+        items = list(template.items())
+    elif isinstance(template, (list, tuple)):
+        items = list(enumerate(template))
+    else:
+        return
+    for k, v in items:
+        child = f"{where}.{k}" if where else str(k)
+        if isinstance(template, MayBeAbsent) and child not in saved_keys:
+            del template[k]
+        else:
+            drop_absent(v, saved_keys, child)
 
 
 def match(saved: Any, template: Any, path: Path, opts: LoadOptions,
@@ -97,8 +123,9 @@ def match(saved: Any, template: Any, path: Path, opts: LoadOptions,
         if s_tensor or isinstance(t, torch.Tensor):
             problems.append(f"{name}: the checkpoint has {kind(s)}, the template {kind(t)}")
         elif isinstance(s, dict) and isinstance(t, dict):
-            for k in t.keys() - s.keys():
-                problems.append(f"{_child(where, k)}: missing from the checkpoint")
+            if not isinstance(t, MayBeAbsent):
+                for k in t.keys() - s.keys():
+                    problems.append(f"{_child(where, k)}: missing from the checkpoint")
             out = {}
             for k, x in s.items():  # in the checkpoint's order, which is (mostly) the file's
                 child = f"{where}/{k}" if where else str(k)

@@ -32,16 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from xlakit.checkpoint.file import loading, spmd
 from xlakit.checkpoint.format import structure
-from xlakit.checkpoint.format.archive import HASH, tensor_bytes
+from xlakit.checkpoint.format.archive import HASH, digest, tensor_bytes
 from xlakit.checkpoint.file.matching import Target, match
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.workers import check_idle, collection_paused
 from xlakit.checkpoint.core.options import LoadOptions
 from xlakit.checkpoint.format.structure import TensorSpec
 
+_CONFIRM_PART = 8 << 20  # bytes read at a time to confirm a record on a private buffer
 PARTLY = ("nothing on disk was changed; tensors restored before the failure hold the checkpoint's "
           "values, the one being read may hold part of them, the rest their previous ones: restore "
           "again from a good checkpoint before using the template")
@@ -211,19 +213,38 @@ def _read_direct(op: Operation, reader: loading.RecordReader, cols: dict, target
                 pending = 0
                 op.tensor = t.path
         else:
-            _read_record(op, reader, cols, row, tensor_bytes(t.tensor), t.path, verify)
+            _read_record(op, reader, cols, row, tensor_bytes(t.tensor), t.path, verify, shared=True)
     op.advance(pending)
 
 
 def _read_record(op: Operation, reader: loading.RecordReader, cols: dict, row: int, dst: memoryview,
-                 name: str, verify: bool) -> None:
-    """Record `row` into `dst`, checked as read."""
+                 name: str, verify: bool, *, shared: bool = False) -> None:
+    """Record `row` into `dst`, checked as read. `shared`: `dst` is the template's memory, which
+    others may write too: a mismatch there is confirmed on a private read before the file is blamed."""
     op.enter("read", name)
     reader.read_into(cols["offset"][row], dst, f"tensor {name!r}", name)
-    if verify:
-        loading.check_record(reader.path, dst, cols[loading.archive.HASH][row], f"tensor {name!r}",
-                             f"data/{row}", name)
+    if verify and digest(dst) != cols[HASH][row]:
+        if shared and _record_is_intact(reader, cols, row, name):
+            raise RuntimeError(
+                f"tensor {name!r} of the template changed while it was restored: its record in "
+                f"{reader.path} is intact (read again privately, it has its checksum), so something "
+                f"else wrote the tensor meanwhile (another thread, or a tensor sharing its memory); let "
+                f"nothing write the template during a restore, then restore again")
+        loading.check_record(reader.path, dst, cols[HASH][row], f"tensor {name!r}", f"data/{row}", name)
     op.advance(len(dst))
+
+
+def _record_is_intact(reader: loading.RecordReader, cols: dict, row: int, name: str) -> bool:
+    """Whether record `row` has its recorded digest, hashed from xlakit's own buffer in parts."""
+    hasher = xxhash.xxh3_64()
+    offset, left = cols["offset"][row], cols["nbytes"][row]
+    part = memoryview(bytearray(min(left, _CONFIRM_PART)))
+    while left:
+        chunk = part[:min(left, len(part))]
+        reader.read_into(offset, chunk, f"tensor {name!r}", name)
+        hasher.update(chunk)
+        offset, left = offset + len(chunk), left - len(chunk)
+    return hasher.hexdigest() == cols[HASH][row]
 
 
 def _host_view(buffer: torch.Tensor, place: int, nbytes: int, s: TensorSpec) -> torch.Tensor:

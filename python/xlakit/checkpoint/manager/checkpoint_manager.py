@@ -289,28 +289,28 @@ class CheckpointManager:
                 optimizer: Any = None, options: LoadOptions | None = None) -> Any:
         """The state saved at `step` (default: the latest), verified.
 
-        Without `template`, `model` or `optimizer`: `xlakit.load`'s result (CPU tensors; a
-        sharded step gives each rank its shard). With them: `xlakit.restore`'s (filled in
-        place; `model=`, `optimizer=` are the template's entries "model", "optimizer"). A
-        "dcp" step needs a template and returns it. `options` go to the load
-        (`LoadOptions(strict=False)`: the template may hold part of the saved state).
+        Without `template`, `model` or `optimizer`: `xlakit.load`'s result (CPU tensors; a sharded
+        step gives each rank its shard). With them: `xlakit.restore`'s (`model=`, `optimizer=`:
+        the template's entries "model", "optimizer"). A "dcp" step needs a template and returns
+        it. `options` go to the load (`LoadOptions(strict=False)`: part of the saved state).
 
         Raises:
             FileNotFoundError: no committed step (or not this one); the steps found are named.
             ValueError: a "dcp" step without a template.
         """
         from xlakit.checkpoint.file import live
-
         self._check_open()
         self._finish_pending()
         template, objects = live.template_of(template, model=model, optimizer=optimizer)
+        return live.fill(objects, lambda: self._restore(step, template, options))
+
+    def _restore(self, step: int | None, template: Any, options: LoadOptions | None) -> Any:
         found = self._scan()
         self._steps = set(found.committed)  # what is on disk now: a rollback may follow
         if self.local is not None:  # each part from the fastest tier that holds it (tier_restore.py)
-            return live.settle(self.local.restore(found, step, template, options, self.directory), objects)
+            return self.local.restore(found, step, template, options, self.directory)
         chosen = readonly.choose_step(found, step, self.directory, self._folder.step_path)
-        state = readonly.read_step(chosen, template, replicated=self._world > 1, options=options)
-        return live.settle(state, objects)
+        return readonly.read_step(chosen, template, replicated=self._world > 1, options=options)
 
     # -- preemption -------------------------------------------------------------------------------
     def install_preemption_handler(self, *, grace_s: float | None = None) -> None:

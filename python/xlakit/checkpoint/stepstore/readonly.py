@@ -156,10 +156,13 @@ class ReadOnlyCheckpointManager:
         from xlakit.checkpoint.file import live
 
         template, objects = live.template_of(template, model=model, optimizer=optimizer)
+        return live.fill(objects, lambda: self._restore(step, template, shard, options))
+
+    def _restore(self, step: int | None, template: Any, shard: int | None, options: LoadOptions | None) -> Any:
         for _ in range(_ATTEMPTS):
             chosen = choose_step(self._scan(), step, self.directory, self._folder.step_path)
             try:
-                return live.settle(read_step(chosen, template, shard=shard, options=options), objects)
+                return read_step(chosen, template, shard=shard, options=options)
             except Exception as e:  # noqa: BLE001 - raised again unless retention took the step
                 found = self._scan()
                 if chosen.step in found.committed:

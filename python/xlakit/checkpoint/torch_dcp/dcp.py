@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from xlakit.checkpoint.core import operation, paths
-from xlakit.checkpoint.file import transfer
+from xlakit.checkpoint.file import matching, transfer
 from xlakit.checkpoint.format import folders
 from xlakit.checkpoint.torch_dcp import dcp_plan
 from xlakit.checkpoint.core.operation import Cancelled, Operation
@@ -114,6 +114,11 @@ def read_folder(op: Operation, state: dict, final: Path | None, group: Any = Non
     op.enter("plan")
 
     class _LoadPlanner(dcp_plan.load_planner_base()):
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            if metadata is not None:  # the optimizer state xlakit created that the checkpoint has none of
+                matching.drop_absent(state_dict, metadata.state_dict_metadata)
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+
         def resolve_tensor(self, read_item):
             op.enter("read", read_item.dest_index.fqn)
             return super().resolve_tensor(read_item)

@@ -18,7 +18,7 @@ stays in the skeleton as it is.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import xxhash
@@ -29,46 +29,51 @@ PATHS = "paths"
 TENSORS = "tensors"
 
 
+_KEEP = object()  # a `leaf` answer: not a leaf, walk into it (or keep it as it is)
+
+
+def _rebuild(value: Any, path: tuple, leaf: Callable[[Any, tuple], Any]) -> Any:
+    """`value` rebuilt with each place where `leaf(value, path)` answers something other than _KEEP replaced.
+
+    Only dicts, OrderedDicts, lists and tuples are walked into; anything else is kept.
+    """
+    replaced = leaf(value, path)
+    if replaced is not _KEEP:
+        return replaced
+    t = type(value)
+    if t is dict or t is OrderedDict:
+        return t((k, _rebuild(v, path + (k,), leaf)) for k, v in value.items())
+    if t is list:
+        return [_rebuild(v, path + (i,), leaf) for i, v in enumerate(value)]
+    if t is tuple:
+        return tuple(_rebuild(v, path + (i,), leaf) for i, v in enumerate(value))
+    return value
+
+
 def flatten(state: Any) -> tuple[Any, list[tuple], list[torch.Tensor]]:
     """(skeleton, the path of each tensor slot, the tensor of each slot), in walk order."""
     paths: list[tuple] = []
     tensors: list[torch.Tensor] = []
 
-    def walk(value: Any, path: tuple) -> Any:
-        t = type(value)
-        if isinstance(value, torch.Tensor):
-            paths.append(path)
-            tensors.append(value)
-            return None
-        if t is dict or t is OrderedDict:
-            return t((k, walk(v, path + (k,))) for k, v in value.items())
-        if t is list:
-            return [walk(v, path + (i,)) for i, v in enumerate(value)]
-        if t is tuple:
-            return tuple(walk(v, path + (i,)) for i, v in enumerate(value))
-        return value
+    def take(value: Any, path: tuple) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return _KEEP
+        paths.append(path)
+        tensors.append(value)
+        return None
 
-    return walk(state, ()), paths, tensors
+    return _rebuild(state, (), take), paths, tensors
 
 
 def assemble(skeleton: Any, paths: list, tensors: dict[int, torch.Tensor]) -> Any:
     """The state again: `skeleton` with slot i (at `paths[i]`) holding `tensors[i]`."""
     by_path = {tuple(p): i for i, p in enumerate(paths)}
 
-    def fill(value: Any, path: tuple) -> Any:
+    def put(value: Any, path: tuple) -> Any:
         slot = by_path.get(path)
-        if slot is not None:
-            return tensors[slot]
-        t = type(value)
-        if t is dict or t is OrderedDict:
-            return t((k, fill(v, path + (k,))) for k, v in value.items())
-        if t is list:
-            return [fill(v, path + (i,)) for i, v in enumerate(value)]
-        if t is tuple:
-            return tuple(fill(v, path + (i,)) for i, v in enumerate(value))
-        return value
+        return _KEEP if slot is None else tensors[slot]
 
-    return fill(skeleton, ())
+    return _rebuild(skeleton, (), put)
 
 
 def _storage(t: torch.Tensor) -> tuple[object, int]:

@@ -51,7 +51,7 @@ def vm(tmp_path: Path, url: str, name: str, **extra: str) -> dict:
 
 
 def listing(url: str) -> dict[str, int]:
-    from xlakit.checkpoint.objstore import client
+    from xlakit.checkpoint.objstore import answers
 
     root = client.Location.parse(url)
     return client.store_for(root).list(None, root)
@@ -63,7 +63,7 @@ def entry_listing(url: str) -> dict[str, int]:
 
 
 def store_of(url: str):
-    from xlakit.checkpoint.objstore import client
+    from xlakit.checkpoint.objstore import answers
 
     root = client.Location.parse(url)
     return client.store_for(root), root
@@ -216,13 +216,13 @@ def test_gcsfs_and_botocore_throttling_answers_read_as_throttled():
     from botocore.exceptions import ClientError
     from gcsfs.retry import HttpError
 
-    from xlakit.checkpoint.objstore import client
+    from xlakit.checkpoint.objstore import answers
 
-    assert client.throttled(HttpError({"code": 429, "message": "rateLimitExceeded"}))
-    assert client.throttled(ClientError({"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}},
+    assert answers.throttled(HttpError({"code": 429, "message": "rateLimitExceeded"}))
+    assert answers.throttled(ClientError({"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}},
                                         "PutObject"))
-    assert not client.throttled(HttpError({"code": 503, "message": "backend error"}))
-    assert not client.throttled(ConnectionResetError("reset"))
+    assert not answers.throttled(HttpError({"code": 503, "message": "backend error"}))
+    assert not answers.throttled(ConnectionResetError("reset"))
 
 
 @pytest.mark.parametrize("bucket", ["gs"], indirect=True)  # s3: the tests above

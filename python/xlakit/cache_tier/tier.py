@@ -39,7 +39,7 @@ from pathlib import Path
 
 from xlakit import _C, _knobs
 from xlakit.cache_tier import objects, records
-from xlakit.checkpoint.objstore import client
+from xlakit.checkpoint.objstore import answers, client
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.errors import ConfigurationError
 
@@ -211,7 +211,7 @@ class SharedTier:
     def _say_once(self, what: str, e: BaseException) -> str:
         text = objects.printable(f"{type(e).__name__}: {e}".splitlines()[0])
         last = getattr(e, "last_answer", None)
-        if client.throttled(e) or client.throttled(last):
+        if answers.throttled(e) or answers.throttled(last):
             text = (f"the store answered 429 Too Many Requests, retried with backoff to the deadline ({text}); "
                     f"lower {_knobs.CACHE_TIER_REQUESTS_PER_S} (now {self.settings.requests_per_s:g} per "
                     f"second) or give each job its own prefix")

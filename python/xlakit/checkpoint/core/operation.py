@@ -132,6 +132,9 @@ class Operation:
         self.untouched = untouched or f"the previous checkpoint at {self.path}, if any, is untouched"
         self.stage, self.tensor = "start", None
         self.object: str | None = None  # the object-storage object a request is in flight for
+        # The store's last transient failure while a request is being retried (cleared when it succeeds):
+        # named by the deadline's error, which may fire while the retry waits.
+        self.last_transient: BaseException | None = None
         self.bytes_done, self.bytes_total = 0, bytes_total
         self.stats = LoadStats()  # what a load read, counted where the bytes come in
         self.clock = StageClock()  # a save's transfer and write seconds, and their overlap
@@ -373,6 +376,10 @@ class Operation:
             stage=self.stage, tensor=self.tensor, bytes_done=self.bytes_done, elapsed_s=elapsed,
             rank=self.gate.blame() if self.gate.blame() is not None else self.rank)
         err.add_note(hint or self._cancel_note(self.done.wait(workers.STOP_GRACE_S)))
+        last = self.last_transient
+        if last is not None:
+            err.last_answer = last
+            err.add_note(transient_note(last))
         if self.bytes_done and elapsed > 0:
             err.add_note(f"It was moving {human_bytes(self.bytes_done / elapsed)}/s; if the "
                          f"{self.kind} is merely slow, raise timeout_s.")
@@ -384,6 +391,11 @@ class Operation:
         log.info("xlakit: %s %s: %s of %s at %s/s%s [%s%s]", self.kind, self.path,
                  human_bytes(p.bytes_done), human_bytes(p.bytes_total), human_bytes(p.rate_bytes_per_s),
                  eta, p.stage, f" {p.tensor}" if p.tensor else "")
+
+
+def transient_note(last: BaseException) -> str:
+    """The note that names the store's last transient answer in a deadline's error."""
+    return f"The store's last answer was a transient failure: {type(last).__name__}: {last}"
 
 
 class _Expired(Exception):

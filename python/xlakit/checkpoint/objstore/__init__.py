@@ -12,6 +12,8 @@ module beside its local one, in its concern's sub-package (`file/bucket_file.py`
 * `client.py`: the one module that talks to a store (fsspec with gcsfs or
   s3fs); every request bounded by what is left of the operation's deadline and
   cancelled on the store's IO loop when it runs out;
+* `answers.py`: what a failure means: transient (retried while time is left)
+  or the store asking for fewer requests;
 * `upload.py`: one object streamed in parts, several in flight, from the
   archive writer's bytes, hashed as sent;
 * `reader.py`: a seekable file over ranged reads, for the verified readers;

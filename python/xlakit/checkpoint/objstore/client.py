@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from xlakit import _knobs
 from xlakit.checkpoint.core.load_stats import counted
+from xlakit.checkpoint.core.operation import transient_note
+from xlakit.checkpoint.objstore.answers import is_transient
 from xlakit.errors import CheckpointTimeoutError
 
 if TYPE_CHECKING:
@@ -40,7 +42,6 @@ log = logging.getLogger("xlakit")
 T = TypeVar("T")
 _POLL_S = 0.1
 _BACKOFF_S, _BACKOFF_MAX_S = 0.5, 8.0
-_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 _EXTRA = {"gs": "gcs", "gcs": "gcs", "s3": "s3"}
 
 
@@ -83,48 +84,6 @@ class Location:
 
     def __str__(self) -> str:
         return self.url
-
-
-def is_transient(e: BaseException) -> bool:
-    """A failure worth retrying: the connection, or a status the store says to retry. s3fs turns
-    botocore's errors into OSErrors (a 503 into EBUSY), so the chain of causes is read too."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if _transient_one(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def throttled(e: BaseException | None) -> bool:
-    """Whether `e`, or a cause of it, is the store asking for fewer requests (429, S3's SlowDown)."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        status = getattr(e, "code", None) or getattr(e, "status", None)
-        response = getattr(e, "response", None)  # botocore's ClientError
-        if isinstance(response, dict):
-            status = status or response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if status == 429 or "SlowDown" in str(e) or "TooManyRequests" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _transient_one(e: BaseException) -> bool:
-    import aiohttp
-
-    if isinstance(e, (ConnectionError, aiohttp.ClientError)) and not isinstance(e, aiohttp.ClientResponseError):
-        return True
-    if type(e).__module__.startswith("botocore") and any(
-            c.__name__ in ("ConnectionError", "HTTPClientError") for c in type(e).__mro__):
-        return True  # EndpointConnectionError, ConnectionClosedError, ReadTimeoutError, ...
-    status = getattr(e, "code", None) or getattr(e, "status", None)
-    if not isinstance(status, int):
-        status = (getattr(e, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode") \
-            if isinstance(getattr(e, "response", None), dict) else None
-    return isinstance(status, int) and status in _TRANSIENT_STATUS
 
 
 _stores: dict[tuple[str, str], "Store"] = {}
@@ -260,7 +219,10 @@ class Store:
         attempt, last = 0, None
         while True:
             try:
-                return self._once(op, what, request, end, last)
+                answer = self._once(op, what, request, end, last)
+                if op is not None and last is not None:
+                    op.last_transient = None  # retried, and it went through
+                return answer
             except CheckpointTimeoutError:
                 raise
             except Exception as e:  # noqa: BLE001 - only transient failures are retried, the rest re-raised
@@ -272,6 +234,8 @@ class Store:
                     raise self.timeout_error(op, what, f"it failed, and the {left:.1f} s left of the deadline "
                                                   f"leave no time to retry it", e) from e
                 attempt, last = attempt + 1, e
+                if op is not None:
+                    op.last_transient = e
                 log.warning("xlakit: %s failed (%s: %s); retrying in %.1f s", what, type(e).__name__, e, wait)
                 self._sleep(op, wait)
 
@@ -319,7 +283,7 @@ class Store:
                                      tensor=op.tensor if op else None)
         err.last_answer = last
         if last is not None:
-            err.add_note(f"The store's last answer was a transient failure: {type(last).__name__}: {last}")
+            err.add_note(transient_note(last))
         err.add_note("The server stopped answering, is very slow or kept failing; nothing was committed by "
                      "this request. Check the bucket's endpoint and network, or raise timeout_s.")
         return err

@@ -36,7 +36,9 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from xlakit import _knobs
-from xlakit.checkpoint.objstore.client import Location, Store, is_transient
+from xlakit.checkpoint.core.operation import transient_note
+from xlakit.checkpoint.objstore.answers import is_transient
+from xlakit.checkpoint.objstore.client import Location, Store
 from xlakit.errors import CheckpointTimeoutError, CheckpointWriteError
 
 if TYPE_CHECKING:
@@ -180,8 +182,7 @@ class Upload:
                 self.store.run(self.op, what, lambda f=future: _wrap(f), retry=False)
             except CheckpointTimeoutError as e:
                 if self._last is not None:  # the part was being retried when time ran out
-                    e.add_note(f"The store's last answer was a transient failure: {type(self._last).__name__}: "
-                               f"{self._last}")
+                    e.add_note(transient_note(self._last))
                 raise
             except Exception as e:  # noqa: BLE001 - a transient failure the part could not retry in time
                 if not is_transient(e):
@@ -218,16 +219,20 @@ class Upload:
                 if self.store.kind == "s3":
                     out = await self.store.fs._call_s3("upload_part", Bucket=self.loc.bucket, Key=self.loc.key,
                                                        PartNumber=number, UploadId=self._session, Body=data)
-                    return out["ETag"]
-                await self._chunk(offset, memoryview(data), total)
-                return ""
+                    etag = out["ETag"]
+                else:
+                    await self._chunk(offset, memoryview(data), total)
+                    etag = ""
+                if attempt:
+                    self.op.last_transient = None  # retried, and it went through
+                return etag
             except Exception as e:  # noqa: BLE001 - transient failures are retried, the rest raised
                 # Retried while the deadline leaves time, as every other request (a server killed and
                 # restarted mid-save is a transient failure); `_drain` names the last one.
                 wait = min(0.5 * 2 ** attempt, 8.0)
                 if not is_transient(e) or self.op.remaining() <= wait:
                     raise
-                self._last = e
+                self._last = self.op.last_transient = e
                 attempt += 1
                 await asyncio.sleep(wait)
 

@@ -51,7 +51,7 @@ def vm(tmp_path: Path, url: str, name: str, **extra: str) -> dict:
 
 
 def listing(url: str) -> dict[str, int]:
-    from xlakit.checkpoint.objstore import answers
+    from xlakit.checkpoint.objstore import client
 
     root = client.Location.parse(url)
     return client.store_for(root).list(None, root)
@@ -63,7 +63,7 @@ def entry_listing(url: str) -> dict[str, int]:
 
 
 def store_of(url: str):
-    from xlakit.checkpoint.objstore import answers
+    from xlakit.checkpoint.objstore import client
 
     root = client.Location.parse(url)
     return client.store_for(root), root
@@ -220,7 +220,7 @@ def test_gcsfs_and_botocore_throttling_answers_read_as_throttled():
 
     assert answers.throttled(HttpError({"code": 429, "message": "rateLimitExceeded"}))
     assert answers.throttled(ClientError({"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}},
-                                        "PutObject"))
+                                         "PutObject"))
     assert not answers.throttled(HttpError({"code": 503, "message": "backend error"}))
     assert not answers.throttled(ConnectionResetError("reset"))
 

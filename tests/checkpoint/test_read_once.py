@@ -100,3 +100,20 @@ def test_a_load_from_a_bucket_downloads_every_byte_at_most_once(bucket):
     template = {k: torch.zeros_like(v) for k, v in state.items()}
     stats = read_by(lambda: xlakit.restore(url, template))
     assert stats.bytes_read <= size + (64 << 10), (stats, size)
+
+
+def test_a_restore_from_the_local_tier_reads_its_part_once(tmp_path):
+    # Issue 35 names the local tier among the layouts read in one pass.
+    shm = tmp_path / "shm"
+    state = alternating(8)
+    with xlakit.CheckpointManager(tmp_path / "ckpt", save_interval_steps=100,
+                                  local=xlakit.LocalTier(shm, interval_steps=1, keep=2)) as mgr:
+        mgr.save(1, state)  # the local tier only: the persistent tier saves every 100 steps
+        (part,) = shm.rglob("part-*.pt")
+        beside = sum(f.stat().st_size for f in part.parent.iterdir() if f != part)  # the step's marker
+        restored = {}
+        stats = read_by(lambda: restored.update(mgr.restore(1)))
+        assert mgr.local.restored_from["parts"] == {0: "local"}
+    assert all(torch.equal(restored[k], v) for k, v in state.items())
+    size = part.stat().st_size
+    assert size * 0.99 <= stats.bytes_read <= size + beside, (stats, size, beside)

@@ -130,7 +130,9 @@ def test_a_request_outside_any_operation_ends_at_the_request_timeout(flaky, monk
     start = time.monotonic()
     assert cli.main(["ckpt", "ls", f"{bucket}/run"]) == 2
     assert time.monotonic() - start < 4 + 3
-    assert "deadline" in capsys.readouterr().err
+    # The store's own bound or the command's deadline, whichever fires first under load: both name it.
+    err = capsys.readouterr().err
+    assert "deadline" in err or "timed out after" in err, err
 
 
 def test_s3_failures_that_s3fs_turns_into_oserrors_are_retried_by_xlakit(objstore_servers, monkeypatch,

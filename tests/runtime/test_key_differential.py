@@ -47,7 +47,11 @@ def _differential(programs: dict[str, bytes], mutate: Callable, fmt: str, meanin
     names = sorted(programs)
     for _ in range(MUTANTS):
         name = rng.choice(names)
-        mutant, note = mutate(rng, programs[name])
+        try:
+            mutant, note = mutate(rng, programs[name])
+        except Exception as e:  # a bug of the mutator: the seed repeats it
+            e.add_note(f"mutating {name}: seed {SEED} (XLAKIT_TEST_KEY_SEED={SEED} repeats this run)")
+            raise
         add(mutant, f"{name}: {note}")
     meanings: dict[bytes, object] = {}
     pairs = 0

@@ -209,9 +209,10 @@ def single_round(rng: random.Random, folder: Path, fault: str) -> tuple[int, int
 def ranks_round(rng: random.Random, folder: Path, fault: str, world: int = 4) -> tuple[int, int, int, int, int]:
     import xlakit
 
+    from tests.support.ranks import job_port
+
     target = folder / "ckpt"
-    port = _free_port()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job_port()), "WORLD_SIZE": str(world),
            "XLAKIT_FI_SECONDS": "12", "PJRT_DEVICE": "CPU"}
     rnd = Round([_spawn(["rank", str(target)], {**env, "RANK": str(r)}) for r in range(world)])
     if not rnd.wait_ready():
@@ -235,14 +236,6 @@ def ranks_round(rng: random.Random, folder: Path, fault: str, world: int = 4) ->
         return versions.pop() if len(versions) == 1 else None
 
     return (*_judge(load, latest), hang, len(rnd.committed))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:

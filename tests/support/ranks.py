@@ -31,17 +31,58 @@ def let_children_take_ctrl_c() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_ports() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+_ports = iter(())
+
+
+def job_port() -> int:
+    """A port for a job's rank 0 to host the rendezvous store on, one no other test picks.
+
+    Chosen below the kernel's ephemeral range, so that no socket bound to port 0 (an
+    emulator, a gloo pair, an outgoing connection) can take it between this choice and
+    rank 0's bind: a port the kernel handed out free here and rank 0 bound later was
+    once taken meanwhile (a CI run: rank 1 died in TCPStore's constructor before its
+    first line). Each xdist worker draws from its own block, each port at most once.
+    """
+    global _ports
+    for port in _ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    ephemeral = _ephemeral_ports()
+    top = ephemeral.start if ephemeral.start > 20000 else 65536
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0)
+    block = 1500
+    first = top - block * (worker % 8 + 1)
+    if first <= 1024 or ephemeral.start < first + block <= ephemeral.stop:
+        raise RuntimeError(f"no ports outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1} "
+                           f"for test jobs; widen net.ipv4.ip_local_port_range's gap")
+    offset = (os.getpid() * 7) % block  # a fresh process resumes elsewhere in its block
+    _ports = iter([first + (offset + i) % block for i in range(block)])
+    return job_port()
+
+
+def stderr_excerpt(text: str, keep: int = 1500) -> str:
+    """A rank's stderr shortened for an assertion: its start (where the error is named) and its end."""
+    return text if len(text) <= 2 * keep else f"{text[:keep]}\n[...]\n{text[-keep:]}"
 
 
 class Job:
     """Ranks 0..world-1 of `worker scenario folder`, their stdout read as JSON lines."""
 
     def __init__(self, worker: Path, scenario: str, folder: Path, world: int, env: dict | None = None):
-        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job_port()),
                 "WORLD_SIZE": str(world), **(env or {})}
         self.procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(folder)],
                                        env={**base, "RANK": str(r)}, stdout=subprocess.PIPE,
@@ -88,7 +129,7 @@ class Job:
                 left = end - time.monotonic()
                 if left <= 0 or self.procs[rank].poll() is not None and not self._pending(rank, event):
                     raise AssertionError(f"rank {rank} never printed event {event!r}: "
-                                         f"{self.lines[rank]} {self.errors[rank][-2000:]}")
+                                         f"{self.lines[rank]} {stderr_excerpt(self.errors[rank])}")
                 self._changed.wait(min(left, 0.1))
 
     def _pending(self, rank: int, event: str) -> bool:
@@ -119,7 +160,7 @@ class Job:
                         q.send_signal(signal.SIGCONT)
                         q.kill()
                 raise AssertionError(f"the job hung: {[q.returncode for q in self.procs]}, "
-                                     f"{[e[-1500:] for e in self.errors]}") from None
+                                     f"{[stderr_excerpt(e, 750) for e in self.errors]}") from None
         for t in self._readers:
             t.join(5)
         for p in self.procs:
@@ -130,7 +171,7 @@ class Job:
             found = [line["result"] for line in self.lines[r] if "result" in line]
             out[r] = found[-1] if found else {}
             out[r]["exit"] = p.returncode
-            out[r]["stderr"] = self.errors[r][-3000:]
+            out[r]["stderr"] = stderr_excerpt(self.errors[r])
         return out
 
 

@@ -8,7 +8,10 @@ Three shapes, each on disk and on each local object-storage server
 * `broadcast`: `xlakit.restore` inside a job of 2 gloo ranks of a
   replica-parallel checkpoint whose shares are one 2 MiB tensor each: every
   rank reads its own share and broadcasts it; its reference size is its share;
-* `one-pass` reads nothing but the load's own bytes.
+* `dcp`: `xlakit.dcp_load` (verified) of the `plain` state as a DCP checkpoint;
+  its reference size is the checkpoint's files (`.metadata` included).
+
+One pass reads nothing but the load's own bytes.
 
 What is counted, in the loading process, around the second of two loads (the
 first imports and warms what it needs): on disk, the bytes and read calls of
@@ -30,7 +33,6 @@ import builtins
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -171,6 +173,25 @@ def one_plain(where: str, target: str, pairs: int) -> dict:
     return {"shape": "plain", "where": where, "size": _size(where, target, None), **row}
 
 
+def one_dcp(where: str, target: str, pairs: int) -> dict:
+    import xlakit
+
+    store = _reads(where, target)
+    state = plain_state(pairs)
+    xlakit.dcp_save(state, target)
+    xlakit.dcp_load(state, target)  # warm: imports, connections
+    row = measured(store, lambda: xlakit.dcp_load(state, target))
+    if where == "disk":
+        files = json.loads(Path(target, "xlakit-commit.json").read_text())["files"]
+    else:
+        from xlakit.checkpoint.objstore import generations
+        from xlakit.checkpoint.objstore.client import Location, store_for
+
+        loc = Location.parse(target)
+        files = generations.latest_record(store_for(loc), None, loc, "dcp")["objects"]
+    return {"shape": "dcp", "where": where, "size": sum(e["nbytes"] for e in files.values()), **row}
+
+
 def one_rank(where: str, target: str) -> dict:
     """One rank of the broadcast restore job (RANK, WORLD_SIZE, MASTER_* set by the parent)."""
     import torch
@@ -209,11 +230,11 @@ def _row(proc: subprocess.Popen, what: str) -> dict:
 def run_where(where: str, base: str, env: dict, pairs: int, ranks: int) -> list[dict]:
     env = {**env, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")}
     sep = "/" if "://" in base else os.sep
-    rows = [_row(_run(["--plain", where, f"{base}{sep}plain.pt", "--pairs", str(pairs)], env), f"{where} plain")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    job = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks)}
+    rows = [_row(_run(["--plain", where, f"{base}{sep}plain.pt", "--pairs", str(pairs)], env), f"{where} plain"),
+            _row(_run(["--dcp", where, f"{base}{sep}dcp", "--pairs", str(pairs)], env), f"{where} dcp")]
+    from tests.support.ranks import job_port
+
+    job = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job_port()), "WORLD_SIZE": str(ranks)}
     procs = [_run(["--rank", where, f"{base}{sep}shares"], {**job, "RANK": str(r)}) for r in range(ranks)]
     rows += [_row(p, f"{where} broadcast rank {r}") for r, p in enumerate(procs)]
     return rows
@@ -240,20 +261,23 @@ def main() -> int:
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--plain", nargs=2, metavar=("WHERE", "TARGET"), help=argparse.SUPPRESS)
     p.add_argument("--rank", nargs=2, metavar=("WHERE", "TARGET"), help=argparse.SUPPRESS)
+    p.add_argument("--dcp", nargs=2, metavar=("WHERE", "TARGET"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.plain or args.rank:
+    if args.plain or args.rank or args.dcp:
         import warnings
 
         warnings.filterwarnings("ignore")
         from tests.support.objstore_servers import loopback_only
 
         loopback_only()
-        row = one_plain(*args.plain, args.pairs) if args.plain else one_rank(*args.rank)
+        row = (one_plain(*args.plain, args.pairs) if args.plain else one_dcp(*args.dcp, args.pairs) if args.dcp
+               else one_rank(*args.rank))
         print(json.dumps(row), flush=True)
         os._exit(0)  # a gloo job's threads: no teardown to wait for
     from tests.support.objstore_servers import Server
 
-    print(f"bytes read per load: plain = xlakit.load of {args.pairs} x (1 MiB + 1 KiB) tensors; broadcast = "
+    print(f"bytes read per load: plain = xlakit.load of {args.pairs} x (1 MiB + 1 KiB) tensors; dcp = the same "
+          f"through dcp_save / dcp_load (verified); broadcast = "
           f"xlakit.restore in a {args.ranks}-rank job of {SHARE_MIB} MiB shares (per rank, against its share)",
           flush=True)
     rows: list[dict] = []

@@ -7,7 +7,9 @@ their own processes on a 4-device CPU mesh (see spmd_run.py).
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ import torch
 
 import xlakit
 from tests.support import fakes
+from xlakit import cli
 from tests.support.spmd_run import run_scenario
 from xlakit.checkpoint.core import paths, workers
 from xlakit.checkpoint.format import folders
@@ -91,6 +94,80 @@ def test_damaged_file_is_named(tmp_path):
     data.write_bytes(bytes(raw))
     with pytest.raises(xlakit.CheckpointCorruptError, match=data.name):
         xlakit.dcp_load(_template(), path)
+
+
+def test_a_damaged_item_is_found_before_any_of_it_reaches_the_state(tmp_path):
+    # One pass (issue 35): each item is checked against its own hash in the commit record as it is read.
+    path = tmp_path / "ckpt"
+    state = {"a": torch.full((4096,), 1.0), "b": torch.full((4096,), 2.0)}
+    xlakit.dcp_save(state, path)
+    record = json.loads((path / folders.COMMIT_RECORD).read_text())
+    name = next(n for n in record["files"] if n.endswith(".distcp"))
+    offset, length, _ = max(record["files"][name]["items"], key=lambda item: item[0])  # the last item: "b"
+    raw = bytearray((path / name).read_bytes())
+    raw[offset + length - 100] ^= 0xFF  # inside "b"'s data
+    (path / name).write_bytes(bytes(raw))
+    target = {"a": torch.zeros(4096), "b": torch.zeros(4096)}
+    with pytest.raises(xlakit.CheckpointCorruptError, match=f"{name}.*at byte {offset}"):
+        xlakit.dcp_load(target, path)
+    assert torch.equal(target["a"], state["a"]) and not target["b"].any()  # the state is partly loaded, never damaged
+    assert cli.main(["ckpt", "verify", str(path)]) == 1
+
+
+def test_a_replaced_metadata_file_is_refused_before_it_is_unpickled(tmp_path):
+    # DCP's .metadata is a pickle: a folder on shared storage changed after the commit must not run code.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    marker = tmp_path / "ran"
+    (path / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    with pytest.raises(xlakit.CheckpointCorruptError, match=r"\.metadata"):
+        xlakit.dcp_load(_template(), path)
+    assert not marker.exists()
+
+
+class _RunsCode:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mknod, (self.marker,))
+
+
+def test_a_checkpoint_whose_record_lists_no_items_is_verified_whole_then_read(tmp_path):
+    # Saved before items were hashed: each file is checked whole first, then DCP reads it.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    record_path = path / folders.COMMIT_RECORD
+    record = json.loads(record_path.read_text())
+    for entry in record["files"].values():
+        entry.pop("items", None)
+    record_path.write_text(json.dumps(record))
+    state = _template()
+    xlakit.dcp_load(state, path)
+    _assert_loaded(state, 1.0)
+    data = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    state = _template()
+    with pytest.raises(xlakit.CheckpointCorruptError, match=data.name):
+        xlakit.dcp_load(state, path)
+    assert not state["model"]["w"].any()  # found before anything was read
+
+
+def test_item_hashes_are_those_of_the_bytes_when_items_span_read_chunks(tmp_path, monkeypatch):
+    import xxhash
+
+    from xlakit.checkpoint.torch_dcp import one_pass
+
+    monkeypatch.setattr(one_pass, "_CHUNK", 7)
+    data = bytes(range(256)) * 3
+    (tmp_path / "f").write_bytes(data)
+    ranges = [(0, 5), (5, 20), (25, 0), (25, 700), (725, 43)]
+    entry = one_pass.file_entry(tmp_path / "f", ranges)
+    assert entry["nbytes"] == len(data) and entry["xxh3_64"] == xxhash.xxh3_64(data).hexdigest()
+    assert entry["items"] == [[o, n, xxhash.xxh3_64(data[o:o + n]).hexdigest()] for o, n in ranges]
+    assert "items" not in one_pass.file_entry(tmp_path / "f", [(700, 100)])  # past the end: listed as none
 
 
 def test_sharded_save_folder_is_told_apart_from_a_dcp_folder(tmp_path):

@@ -68,13 +68,13 @@ def test_two_ranks_save_three_ranks_load_resharded_bit_exactly(tmp_path):
     for rank, r in loaded.items():
         assert r.get("load", {}).get("mismatch") == [], (rank, r)
     _assert_version(_load_here(tmp_path / "ckpt"), 1)
-    # The same job then loaded with one file damaged: each rank verifies a share of the
-    # files (sorted: .metadata, __0_0, __1_0), so rank 2 finds it and the others are told.
-    assert "__1_0.distcp" in loaded[2]["corrupt"]["message"], loaded[2]
-    assert loaded[2]["corrupt"]["error"] == "CheckpointCorruptError"
-    for rank in (0, 1):
+    # The same job then loaded with one file damaged: each rank checks every item it reads as it reads
+    # it (one pass), so each rank that reads the damaged item names it, and the others name such a rank.
+    found = {rank for rank, r in loaded.items() if r["corrupt"].get("error") == "CheckpointCorruptError"}
+    assert found and all("__1_0.distcp" in loaded[rank]["corrupt"]["message"] for rank in found), loaded
+    for rank in set(loaded) - found:
         r = loaded[rank]["corrupt"]
-        assert r.get("error") == "CheckpointPeerError" and r["rank_named"] == 2, (rank, r)
+        assert r.get("error") == "CheckpointPeerError" and r["rank_named"] in found, (rank, r)
 
 
 @pytest.fixture(scope="module")

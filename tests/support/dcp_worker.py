@@ -121,7 +121,7 @@ def run(scenario: str, folder: Path) -> None:
         state = target_state()
         xlakit.dcp_load(state, target, timeout_s=30)
         report("load", start, mismatch=mismatches(state, 1))
-        # Then a damaged file: only the rank whose share it is sees it; every rank must hear.
+        # Then a damaged file: the ranks that read its damaged item see it; every rank must hear.
         damaged = target / "__1_0.distcp"
         if RANK == 0:
             flip(damaged)

@@ -13,14 +13,16 @@ writes generation `g` into the prefix `U/<g>.<host>.<pid>.<token>.dcp/`
 (DCP's `__R_0.distcp` files and `.metadata`), a name no other save uses; the
 commit is then `generations.py`'s: the commit record
 `U/xlakit-commit.<g>.json`, created last and create-only, names every file
-with its size and xxh3-64.
+with its size and xxh3-64, and each item of a data file with its own (hashed as
+sent), so a load reads each item once and checks it (`one_pass.py`).
 
 With several ranks rank 0 proposes the generation, every rank writes its files
 and votes with their sizes and hashes, and rank 0 checks that every voted file
 is in the bucket with its size before it creates the record at the agreed
-commit point. A load reads the generation rank 0 names; each rank first
-verifies its share of the files against the record
-(`store.bucket.verify_object`), then DCP reads and reshards.
+commit point. A load reads the generation rank 0 names; DCP reads and
+reshards, each item read once and checked against the record as it comes in
+(a record that lists no items: each rank first verifies its share of the files
+whole, `store.bucket.verify_object`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from xlakit.checkpoint.objstore.client import Location, Store, store_for
 from xlakit.checkpoint.objstore.reader import ObjectFile
 from xlakit.checkpoint.objstore.upload import Upload
 from xlakit.checkpoint.store import bucket
-from xlakit.checkpoint.torch_dcp import dcp
+from xlakit.checkpoint.torch_dcp import dcp, one_pass
 from xlakit.errors import CheckpointIncompleteError
 
 KIND = "dcp"
@@ -51,21 +53,25 @@ _READ_BUFFER = 1 << 20  # torch.load reads a record's header in small pieces
 
 
 class _Stream(io.RawIOBase):
-    """What DCP writes a file into: an `Upload`; DCP's own `close()` does not end it."""
+    """What DCP writes a file into: an `Upload`; DCP's own `close()` does not end it. Its items are
+    hashed as sent (`one_pass.SegmentHashes`: DCP asks the position around each)."""
 
     def __init__(self, upload: Upload):
         super().__init__()
         self.upload, self.written = upload, 0
+        self.segments = one_pass.SegmentHashes()
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
         n = self.upload.write(data)
+        self.segments.update(memoryview(data).cast("B")[:n])
         self.written += n
         return n
 
     def tell(self) -> int:
+        self.segments.mark()
         return self.written
 
     def close(self) -> None:
@@ -75,14 +81,16 @@ class _Stream(io.RawIOBase):
 class StoreFileSystem(FileSystem):
     """DCP's fsspec file system on xlakit's client, its streams bounded by `op`'s deadline.
 
-    `entries` holds, for each file written, its name under `root` with its size and xxh3-64;
-    `sizes` (reading) the sizes a commit record names, so a read needs no lookup first.
+    `entries` holds, for each file written, its name under `root` with its size and xxh3-64,
+    and `segments` its items' hashes; `sizes` (reading) the sizes a commit record names, so a
+    read needs no lookup first.
     """
 
     def __init__(self, store: Store, op: Operation, root: Location, sizes: dict[str, int] | None = None):
         super().__init__()
         self.fs, self.store, self.op, self.root = store.fs, store, op, root
         self.entries: dict[str, dict] = {}
+        self.segments: dict[str, one_pass.SegmentHashes] = {}
         self.sizes = sizes or {}
 
     def name(self, path: Any) -> str:
@@ -107,8 +115,10 @@ class StoreFileSystem(FileSystem):
         leftover = self.op.own(generations.Leftover(self.store, loc))
         upload = Upload(self.store, self.op, loc)
         try:
-            yield _Stream(upload)
+            stream = _Stream(upload)
+            yield stream
             self.entries[self.name(path)] = upload.finish()
+            self.segments[self.name(path)] = stream.segments
         except BaseException:
             upload.abort()
             raise
@@ -146,23 +156,33 @@ class _Writer(dcp.StagedWriter, FsspecWriter):
 
 
 class _Reader(dcp.StagedReader, FsspecReader):
-    """DCP's fsspec reader on a `StoreFileSystem`."""
+    """DCP's fsspec reader on a `StoreFileSystem`; in one pass given the commit record's `entries`."""
 
-    def __init__(self, op: Operation, store: Store, root: Location, sizes: dict[str, int]):
+    def __init__(self, op: Operation, store: Store, root: Location, sizes: dict[str, int],
+                 entries: dict[str, dict] | None = None, verify: bool = True):
         FileSystemReader.__init__(self, root.url)
         self.fs = StoreFileSystem(store, op, root, sizes)
-        self.path, self.op = root.url, op
+        self.path, self.op, self.entries, self.verify = root.url, op, entries, verify
+        self.root = root
+
+    def open_raw(self, name: str) -> ObjectFile:
+        return ObjectFile(self.fs.store, self.op, self.root.child(name), self.fs.sizes[name])
 
 
 class _SafeReader(dcp_metadata.SafeMetadata, _Reader):
     """`_Reader` whose metadata is read through `dcp_metadata`'s allowlist (`xlakit ckpt`)."""
 
 
-def reader_for(op: Operation, loc: Location, record: dict, *, safe_metadata: bool = False) -> _Reader:
-    """A DCP storage reader of the files the commit record `record` at `loc` names."""
+def reader_for(op: Operation, loc: Location, record: dict, *, safe_metadata: bool = False,
+               one_pass_verify: bool | None = None) -> _Reader:
+    """A DCP storage reader of the files the commit record `record` at `loc` names; in one pass
+    (`one_pass.py`, checking each item unless `one_pass_verify` is False) unless it is None."""
     folder = record["folder"]
-    sizes = {n[len(folder) + 1:]: e["nbytes"] for n, e in record["objects"].items()}
-    return (_SafeReader if safe_metadata else _Reader)(op, store_for(loc), loc.child(folder), sizes)
+    entries = {n[len(folder) + 1:]: e for n, e in record["objects"].items()}
+    sizes = {n: e["nbytes"] for n, e in entries.items()}
+    return (_SafeReader if safe_metadata else _Reader)(
+        op, store_for(loc), loc.child(folder), sizes, None if one_pass_verify is None else entries,
+        bool(one_pass_verify))
 
 
 class BucketDcp(dcp.DcpStore):
@@ -196,7 +216,12 @@ class BucketDcp(dcp.DcpStore):
     def write(self, op: Operation, state: dict, device: list, opts: SaveOptions, group: Any) -> dict[str, dict]:
         writer = _Writer(op, self.store, self.loc.child(self.chosen["folder"]))
         dcp.write_folder(op, state, device, None, opts, group, writer=writer)
-        return {f"{self.chosen['folder']}/{n}": e for n, e in writer.fs.entries.items()}
+        entries = {}
+        for name, entry in writer.fs.entries.items():
+            hashed = writer.fs.segments.get(name)  # not `.metadata`: renamed, and holds no items
+            items = hashed.items(writer.ranges[name]) if hashed and name in writer.ranges else None
+            entries[f"{self.chosen['folder']}/{name}"] = {**entry, one_pass.ITEMS: items} if items else entry
+        return entries
 
     def commit(self, op: Operation, entries: dict[str, dict]) -> None:
         op.enter("commit")
@@ -222,8 +247,8 @@ class BucketDcp(dcp.DcpStore):
     def verify(self, op: Operation, name: str, entry: dict) -> None:
         bucket.verify_object(op, self.store, self.loc, name, entry)
 
-    def reader(self, op: Operation) -> _Reader:
-        return reader_for(op, self.loc, self.record)
+    def reader(self, op: Operation, entries: dict[str, dict] | None, verify: bool) -> _Reader:
+        return reader_for(op, self.loc, self.record, one_pass_verify=None if entries is None else verify)
 
 
 def _check_present(op: Operation, store: Store, loc: Location, root: Location, entries: dict[str, dict]) -> None:

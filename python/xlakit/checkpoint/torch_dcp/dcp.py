@@ -39,10 +39,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from xlakit.checkpoint.core import operation, paths
+from xlakit.checkpoint.core import load_stats, operation, paths
 from xlakit.checkpoint.file import matching, transfer
 from xlakit.checkpoint.format import folders
-from xlakit.checkpoint.torch_dcp import dcp_plan
+from xlakit.checkpoint.torch_dcp import dcp_plan, one_pass
 from xlakit.checkpoint.core.operation import Cancelled, Operation
 from xlakit.checkpoint.core.options import SaveOptions
 from xlakit.errors import CheckpointError, CheckpointPeerError
@@ -87,8 +87,9 @@ def commit_folder(op: Operation, tmp: Path, final: Path) -> None:
 
 
 def write_folder(op: Operation, state: dict, device: list[torch.Tensor], folder: Path | None,
-                 opts: SaveOptions, group: Any = None, *, writer: "StagedWriter | None" = None) -> list[str]:
-    """Sync, then let DCP write this process's part of `state` into `folder`; its file names.
+                 opts: SaveOptions, group: Any = None, *, writer: "StagedWriter | None" = None) -> "StagedWriter":
+    """Sync, then let DCP write this process's part of `state` into `folder`; the writer, which
+    knows the files it wrote and their items.
 
     With `group` (several ranks) DCP's plan and metadata exchange run on it. `writer`
     replaces the file writer into `folder` (object storage: `bucket_dcp.py`).
@@ -99,7 +100,7 @@ def write_folder(op: Operation, state: dict, device: list[torch.Tensor], folder:
     op.enter("plan")
     writer = writer or _Writer(op, folder)
     run_dcp(dcp.save, state, group, storage_writer=writer, planner=dcp_plan.SavePlanner(op, opts))
-    return writer.files
+    return writer
 
 
 def read_folder(op: Operation, state: dict, final: Path | None, group: Any = None, *,
@@ -123,12 +124,14 @@ def read_folder(op: Operation, state: dict, final: Path | None, group: Any = Non
             op.enter("read", read_item.dest_index.fqn)
             return super().resolve_tensor(read_item)
 
-    run_dcp(dcp.load, state, group, storage_reader=reader or _Reader(op, final), planner=_LoadPlanner())
+    reader = reader or _Reader(op, final)
+    reader.prepare()
+    run_dcp(dcp.load, state, group, storage_reader=reader, planner=_LoadPlanner())
 
 
-class StagedReader:
+class StagedReader(one_pass.OnePassReader):
     """Mixed into a DCP storage reader (before it): marks where this rank reads and where it waits
-    on the others, in `self.op`."""
+    on the others, in `self.op`; reads in one pass where the commit record lists items."""
 
     op: Operation
 
@@ -141,26 +144,31 @@ class StagedReader:
 
 class StagedWriter:
     """Mixed into a DCP storage writer (before it): marks the operation's stages in `self.op`, and
-    remembers this rank's files in `self.files`."""
+    remembers this rank's files in `self.files`, with the (offset, length) of their items in `self.ranges`."""
 
     op: Operation
     files: list[str]
+    ranges: dict[str, list[tuple[int, int]]]
 
     def write_data(self, plan, planner):
         self.op.enter("write")
         future = super().write_data(plan, planner)
-        self.files = sorted({r.storage_data.relative_path for r in future.wait()})
+        self.ranges = one_pass.item_ranges(future.wait())
+        self.files = sorted(self.ranges)
         # From here DCP waits on the other ranks (results gathered, metadata written by rank 0).
         self.op.enter("finish")
         return future
 
 
 class _Reader(StagedReader, dcp.FileSystemReader):
-    """DCP's file reader."""
+    """DCP's file reader; in one pass given the commit record's `entries` (`one_pass.py`)."""
 
-    def __init__(self, op: Operation, folder: Path):
+    def __init__(self, op: Operation, folder: Path, entries: dict[str, dict] | None = None, verify: bool = True):
         super().__init__(str(folder))
-        self.op = op
+        self.op, self.entries, self.verify = op, entries, verify
+
+    def open_raw(self, name: str) -> load_stats.CountedFile:
+        return load_stats.CountedFile(Path(self.path) / name, self.op.stats)
 
 
 class _Writer(StagedWriter, dcp.FileSystemWriter):
@@ -168,7 +176,7 @@ class _Writer(StagedWriter, dcp.FileSystemWriter):
 
     def __init__(self, op: Operation, folder: Path):
         super().__init__(str(folder), single_file_per_rank=True, sync_files=True, thread_count=1)
-        self.op, self.files = op, []
+        self.op, self.files, self.ranges = op, [], {}
 
 
 class DcpStore(ABC):
@@ -225,8 +233,9 @@ class DcpStore(ABC):
         """Read the file `name` whole and check it against its entry."""
 
     @abstractmethod
-    def reader(self, op: Operation) -> "StagedReader":
-        """DCP's storage reader of the commit `files` read."""
+    def reader(self, op: Operation, entries: dict[str, dict] | None, verify: bool) -> "StagedReader":
+        """DCP's storage reader of the commit `files` read: in one pass given their `entries`
+        (checked unless not `verify`), DCP's own otherwise."""
 
 
 class LocalDcp(DcpStore):
@@ -249,9 +258,9 @@ class LocalDcp(DcpStore):
 
     def write(self, op: Operation, state: dict, device: list[torch.Tensor], opts: SaveOptions,
               group: Any) -> dict[str, dict]:
-        files = write_folder(op, state, device, self.tmp, opts, group)
+        writer = write_folder(op, state, device, self.tmp, opts, group)
         op.enter("checksum")
-        return {name: folders.file_entry(self.tmp / name) for name in files}
+        return {name: one_pass.file_entry(self.tmp / name, writer.ranges[name]) for name in writer.files}
 
     def commit(self, op: Operation, entries: dict[str, dict]) -> None:
         op.enter("commit")
@@ -269,8 +278,8 @@ class LocalDcp(DcpStore):
         folders.verify_file(self.final, name, entry)
         op.advance(entry["nbytes"])
 
-    def reader(self, op: Operation) -> "StagedReader":
-        return _Reader(op, self.final)
+    def reader(self, op: Operation, entries: dict[str, dict] | None, verify: bool) -> "StagedReader":
+        return _Reader(op, self.final, entries, verify)
 
 
 def run_dcp(fn, state: dict, group: Any, **kwargs):

@@ -16,10 +16,11 @@ into the folder and the folder exchanged atomically into place, in a bucket the 
 commit record of the generation (once every voted file is there with its size). The folder must
 be on storage every rank sees (as for DCP itself).
 
-Load: *agree* (rank 0 names the commit to read: in a bucket its generation), *verify* (each rank
-checks its share of the files against the commit record), *vote*, *read* (DCP on the same kind
-of group; it reshards: the target state may come from any number of ranks and any placement),
-*vote*.
+Load: *agree* (rank 0 names the commit to read: in a bucket its generation), *read* (DCP on the
+same kind of group; it reshards: the target state may come from any number of ranks and any
+placement; each rank reads each item it needs once and checks it against the commit record
+before any of it reaches the state, `one_pass.py`), *vote*. A commit whose record lists no items
+(older saves) is first verified, each rank its share of the files whole, then read.
 
 A rank that fails is named on every rank (`CheckpointPeerError`); one that dies or stalls makes
 the others raise `CheckpointTimeoutError` naming it. A collective broken by a peer is not the
@@ -36,7 +37,7 @@ from xlakit.checkpoint.coordination.agreement import Coordination, world_size
 from xlakit.checkpoint.core import workers
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
-from xlakit.checkpoint.torch_dcp import dcp
+from xlakit.checkpoint.torch_dcp import dcp, one_pass
 from xlakit.errors import CheckpointError, CheckpointPeerError, CheckpointTimeoutError, RuntimeFeatureError
 
 # A rank failing in these stages was waiting on the others (DCP's collectives).
@@ -135,13 +136,15 @@ def load(state: dict, where: dcp.DcpStore, opts: LoadOptions) -> None:
         with _giving_up(coord, op):
             files = where.files(op, pinned)
             op.bytes_total = sum(e["nbytes"] for e in files.values())
-            if opts.verify:  # each rank checks its share of the files
+            single = one_pass.one_pass(files)  # each rank checks each item it reads, as it reads it
+            if opts.verify and not single:  # each rank checks its share of the files first
                 for name in sorted(files)[rank::world]:
                     where.verify(op, name, files[name])
             if coord is not None:
                 coord.vote({}, "verified")
                 coord.votes(op, "verified")
-            dcp.read_folder(op, state, None, group=coord.group(op) if coord else None, reader=where.reader(op))
+            reader = where.reader(op, files if single else None, opts.verify)
+            dcp.read_folder(op, state, None, group=coord.group(op) if coord else None, reader=reader)
             if coord is not None:
                 coord.vote({}, "read")
                 coord.votes(op, "read")

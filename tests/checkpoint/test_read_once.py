@@ -157,3 +157,18 @@ def test_a_verified_dcp_load_from_a_bucket_downloads_every_byte_once(bucket):
     size = sum(v.numel() * v.element_size() for k, v in state.items() if k != "meta")
     # the files once (their bytes, DCP's per-item headers, .metadata), and the commit records
     assert stats.bytes_read <= size * 1.05 + (64 << 10), (stats, size)
+
+
+def test_a_verified_mmap_load_brings_each_page_in_once_through_the_map(tmp_path):
+    # mmap=True checks every record over a memory map before torch.load maps the same pages: the
+    # records count as read once, and no read call copies them a second time.
+    path = tmp_path / "alt.pt"
+    state = alternating(8)
+    xlakit.save(state, path)
+    records = sum(v.numel() * v.element_size() for v in state.values())
+    before = _bytes_read_by_this_process()
+    stats = read_by(lambda: state.update(loaded=xlakit.load(path, mmap=True)))
+    by_kernel = _bytes_read_by_this_process() - before
+    assert all(torch.equal(state["loaded"][k], v) for k, v in alternating(8).items())
+    assert records <= stats.bytes_read <= path.stat().st_size, (stats, records)
+    assert by_kernel < records / 4, by_kernel  # the zip's directory and index through read calls; no records

@@ -312,7 +312,10 @@ def torch_load(path: Path | BinaryIO, mmap_: bool, *, name: str | None = None) -
 
 
 def verify_file(path: Path, op: Operation | None = None) -> dict:
-    """Check the pickle and every storage of `path` against its index; the index."""
+    """Check the pickle and every storage of `path` against its index; the index.
+
+    Hashed over a memory map: the pages it brings in are the ones `torch.load(mmap=True)` then
+    maps, so they count as the load's reads (`op.stats`), once."""
     meta, reader = archive.read_index(str(path))
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         pk = meta["pickle"]
@@ -320,6 +323,8 @@ def verify_file(path: Path, op: Operation | None = None) -> dict:
         offset = archive.record_offset(reader, "data.pkl", str(path), "the pickle", None)
         archive.check_digest(mapped, offset, pk["nbytes"], pk[archive.HASH],
                              "the pickled structure (data.pkl)", str(path), None)
+        if op is not None:
+            op.stats.add(pk["nbytes"])
         for check in archive.iter_checks(meta):
             if op is not None:
                 op.enter("verify", check.path)
@@ -329,4 +334,5 @@ def verify_file(path: Path, op: Operation | None = None) -> dict:
                                  f"tensor {check.path!r}", str(path), check.path)
             if op is not None:
                 op.advance(check.nbytes)
+                op.stats.add(check.nbytes)
     return meta

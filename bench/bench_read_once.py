@@ -232,9 +232,9 @@ def run_where(where: str, base: str, env: dict, pairs: int, ranks: int) -> list[
     sep = "/" if "://" in base else os.sep
     rows = [_row(_run(["--plain", where, f"{base}{sep}plain.pt", "--pairs", str(pairs)], env), f"{where} plain"),
             _row(_run(["--dcp", where, f"{base}{sep}dcp", "--pairs", str(pairs)], env), f"{where} dcp")]
-    from tests.support.ranks import job_port
+    from tests.support.ranks import private_port
 
-    job = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job_port()), "WORLD_SIZE": str(ranks)}
+    job = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(private_port()), "WORLD_SIZE": str(ranks)}
     procs = [_run(["--rank", where, f"{base}{sep}shares"], {**job, "RANK": str(r)}) for r in range(ranks)]
     rows += [_row(p, f"{where} broadcast rank {r}") for r, p in enumerate(procs)]
     return rows

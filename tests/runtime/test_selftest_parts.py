@@ -170,9 +170,9 @@ def test_an_unwritable_temporary_folder_is_a_named_fail_for_each_check(tmp_path,
 
 @pytest.mark.slow
 def test_a_rank_whose_peer_never_comes_fails_within_the_deadline_naming_it(tmp_path, monkeypatch):
-    from tests.support.ranks import job_port
+    from tests.support.ranks import private_port
 
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job_port()), "RANK": "0", "WORLD_SIZE": "2"}.items():
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(private_port()), "RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     start = time.monotonic()
     found = check_ranks.run({"rank": 0, "world": 2}, quick=True, tmp_base=tmp_path, shared_dir=None,

@@ -209,10 +209,10 @@ def single_round(rng: random.Random, folder: Path, fault: str) -> tuple[int, int
 def ranks_round(rng: random.Random, folder: Path, fault: str, world: int = 4) -> tuple[int, int, int, int, int]:
     import xlakit
 
-    from tests.support.ranks import job_port
+    from tests.support.ranks import private_port
 
     target = folder / "ckpt"
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job_port()), "WORLD_SIZE": str(world),
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(private_port()), "WORLD_SIZE": str(world),
            "XLAKIT_FI_SECONDS": "12", "PJRT_DEVICE": "CPU"}
     rnd = Round([_spawn(["rank", str(target)], {**env, "RANK": str(r)}) for r in range(world)])
     if not rnd.wait_ready():

@@ -102,7 +102,9 @@ class Server:
 
     def __init__(self, scheme: str, root: Path):
         self.scheme = scheme
-        self.port = free_port()
+        from tests.support.ranks import private_port
+
+        self.port = private_port()  # free_port()'s choice could be taken (or served) by another before the bind
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root / f"{scheme}-server.log"
         root.mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,9 @@ def _ephemeral_ports() -> range:
 _ports = iter(())
 
 
-def job_port() -> int:
-    """A port for a job's rank 0 to host the rendezvous store on, one no other test picks.
+def private_port() -> int:
+    """A port for a job's rank 0 to host the rendezvous store on (or a test server), one no other
+    test picks.
 
     Chosen below the kernel's ephemeral range, so that no socket bound to port 0 (an
     emulator, a gloo pair, an outgoing connection) can take it between this choice and
@@ -70,7 +71,7 @@ def job_port() -> int:
                            f"for test jobs; widen net.ipv4.ip_local_port_range's gap")
     offset = (os.getpid() * 7) % block  # a fresh process resumes elsewhere in its block
     _ports = iter([first + (offset + i) % block for i in range(block)])
-    return job_port()
+    return private_port()
 
 
 def stderr_excerpt(text: str, keep: int = 1500) -> str:
@@ -82,7 +83,7 @@ class Job:
     """Ranks 0..world-1 of `worker scenario folder`, their stdout read as JSON lines."""
 
     def __init__(self, worker: Path, scenario: str, folder: Path, world: int, env: dict | None = None):
-        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job_port()),
+        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(private_port()),
                 "WORLD_SIZE": str(world), **(env or {})}
         self.procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(folder)],
                                        env={**base, "RANK": str(r)}, stdout=subprocess.PIPE,

@@ -155,6 +155,30 @@ def test_a_checkpoint_whose_record_lists_no_items_is_verified_whole_then_read(tm
     assert not state["model"]["w"].any()  # found before anything was read
 
 
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_a_listed_file_that_is_gone_is_named_as_missing(tmp_path, name):
+    # Regression: the one-pass reader let open()'s bare FileNotFoundError out, not the commit record's verdict.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    os.unlink(path / name)
+    with pytest.raises(xlakit.CheckpointIncompleteError, match=f"{name} is listed in the commit record but missing"):
+        xlakit.dcp_load(_template(), path)
+
+
+@pytest.mark.parametrize("change", ["appended", "cut short"])
+def test_a_data_file_of_another_size_than_committed_is_refused_before_it_is_read(tmp_path, change):
+    # Regression: the one-pass reader read only the items, so bytes appended to a committed file went unseen.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    data = path / "__0_0.distcp"
+    raw = data.read_bytes()
+    data.write_bytes(raw + b"junk" if change == "appended" else raw[:-4])
+    state = _template()
+    with pytest.raises(xlakit.CheckpointCorruptError, match=f"{data.name}: expected {len(raw)} bytes"):
+        xlakit.dcp_load(state, path)
+    assert not state["model"]["w"].any()
+
+
 def test_item_hashes_are_those_of_the_bytes_when_items_span_read_chunks(tmp_path, monkeypatch):
     import xxhash
 

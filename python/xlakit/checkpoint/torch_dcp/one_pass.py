@@ -97,9 +97,10 @@ class SegmentHashes:
 
 
 def one_pass(entries: dict[str, dict]) -> bool:
-    """Whether a commit's DCP files can be read in one pass (every data file lists its items)."""
+    """Whether a commit's DCP files can be read in one pass (every data file lists its items; an empty
+    one, of a rank given nothing to write, holds none)."""
     data = [e for name, e in entries.items() if not name.endswith(METADATA)]
-    return bool(data) and all(ITEMS in e for e in data)
+    return bool(data) and all(ITEMS in e or e["nbytes"] == 0 for e in data)
 
 
 class _Buffer(io.RawIOBase):

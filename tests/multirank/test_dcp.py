@@ -155,6 +155,67 @@ def test_a_checkpoint_whose_record_lists_no_items_is_verified_whole_then_read(tm
     assert not state["model"]["w"].any()  # found before anything was read
 
 
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_a_listed_file_that_is_gone_is_named_as_missing(tmp_path, name):
+    # Regression: the one-pass reader let open()'s bare FileNotFoundError out, not the commit record's verdict.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    os.unlink(path / name)
+    with pytest.raises(xlakit.CheckpointIncompleteError, match=f"{name} is listed in the commit record but missing"):
+        xlakit.dcp_load(_template(), path)
+
+
+@pytest.mark.parametrize("change", ["appended", "cut short"])
+def test_a_data_file_of_another_size_than_committed_is_refused_before_it_is_read(tmp_path, change):
+    # Regression: the one-pass reader read only the items, so bytes appended to a committed file went unseen.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    data = path / "__0_0.distcp"
+    raw = data.read_bytes()
+    data.write_bytes(raw + b"junk" if change == "appended" else raw[:-4])
+    state = _template()
+    with pytest.raises(xlakit.CheckpointCorruptError, match=f"{data.name}: expected {len(raw)} bytes"):
+        xlakit.dcp_load(state, path)
+    assert not state["model"]["w"].any()
+
+
+def _edit_record(path, edit) -> None:
+    record_path = path / folders.COMMIT_RECORD
+    record = json.loads(record_path.read_text())
+    edit(record["files"])
+    record_path.write_text(json.dumps(record))
+
+
+def test_a_commit_record_whose_items_disagree_with_the_checked_metadata_blames_the_record(tmp_path):
+    # Regression: the metadata had just matched its hash in the record, yet the message said it was changed.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    _edit_record(path, lambda files: files["__0_0.distcp"]["items"][0].__setitem__(1, 1))
+    with pytest.raises(xlakit.CheckpointCorruptError, match="commit record was changed") as info:
+        xlakit.dcp_load(_template(), path)
+    assert "ckpt verify" in str(info.value) and "verify=False" in str(info.value)
+
+
+def test_a_commit_record_that_lists_items_but_no_metadata_is_refused(tmp_path):
+    # Regression: a KeyError('.metadata') came out of the one-pass reader.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    _edit_record(path, lambda files: files.pop(".metadata"))
+    with pytest.raises(xlakit.CheckpointCorruptError, match=r"but no \.metadata"):
+        xlakit.dcp_load(_template(), path)
+
+
+def test_unreadable_metadata_loaded_unverified_is_named(tmp_path):
+    # Regression: verify=False handed pickle's own error (an OverflowError here) to the caller.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    raw = bytearray((path / ".metadata").read_bytes())
+    raw[10] ^= 0xFF
+    (path / ".metadata").write_bytes(bytes(raw))
+    with pytest.raises(xlakit.CheckpointCorruptError, match=r"\.metadata.*verify=True"):
+        xlakit.dcp_load(_template(), path, verify=False)
+
+
 def test_item_hashes_are_those_of_the_bytes_when_items_span_read_chunks(tmp_path, monkeypatch):
     import xxhash
 

@@ -17,6 +17,7 @@ import torch
 import xlakit
 from tests.support import ranks
 from tests.support.dcp_worker import DEADLINE_S
+from xlakit.checkpoint.core import load_stats
 from xlakit.checkpoint.format import folders
 from tests.support import SUPPORT
 
@@ -76,6 +77,21 @@ def test_two_ranks_save_three_ranks_load_resharded_bit_exactly(tmp_path):
         r = loaded[rank]["corrupt"]
         assert r.get("error") == "CheckpointPeerError" and r["rank_named"] in found, (rank, r)
 
+
+
+@pytest.mark.slow
+def test_a_rank_with_nothing_to_write_leaves_the_load_one_pass(tmp_path):
+    # Regression: rank 1's empty file is listed without items, and one such file sent the whole load back
+    # to the two-pass path (every file read whole first, then DCP's reads).
+    saved = run_ranks("save one tensor", tmp_path, world=2)
+    assert all("save" in r for r in saved.values()), saved
+    files = json.loads((tmp_path / "ckpt" / folders.COMMIT_RECORD).read_text())["files"]
+    assert files["__1_0.distcp"]["nbytes"] == 0, files
+    state = {"plain": torch.zeros(5)}
+    with load_stats.collecting() as stats:
+        xlakit.dcp_load(state, tmp_path / "ckpt")
+    assert torch.equal(state["plain"], _expected(1)["plain"])
+    assert stats.bytes_read == sum(e["nbytes"] for e in files.values()), (stats, files)
 
 @pytest.fixture(scope="module")
 def failures(tmp_path_factory):

@@ -147,6 +147,23 @@ def test_dcp_save_commits_a_record_naming_every_file_and_load_verifies_them(buck
     assert cli.main(["ckpt", "verify", url]) == 1
 
 
+
+@pytest.mark.parametrize("change", ["cut short", "appended"])
+def test_a_dcp_object_of_another_size_than_committed_is_named_before_it_is_read(bucket, change):
+    # Regression: the one-pass reader asked for the committed byte range of a shorter object (the server's
+    # bare 416 came out), and never saw bytes appended to one.
+    url = f"{bucket}/dcp"
+    xlakit.dcp_save({"w": torch.randn(300, 20)}, url)
+    loc = Location.parse(url)
+    record = generations.latest_record(store_for(loc), None, loc, "dcp")
+    (data,) = [n for n in record["objects"] if n.endswith(".distcp")]
+    body = store_for(loc).get(None, loc.child(data))
+    store_for(loc).put(None, loc.child(data), body[:-10] if change == "cut short" else body + b"junk")
+    state = {"w": torch.zeros(300, 20)}
+    with pytest.raises(xlakit.CheckpointCorruptError, match=rf"__0_0\.distcp.*commit record says {len(body)}"):
+        xlakit.dcp_load(state, url)
+    assert not state["w"].any()
+
 def _worker(scenario: str, url: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(WORKER), scenario, url, *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})

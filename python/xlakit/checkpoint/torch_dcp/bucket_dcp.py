@@ -166,7 +166,7 @@ class _Reader(dcp.StagedReader, FsspecReader):
         self.root = root
 
     def open_raw(self, name: str) -> ObjectFile:
-        return ObjectFile(self.fs.store, self.op, self.root.child(name), self.fs.sizes[name])
+        return bucket.open_object(self.op, self.fs.store, self.root, name, self.entries[name])  # its size checked
 
 
 class _SafeReader(dcp_metadata.SafeMetadata, _Reader):

@@ -45,7 +45,7 @@ from xlakit.checkpoint.format import folders
 from xlakit.checkpoint.torch_dcp import dcp_plan, one_pass
 from xlakit.checkpoint.core.operation import Cancelled, Operation
 from xlakit.checkpoint.core.options import SaveOptions
-from xlakit.errors import CheckpointError, CheckpointPeerError
+from xlakit.errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError, CheckpointPeerError
 
 PARTLY_LOADED = "nothing on disk was changed; the state may be partly loaded"
 
@@ -168,7 +168,18 @@ class _Reader(StagedReader, dcp.FileSystemReader):
         self.op, self.entries, self.verify = op, entries, verify
 
     def open_raw(self, name: str) -> load_stats.CountedFile:
-        return load_stats.CountedFile(Path(self.path) / name, self.op.stats)
+        """The file `name` of the commit record, its size checked against the record first (as
+        `store.bucket.open_object` does an object's)."""
+        try:
+            f = load_stats.CountedFile(Path(self.path) / name, self.op.stats)
+        except FileNotFoundError as e:
+            raise CheckpointIncompleteError(f"{self.path}: {name} is listed in the commit record but missing") from e
+        size, expected = os.fstat(f.fileno()).st_size, self.entries[name]["nbytes"]
+        if size != expected:
+            f.close()
+            raise CheckpointCorruptError(f"{self.path}/{name}: expected {expected} bytes (its commit record), "
+                                         f"found {size}; the file was replaced or damaged after the save committed")
+        return f
 
 
 class _Writer(StagedWriter, dcp.FileSystemWriter):

@@ -97,9 +97,10 @@ class SegmentHashes:
 
 
 def one_pass(entries: dict[str, dict]) -> bool:
-    """Whether a commit's DCP files can be read in one pass (every data file lists its items)."""
+    """Whether a commit's DCP files can be read in one pass (every data file lists its items; an empty
+    one, of a rank given nothing to write, holds none)."""
     data = [e for name, e in entries.items() if not name.endswith(METADATA)]
-    return bool(data) and all(ITEMS in e for e in data)
+    return bool(data) and all(ITEMS in e or e["nbytes"] == 0 for e in data)
 
 
 class _Buffer(io.RawIOBase):
@@ -155,12 +156,21 @@ class OnePassReader:
         `read_metadata` for a missing file and tries another, so it must not fail there)."""
         if self.entries is None:
             return
-        entry = self.entries[METADATA]
+        entry = self.entries.get(METADATA)
+        if entry is None:
+            raise CheckpointCorruptError(f"{self.path}: the commit record lists the items of DCP's data files but no "
+                                         f"{METADATA}; the record was changed after the save committed")
         with self.open_raw(METADATA) as f:
             data = _read_exactly(f, 0, entry["nbytes"], self.path, METADATA)
         if self.verify:
             _check(self.path, METADATA, data, entry["nbytes"], entry[HASH], "")
-        self._metadata = pickle.loads(data)  # noqa: S301 - as DCP reads it, after the bytes were checked
+        try:
+            self._metadata = pickle.loads(data)  # noqa: S301 - as DCP reads it, after the bytes were checked
+        except Exception as e:  # noqa: BLE001 - any failure of unpickling: the file is not DCP metadata
+            hint = ("it matches its commit record: the save that wrote it was faulty" if self.verify else
+                    "it was damaged or replaced: load with verify=True to check it against its commit record")
+            raise CheckpointCorruptError(f"{self.path}/{METADATA} is not DCP metadata ({type(e).__name__}: {e}); "
+                                         f"{hint}") from e
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         metadata = getattr(self, "_metadata", None)
@@ -191,9 +201,11 @@ class OnePassReader:
                     if self.checked is not None:
                         if (offset, length) not in digests:
                             raise CheckpointCorruptError(
-                                f"{self.path}/{name}: DCP's metadata names an item at byte {offset} ({length} "
-                                f"bytes) that the commit record does not list; the metadata was changed "
-                                f"after the save committed")
+                                f"{self.path}/{name}: DCP's metadata, which matches its commit record, names an "
+                                f"item at byte {offset} ({length} bytes) that the record's item list does not; "
+                                f"the commit record was changed after the save committed (nothing of the item "
+                                f"was loaded). If `xlakit ckpt verify` finds every file whole, "
+                                f"dcp_load(..., verify=False) reads it unchecked")
                         _check(self.path, name, data, length, digests[(offset, length)], f" at byte {offset}")
                     self.op.advance(length)
                     _serve(planner, reqs, data)

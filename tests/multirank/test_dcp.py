@@ -133,6 +133,19 @@ class _RunsCode:
         return (os.mknod, (self.marker,))
 
 
+@pytest.mark.parametrize("items", ["x", [[0, 5]], [["0", 5, "ab"]]])
+def test_a_malformed_item_list_in_the_record_is_named(tmp_path, items):
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    record_path = path / folders.COMMIT_RECORD
+    record = json.loads(record_path.read_text())
+    name = next(n for n in record["files"] if n.endswith(".distcp"))
+    record["files"][name]["items"] = items
+    record_path.write_text(json.dumps(record))
+    with pytest.raises(xlakit.CheckpointCorruptError, match="item list of __0_0.distcp is not a list"):
+        xlakit.dcp_load(_template(), path)
+
+
 def test_a_checkpoint_whose_record_lists_no_items_is_verified_whole_then_read(tmp_path):
     # Saved before items were hashed: each file is checked whole first, then DCP reads it.
     path = tmp_path / "ckpt"

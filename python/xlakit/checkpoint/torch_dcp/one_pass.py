@@ -194,7 +194,7 @@ class OnePassReader:
                                                 f"transforms {info.transform_descriptors}; xlakit writes none")
             by_file.setdefault(info.relative_path, {}).setdefault((info.offset, info.length), []).append(req)
         for name in sorted(by_file):
-            digests = {(o, n): d for o, n, d in self.entries.get(name, {}).get(ITEMS, [])}
+            digests = _digests(self.path, name, self.entries.get(name, {}).get(ITEMS, []))
             with self.open_raw(name) as f:
                 for (offset, length), reqs in sorted(by_file[name].items()):
                     data = _read_exactly(f, offset, length, self.path, name)
@@ -212,6 +212,18 @@ class OnePassReader:
         future: Future = Future()
         future.set_result(None)
         return future
+
+
+def _digests(root: Any, name: str, items: Any) -> dict[tuple[int, int], str]:
+    """A file's item list from its commit record entry, by (offset, length); refused if malformed."""
+    try:
+        found = {(o, n): d for o, n, d in items}
+        if all(isinstance(o, int) and isinstance(n, int) and isinstance(d, str) for (o, n), d in found.items()):
+            return found
+    except (TypeError, ValueError):
+        pass
+    raise CheckpointCorruptError(f"{root}: the commit record's item list of {name} is not a list of [offset, length, "
+                                 f"{HASH}] entries; the record was changed after the save committed")
 
 
 def _read_exactly(f: io.RawIOBase, offset: int, length: int, root: Any, name: str) -> memoryview:

@@ -60,11 +60,27 @@ def test_a_final_asynchronous_save_commits_at_exit(bucket, case):
     assert loaded["step"] == 7 and loaded["w"].sum() == 499500
 
 
-def test_an_asynchronous_save_that_cannot_commit_at_exit_makes_the_exit_status_nonzero(bucket):
+# The object store answers removals a second late (a real server's latency, the fake's only part:
+# the patch slows the client's own request): the exit hook waits for them, so the lost save leaves
+# nothing behind. Without that wait the process left before its removal was sent (issue 35's CI run).
+SLOW_REMOVALS = """
+    import asyncio, gcsfs, s3fs
+    for cls in (gcsfs.GCSFileSystem, s3fs.S3FileSystem):
+        def late(original):
+            async def _rm_file(self, *args, **kwargs):
+                await asyncio.sleep(1.0)
+                return await original(self, *args, **kwargs)
+            return _rm_file
+        cls._rm_file = late(cls._rm_file)
+"""
+
+
+@pytest.mark.parametrize("removals", ["prompt", "a second late"])
+def test_an_asynchronous_save_that_cannot_commit_at_exit_makes_the_exit_status_nonzero(bucket, removals):
     url = f"{bucket}/end/latest.pt"
     # The commit is reached after the deadline (and so refused): whatever the cause, a lost
     # final save must not read as success.
-    proc = _run("""
+    proc = _run((textwrap.dedent(SLOW_REMOVALS) if removals != "prompt" else "") + textwrap.dedent("""
         from xlakit.checkpoint.core import operation
         original = operation.Operation.commit_point
         def late(self):
@@ -72,8 +88,8 @@ def test_an_asynchronous_save_that_cannot_commit_at_exit_makes_the_exit_status_n
             return original(self)
         operation.Operation.commit_point = late
         h = xlakit.save(state, url, asynchronous=True, timeout_s=3)
-    """, url)
+    """), url)
     assert proc.returncode == 1, proc.stderr
     assert "did not commit before the interpreter exited" in proc.stderr
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError):  # its data object was removed, not merely left uncommitted
         xlakit.load(url)

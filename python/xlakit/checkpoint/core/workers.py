@@ -39,6 +39,7 @@ STOP_GRACE_S = 0.5  # how long an owner waits, after cancelling, to say whether 
 BUSY_WAIT_S = 5.0  # how long a new operation waits for a cancelled worker before refusing
 EXIT_GRACE_S = 5.0  # how long the exit hook waits for cancelled workers
 _START_WAIT_S = 1.0  # how long an interrupted start waits to learn whether its thread began
+_settlers: list[Callable[[float], None]] = []  # `settle_at_exit`
 
 _live: set[Any] = set()  # operations whose worker has not returned
 _threads: set[threading.Thread] = set()  # threads `start_thread` started and nobody saw end yet
@@ -154,6 +155,23 @@ def wait_until_idle(timeout_s: float | None = None) -> bool:
     return True
 
 
+def settle_at_exit(settle: Callable[[float], None]) -> None:
+    """Have the exit hook call `settle(seconds)` once every operation has ended: a layer's work that
+    outlives its operation (an object store's removals, started without waiting) finishes there,
+    within the hook's grace."""
+    _settlers.append(settle)
+
+
+def _settle(end: float) -> None:
+    for settle in _settlers:
+        try:
+            settle(max(end - time.monotonic(), 0.0))
+        except KeyboardInterrupt:
+            return  # Ctrl-C at exit: what is left is removed by the next save
+        except Exception as e:  # noqa: BLE001 - the exit hook goes on whatever one layer does
+            log.warning("xlakit: at exit, %s failed: %s: %s", getattr(settle, "__name__", settle), type(e).__name__, e)
+
+
 def _at_exit() -> None:
     """Let asynchronous saves commit, cancel the rest, and never leave a worker in native code.
 
@@ -189,6 +207,7 @@ def _at_exit() -> None:
         for thread in threads:  # ended operations' threads are still freeing what they held
             _wait_through_ctrl_c(lambda left, t=thread: t.join(left) or not t.is_alive(), end)
         if not any(t.is_alive() for t in threads):
+            _settle(end)
             if lost:
                 _exit_now(130 if interrupted else 1)
             return

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from xlakit import _knobs
+from xlakit.checkpoint.core import workers
 from xlakit.checkpoint.core.load_stats import counted
 from xlakit.checkpoint.core.operation import transient_note
 from xlakit.checkpoint.objstore.answers import is_transient
@@ -167,6 +168,25 @@ class IoExecutor(concurrent.futures.ThreadPoolExecutor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         pass  # the threads are daemons, idle between calls, and serve whoever still needs them
 
+
+_tidying: set[concurrent.futures.Future] = set()  # removals in flight (`Store.tidy_soon`)
+_tidying_lock = threading.Lock()
+
+
+def _tidied(future: concurrent.futures.Future) -> None:
+    with _tidying_lock:
+        _tidying.discard(future)
+
+
+def _settle_tidying(seconds: float) -> None:
+    """(At exit.) Wait up to `seconds` for the removals still in flight."""
+    with _tidying_lock:
+        pending = list(_tidying)
+    if pending:
+        concurrent.futures.wait(pending, timeout=seconds)
+
+
+workers.settle_at_exit(_settle_tidying)
 
 _io_executor: IoExecutor | None = None
 _io_executor_lock = threading.Lock()
@@ -410,4 +430,13 @@ class Store:
         async def rm() -> None:
             await asyncio.gather(*(self.fs._rm_file(l.path) for l in locs), return_exceptions=True)
 
-        self.submit(rm, _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S))
+        self.tidy_soon(rm)
+
+    def tidy_soon(self, request: Callable[[], Awaitable[Any]]) -> None:
+        """Start a removal (objects, an upload session) without waiting for it. The exit hook waits a
+        little for the ones still in flight (`_settle_tidying`): a save that gave up at exit leaves
+        nothing behind when the server answers."""
+        future = self.submit(request, _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S))
+        with _tidying_lock:
+            _tidying.add(future)
+        future.add_done_callback(_tidied)

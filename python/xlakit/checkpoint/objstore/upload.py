@@ -143,7 +143,7 @@ class Upload:
         else:
             async def abort() -> None:
                 await self.store.fs._call("DELETE", session)
-        self.store.submit(abort, _knobs.get_float(_knobs.OBJECT_REQUEST_TIMEOUT_S))
+        self.store.tidy_soon(abort)
 
     def _check_stored(self, sent: int) -> None:
         """The completed object holds as many bytes as were sent, or the save stops here, before any

@@ -10,6 +10,7 @@ import xlakit
 from xlakit import _knobs
 from xlakit.checkpoint.file import transfer
 from xlakit.checkpoint.objstore import upload
+from xlakit.runtime import host_heap
 
 # How each knob is read where xlakit reads it, and values that must be refused.
 _READERS = {
@@ -22,6 +23,7 @@ _READERS = {
     _knobs.PREEMPTION_GRACE_S: (lambda: _knobs.get_float(_knobs.PREEMPTION_GRACE_S), ["nan", "x"]),
     _knobs.DOCTOR_TIMEOUT_S: (lambda: _knobs.get_float(_knobs.DOCTOR_TIMEOUT_S), ["nan", "0"]),
     _knobs.CACHE_TRUST_SHARED: (lambda: _knobs.get_flag(_knobs.CACHE_TRUST_SHARED), ["ture", "2"]),
+    _knobs.KEEP_HOST_HEAP: (host_heap.keep_if_asked, ["ture", "2"]),
     _knobs.CACHE_KEY: (_knobs.get_cache_key, ["short"]),
     _knobs.PROFILE: (lambda: xlakit.manifest(), ["no-such-profile"]),
     _knobs.OBJECT_PART_BYTES: (upload.part_bytes, ["16M", "0", "nan"]),

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from xlakit import _knobs
 from xlakit.runtime import features, manifest, startup, compile_cache, contract, memory, pjrt_wrap
-from xlakit.runtime import torchtpu, torchtpu_doctor
+from xlakit.runtime import host_heap, torchtpu, torchtpu_doctor
 
 _STATS_MARK = "xlakit-cache-probe-stats: "
 UNPATCHED = "entries are written but never load: this torch_xla is unpatched, install the xlakit wheels"
@@ -239,6 +239,22 @@ def probe_transfer() -> Probe:
                  "device-to-host path", "install the xlakit wheels for the safe host transfer")
 
 
+def probe_host_heap(device_type: str | None) -> Probe:
+    """Whether a save's device-to-host copies map fresh host memory for every batch (host_heap.py)."""
+    which = host_heap.allocator()
+    if which != "glibc":
+        return Probe("host heap", "ok", f"{which}: freed host memory is reused by the next save's copies")
+    if _knobs.get_flag(_knobs.KEEP_HOST_HEAP):
+        return Probe("host heap", "ok", f"glibc, kept by {_knobs.KEEP_HOST_HEAP}=1 from the first copying save")
+    if device_type in (None, "CPU"):
+        return Probe("host heap", "n/a", "glibc; saves from this device need no host copy")
+    return Probe("host heap", "warn", "glibc with its defaults: each save's device-to-host copies map fresh "
+                 "memory, which the kernel faults in and zeroes on the cores the write needs",
+                 f"set {_knobs.KEEP_HOST_HEAP}=1 (faster copies; the process keeps the memory it freed, "
+                 "docs/checkpoints.md says how much), or run under "
+                 "tcmalloc (LD_PRELOAD, as torch_xla's TPU images do)")
+
+
 def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float | None = None,
         out=sys.stdout) -> int:
     """Run every probe, printing each line as it is known; 1 when any probe fails."""
@@ -272,6 +288,7 @@ def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float
     if "device_type" in m["runtime"]:
         report(*probe_memory(m["runtime"]["device_type"]))
     report(probe_transfer())
+    report(probe_host_heap(m["runtime"].get("device_type")))
     return 1 if any(p.verdict == "fail" for p in probes) else 0
 
 

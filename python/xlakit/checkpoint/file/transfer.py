@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from xlakit import _knobs
-from xlakit.runtime import features
+from xlakit.runtime import features, host_heap
 from xlakit.checkpoint.file import spmd
 from xlakit.checkpoint.format.state import StorageEntry
 from xlakit.errors import CheckpointTimeoutError, RuntimeFeatureError
@@ -256,13 +256,13 @@ def backend_for(device_type: str, sample: torch.Tensor, *, mode: str = "auto") -
 
     `mode` is the save's `transfer_backend`; it chooses among the XLA backends.
     """
-    if device_type == "xla":
-        return XlaTransfer(_xla_mode(sample, mode))
     if device_type == "cpu":
         return CpuTransfer()
-    if device_type == "tpu":
-        return TpuTransfer()
-    return DeviceTransfer()
+    backend = (XlaTransfer(_xla_mode(sample, mode)) if device_type == "xla" else
+               TpuTransfer() if device_type == "tpu" else DeviceTransfer())
+    if backend.copies:
+        host_heap.keep_if_asked()  # XLAKIT_KEEP_HOST_HEAP: each batch's copies reuse the last one's pages
+    return backend
 
 
 def batch_to_host(backend: HostTransfer, batch: Sequence[StorageEntry], *,

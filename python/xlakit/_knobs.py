@@ -77,6 +77,8 @@ PJRT_DYNAMIC_PLUGINS = "PJRT_DYNAMIC_PLUGINS"
 # Where torch_xla's TPU plugin looks for libtpu; the second is set by torch_xla's import when it finds one.
 TPU_LIBRARY_PATH = "TPU_LIBRARY_PATH"
 PTXLA_TPU_LIBRARY_PATH = "PTXLA_TPU_LIBRARY_PATH"
+# torch's: its CPU tensors on transparent huge pages, read once when torch starts (runtime/host_heap.py).
+THP_MEM_ALLOC_ENABLE = "THP_MEM_ALLOC_ENABLE"
 # TorchTPU's (runtime/torchtpu.py): torch's device-backend autoload (which imports torch_tpu with
 # torch), the GCE metadata query libtpu's loader skips when set, and its persistent compile cache
 # (tier 3: a folder; tier 2: node-local, in /dev/shm), read once by its runtime.

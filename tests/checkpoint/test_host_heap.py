@@ -68,9 +68,13 @@ def test_kept_heap_the_saves_after_the_first_map_no_fresh_memory(tmp_path):
 
 def test_doctor_says_what_to_do_about_fresh_host_copies(monkeypatch):
     monkeypatch.delenv(_knobs.KEEP_HOST_HEAP, raising=False)
+    monkeypatch.delenv(_knobs.THP_MEM_ALLOC_ENABLE, raising=False)
     warn = doctor.probe_host_heap("TPU")
     assert warn.verdict == "warn" and _knobs.KEEP_HOST_HEAP in warn.fix and "tcmalloc" in warn.fix
     assert doctor.probe_host_heap("CPU").verdict == "n/a"  # the CPU client's saves export without a copy
+    monkeypatch.setenv(_knobs.THP_MEM_ALLOC_ENABLE, "1")
+    assert doctor.probe_host_heap("TPU").verdict == "ok"
+    monkeypatch.delenv(_knobs.THP_MEM_ALLOC_ENABLE)
     monkeypatch.setenv(_knobs.KEEP_HOST_HEAP, "1")
     assert doctor.probe_host_heap("TPU").verdict == "ok"
     # A stand-in for a process that runs tcmalloc (none is installable here): xlakit leaves malloc alone.

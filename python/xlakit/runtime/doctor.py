@@ -246,13 +246,15 @@ def probe_host_heap(device_type: str | None) -> Probe:
         return Probe("host heap", "ok", f"{which}: freed host memory is reused by the next save's copies")
     if _knobs.get_flag(_knobs.KEEP_HOST_HEAP):
         return Probe("host heap", "ok", f"glibc, kept by {_knobs.KEEP_HOST_HEAP}=1 from the first copying save")
+    if _knobs.xla_flag(_knobs.THP_MEM_ALLOC_ENABLE):
+        return Probe("host heap", "ok", f"glibc; torch's tensors on huge pages ({_knobs.THP_MEM_ALLOC_ENABLE}=1)")
     if device_type in (None, "CPU"):
         return Probe("host heap", "n/a", "glibc; saves from this device need no host copy")
     return Probe("host heap", "warn", "glibc with its defaults: each save's device-to-host copies map fresh "
                  "memory, which the kernel faults in and zeroes on the cores the write needs",
-                 f"set {_knobs.KEEP_HOST_HEAP}=1 (faster copies; the process keeps the memory it freed, "
-                 "docs/checkpoints.md says how much), or run under "
-                 "tcmalloc (LD_PRELOAD, as torch_xla's TPU images do)")
+                 f"run under tcmalloc (LD_PRELOAD, as torch_xla's TPU images do), or set "
+                 f"{_knobs.THP_MEM_ALLOC_ENABLE}=1 before torch starts, or {_knobs.KEEP_HOST_HEAP}=1 (faster "
+                 f"copies for more memory: docs/checkpoints.md, Host memory of device copies)")
 
 
 def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float | None = None,

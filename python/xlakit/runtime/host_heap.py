@@ -8,13 +8,14 @@ freed, so every byte of every save is faulted in and zeroed by the kernel again,
 write needs. Measured on the 2-core dev machine, 2 GiB of 64 MiB tensors through torch_xla's stock
 copy: 1.05 M minor page faults a save, 2.0 s of system time; the transfer alone takes 1.9 s, the save
 2.8 s (writing the same bytes from CPU tensors: 1.1 s). With the heap kept, the transfer alone takes
-0.3 s and the save, from the third on, 1.7 s (`bench/bench_overlap.py`, its `stock+heap` rows).
+0.3 s and the save, from the third on, 1.7 s (`bench/bench_overlap.py`, its `stock+heap` rows;
+docs/checkpoints.md has the table: faster from 1 GiB, not below).
 
 `XLAKIT_KEEP_HOST_HEAP=1` has xlakit, before its first copying save, set glibc's M_ARENA_MAX to 1
 and its M_MMAP_THRESHOLD and M_TRIM_THRESHOLD to 2 GiB - 1: every thread allocates from the main
 heap, large blocks come from it too, and freed memory stays there for the next batch. The price,
 process-wide: the process keeps the memory it freed, and one heap shared by every thread fragments
-(peak RSS above the state during a 2 GiB save: +0.8 GiB against +0.23 GiB without, the heap grown
+(peak RSS above the state during a 2 GiB save: +1.2 GiB against +0.23 GiB without, the heap grown
 over the first saves; so `max_inflight_bytes` no longer bounds it); threads share one allocator
 lock; the first two saves are no faster. It is off by default for that reason, and pointless where
 the process runs tcmalloc or jemalloc (`LD_PRELOAD`, as torch_xla's TPU images do: they cache freed

@@ -114,6 +114,26 @@ def test_a_damaged_item_is_found_before_any_of_it_reaches_the_state(tmp_path):
     assert cli.main(["ckpt", "verify", str(path)]) == 1
 
 
+def test_verify_checks_each_item_hash_of_the_record_in_the_one_read(tmp_path, capsys):
+    # Regression: `ckpt verify` checked each file whole only, so an item list edited in the commit record passed
+    # verify while dcp_load refused it. Both now blame the record; a damaged file is still blamed as such.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save({"a": torch.full((4096,), 1.0), "b": torch.full((4096,), 2.0)}, path)
+    assert cli.main(["ckpt", "verify", "--json", str(path)]) == 0
+    read = json.loads(capsys.readouterr().out)
+    data_bytes = sum(p.stat().st_size for p in path.iterdir() if p.name != folders.COMMIT_RECORD)
+    assert read["read_bytes"] <= data_bytes  # the items are checked in the read that hashes each file
+    _edit_record(path, lambda files: files["__0_0.distcp"]["items"][-1].__setitem__(2, "0" * 16))
+    assert cli.main(["ckpt", "verify", str(path)]) == 1
+    out = capsys.readouterr()
+    assert "item list was changed" in out.out + out.err and "__0_0.distcp" in out.out + out.err
+    with pytest.raises(xlakit.CheckpointCorruptError, match="__0_0.distcp"):
+        xlakit.dcp_load({"a": torch.zeros(4096), "b": torch.zeros(4096)}, path)
+    _edit_record(path, lambda files: files["__0_0.distcp"].__setitem__("items", [[0, 10, "ab"], [5, 10, "cd"]]))
+    assert cli.main(["ckpt", "verify", str(path)]) == 1
+    assert "overlap" in "".join(capsys.readouterr())
+
+
 def test_a_replaced_metadata_file_is_refused_before_it_is_unpickled(tmp_path):
     # DCP's .metadata is a pickle: a folder on shared storage changed after the commit must not run code.
     path = tmp_path / "ckpt"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import xlakit
@@ -227,3 +228,23 @@ def test_an_endpoint_that_cannot_be_reached_is_one_line_within_the_request_timeo
     code, _, err = ckpt(capsys, "verify", f"{bucket}/x.pt")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert time.monotonic() - start < 3 + 5
+
+
+def test_verify_of_a_dcp_checkpoint_in_a_bucket_checks_each_item_hash_of_its_record(bucket, capsys):
+    # Regression: `ckpt verify` read each object whole against its own hash only, so an item list edited in the
+    # commit record passed verify while dcp_load refused it. Now both say the record was changed.
+    url = f"{bucket}/dcp-items"
+    xlakit.dcp_save({"w": state(3)["model"]["w"], "step": 3}, url)
+    assert ckpt(capsys, "verify", url)[0] == 0
+    loc = Location.parse(url)
+    store = store_for(loc)
+    (record_name,) = [n for n in store.list(None, loc) if n.startswith("xlakit-commit.")]
+    record = json.loads(store.get(None, loc.child(record_name)))
+    name, entry = next((n, e) for n, e in record["objects"].items() if e.get("items"))
+    entry["items"][0][2] = "0" * 16
+    store.delete(None, [loc.child(record_name)])
+    store.put(None, loc.child(record_name), json.dumps(record).encode())
+    code, out, err = ckpt(capsys, "verify", url)
+    assert code == 1 and "item list" in out + err and name.rsplit("/", 1)[-1] in out + err, out + err
+    with pytest.raises(xlakit.CheckpointCorruptError):
+        xlakit.dcp_load({"w": torch.zeros(64, 32), "step": 0}, url)

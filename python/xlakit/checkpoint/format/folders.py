@@ -34,6 +34,7 @@ NEWEST_VERSION = 2
 _DCP_METADATA = ".metadata"
 _DCP_DATA_SUFFIX = ".distcp"
 _CHUNK = 8 << 20
+ITEMS = "items"  # a DCP file's entry: [[offset, length, xxh3-64], ...] of each item DCP wrote (torch_dcp/one_pass.py)
 
 
 def _is_checkpoint_file(name: str) -> bool:
@@ -62,6 +63,67 @@ def file_digest(path: Path) -> tuple[int, str]:
             h.update(chunk)
             n += len(chunk)
     return n, h.hexdigest()
+
+
+def item_digests(root: object, name: str, items: object) -> dict[tuple[int, int], str]:
+    """A DCP file's item list from its commit record entry (`[[offset, length, xxh3-64], ...]`), by
+    (offset, length); refused, naming the record, if malformed."""
+    try:
+        found = {(o, n): d for o, n, d in items}  # type: ignore[union-attr]
+        if all(isinstance(o, int) and isinstance(n, int) and o >= 0 and n >= 0 and isinstance(d, str)
+               for (o, n), d in found.items()):
+            return found
+    except (TypeError, ValueError):
+        pass
+    raise CheckpointCorruptError(f"{root}: the commit record's item list of {name} is not a list of [offset, length, "
+                                 f"{HASH}] entries; the record was changed after the save committed")
+
+
+class ItemHashes:
+    """The item hashes of a file read front to back, in the read that hashes the whole file.
+
+    `update(offset, data)` with each chunk in order; once the whole file matched its own hash,
+    `check(size)` raises for the first item that differs, blaming the record's item list (the
+    file itself is as committed): `xlakit ckpt verify` then agrees with `dcp_load`, which checks
+    each item as it reads it.
+    """
+
+    def __init__(self, root: object, name: str, items: object):
+        self.where = f"{root}/{name}"
+        self.items = sorted(item_digests(root, name, items).items())
+        for ((o1, n1), _), ((o2, _n), _) in zip(self.items, self.items[1:]):
+            if o1 + n1 > o2:
+                raise CheckpointCorruptError(f"{root}: the commit record's item list of {name} has items that overlap "
+                                             f"(at bytes {o1} and {o2}); the record was changed after the save "
+                                             f"committed")
+        self._next = 0
+        self._hash = xxhash.xxh3_64()
+        self.mismatch: str | None = None
+
+    def update(self, offset: int, data) -> None:
+        end = offset + len(data)
+        while self._next < len(self.items):
+            (o, n), digest = self.items[self._next]
+            lo, hi = max(o, offset), min(o + n, end)
+            if hi > lo:
+                self._hash.update(data[lo - offset:hi - offset])
+            if o + n > end:
+                return
+            found = self._hash.hexdigest()
+            if found != digest and self.mismatch is None:
+                self.mismatch = (f"{self.where}: the item at byte {o} ({n} bytes) has {HASH} {found}, the commit "
+                                 f"record's item list says {digest}")
+            self._hash.reset()
+            self._next += 1
+
+    def check(self, size: int) -> None:
+        if self._next < len(self.items) and self.mismatch is None:
+            (o, n), _ = self.items[self._next]
+            self.mismatch = f"{self.where}: the commit record lists an item at byte {o} ({n} bytes), past its end ({size} bytes)"
+        if self.mismatch is not None:
+            raise CheckpointCorruptError(f"{self.mismatch}; the file matches its own {HASH}, so the item list was "
+                                         f"changed after the save committed (dcp_load refuses it too; "
+                                         f"dcp_load(..., verify=False) reads the files unchecked)")
 
 
 def file_entry(path: Path) -> dict:

@@ -11,7 +11,8 @@ differs is named (the tensor, or the file of a DCP folder).
 What it covers: an xlakit file (its zip structure, as torch's reader uses it,
 then its pickle, its structure record and every storage), a sharded or
 replica-parallel folder (every shard or share named by the commit record,
-against its record's size and checksum record, then its own checksums), a DCP folder (every file the commit record lists), a manager's
+against its record's size and checksum record, then its own checksums), a DCP folder (every file the commit
+record lists, and each item the record hashes, in the same read), a manager's
 step folder or every committed step of a manager folder. A plain
 `torch.save` file has no checksums: `NothingToVerify`.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 import xxhash
 
 from xlakit.checkpoint.core.load_stats import CountedFile, LoadStats
-from xlakit.checkpoint.format import archive, zip_structure
+from xlakit.checkpoint.format import archive, folders, zip_structure
 from xlakit.checkpoint.inspect import describe
 from xlakit.checkpoint.format.archive import HASH
 from xlakit.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
@@ -48,6 +49,7 @@ class Range:
     expected: str
     label: str
     tensor: str | None
+    items: folders.ItemHashes | None = None  # a DCP file's item hashes, checked in the same read
 
 
 def plan(path: Path) -> tuple[describe.Kind, list[Range]]:
@@ -150,7 +152,8 @@ def _dcp_ranges(kind: describe.Kind, prefix: str) -> list[Range]:
         if file.stat().st_size != entry["nbytes"]:
             raise CheckpointCorruptError(f"{file} holds {file.stat().st_size} bytes, the commit record says "
                                          f"{entry['nbytes']}: it is truncated or was replaced")
-        out.append(Range(file, 0, entry["nbytes"], entry[HASH], f"{prefix}file {name}", None))
+        items = folders.ItemHashes(kind.path, name, entry[folders.ITEMS]) if folders.ITEMS in entry else None
+        out.append(Range(file, 0, entry["nbytes"], entry[HASH], f"{prefix}file {name}", None, items))
     return out
 
 
@@ -172,6 +175,8 @@ def check(ranges: list[Range], progress: Progress | None = None) -> int:
                     raise CheckpointCorruptError(f"{r.file}: {r.label} ends early: the file is truncated",
                                                  tensor=r.tensor)
                 hasher.update(view[:n])
+                if r.items is not None:
+                    r.items.update(r.offset + r.nbytes - left, view[:n])
                 left -= n
                 done += n
                 if progress is not None:
@@ -180,5 +185,7 @@ def check(ranges: list[Range], progress: Progress | None = None) -> int:
         if actual != r.expected:
             raise CheckpointCorruptError(f"{r.file}: {r.label} is corrupt: its {HASH} is {actual}, the "
                                          f"checkpoint recorded {r.expected}", tensor=r.tensor)
+        if r.items is not None:
+            r.items.check(r.offset + r.nbytes)
     return done
 

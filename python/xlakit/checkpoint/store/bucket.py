@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from xlakit.checkpoint.format import folders
 from xlakit.checkpoint.objstore import generations
 from xlakit.checkpoint.objstore.client import Location, Store, store_for
 from xlakit.checkpoint.objstore.reader import CHUNK_BYTES, PARALLEL, ObjectFile, gone_error
@@ -188,6 +189,7 @@ def verify_object(op: "Operation", store: Store, loc: Location, name: str, expec
     except FileNotFoundError as e:
         raise replaced_error(loc, name) from e
     h, n = xxhash.xxh3_64(), 0
+    items = folders.ItemHashes(loc, name, expected[folders.ITEMS]) if folders.ITEMS in expected else None
     buffer = memoryview(bytearray(max(min(size, _VERIFY_BYTES), 1)))
     while n < size:
         got = store.get_into(op, obj, n, buffer[:min(len(buffer), size - n)], chunk_bytes=CHUNK_BYTES,
@@ -195,9 +197,13 @@ def verify_object(op: "Operation", store: Store, loc: Location, name: str, expec
         if got == 0:
             break  # shorter than it was a moment ago
         h.update(buffer[:got])
+        if items is not None:
+            items.update(n, buffer[:got])
         n += got
         op.advance(got)
     if n != expected["nbytes"] or h.hexdigest() != expected["xxh3_64"]:
         raise CheckpointCorruptError(f"{obj}: expected {expected['nbytes']} bytes with xxh3_64 "
                                      f"{expected['xxh3_64']}, found {n} bytes with {h.hexdigest()}; the object "
                                      f"or its commit record was changed or damaged after the save committed")
+    if items is not None:
+        items.check(n)

@@ -29,10 +29,11 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from xlakit.checkpoint.core.operation import Operation
+from xlakit.checkpoint.format import folders
+from xlakit.checkpoint.format.archive import HASH
+from xlakit.checkpoint.format.folders import ITEMS
 from xlakit.errors import CheckpointCorruptError, CheckpointIncompleteError
 
-HASH = "xxh3_64"
-ITEMS = "items"
 METADATA = ".metadata"
 _CHUNK = 8 << 20
 
@@ -194,7 +195,7 @@ class OnePassReader:
                                                 f"transforms {info.transform_descriptors}; xlakit writes none")
             by_file.setdefault(info.relative_path, {}).setdefault((info.offset, info.length), []).append(req)
         for name in sorted(by_file):
-            digests = _digests(self.path, name, self.entries.get(name, {}).get(ITEMS, []))
+            digests = folders.item_digests(self.path, name, self.entries.get(name, {}).get(ITEMS, []))
             with self.open_raw(name) as f:
                 for (offset, length), reqs in sorted(by_file[name].items()):
                     data = _read_exactly(f, offset, length, self.path, name)
@@ -204,7 +205,7 @@ class OnePassReader:
                                 f"{self.path}/{name}: DCP's metadata, which matches its commit record, names an "
                                 f"item at byte {offset} ({length} bytes) that the record's item list does not; "
                                 f"the commit record was changed after the save committed (nothing of the item "
-                                f"was loaded). If `xlakit ckpt verify` finds every file whole, "
+                                f"was loaded). `xlakit ckpt verify` says the same if every file is whole; then "
                                 f"dcp_load(..., verify=False) reads it unchecked")
                         _check(self.path, name, data, length, digests[(offset, length)], f" at byte {offset}")
                     self.op.advance(length)
@@ -212,18 +213,6 @@ class OnePassReader:
         future: Future = Future()
         future.set_result(None)
         return future
-
-
-def _digests(root: Any, name: str, items: Any) -> dict[tuple[int, int], str]:
-    """A file's item list from its commit record entry, by (offset, length); refused if malformed."""
-    try:
-        found = {(o, n): d for o, n, d in items}
-        if all(isinstance(o, int) and isinstance(n, int) and isinstance(d, str) for (o, n), d in found.items()):
-            return found
-    except (TypeError, ValueError):
-        pass
-    raise CheckpointCorruptError(f"{root}: the commit record's item list of {name} is not a list of [offset, length, "
-                                 f"{HASH}] entries; the record was changed after the save committed")
 
 
 def _read_exactly(f: io.RawIOBase, offset: int, length: int, root: Any, name: str) -> memoryview:

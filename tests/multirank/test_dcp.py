@@ -134,6 +134,25 @@ def test_verify_checks_each_item_hash_of_the_record_in_the_one_read(tmp_path, ca
     assert "overlap" in "".join(capsys.readouterr())
 
 
+def test_verify_refuses_an_item_list_that_lacks_an_item_the_metadata_names(tmp_path, capsys):
+    # Regression: an item removed from the commit record's list passed `ckpt verify` (only listed items were
+    # checked) while dcp_load refused it, its message saying verify would say the same.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save({"a": torch.full((4096,), 1.0), "b": torch.full((4096,), 2.0)}, path)
+    (path / "__0_0.distcp").write_bytes(b"x" + (path / "__0_0.distcp").read_bytes()[1:])  # damaged as well
+    _edit_record(path, lambda files: files["__0_0.distcp"]["items"].pop())
+    assert cli.main(["ckpt", "verify", str(path)]) == 1
+    out = "".join(capsys.readouterr())
+    assert "__0_0.distcp is corrupt" in out and "item list" not in out, out  # the damaged file is blamed first
+    xlakit.dcp_save({"a": torch.full((4096,), 1.0), "b": torch.full((4096,), 2.0)}, path)
+    _edit_record(path, lambda files: files["__0_0.distcp"]["items"].pop())
+    assert cli.main(["ckpt", "verify", str(path)]) == 1
+    out = "".join(capsys.readouterr())
+    assert "names an item" in out and "__0_0.distcp" in out, out
+    with pytest.raises(xlakit.CheckpointCorruptError, match="names an item"):
+        xlakit.dcp_load({"a": torch.zeros(4096), "b": torch.zeros(4096)}, path)
+
+
 def test_a_replaced_metadata_file_is_refused_before_it_is_unpickled(tmp_path):
     # DCP's .metadata is a pickle: a folder on shared storage changed after the commit must not run code.
     path = tmp_path / "ckpt"

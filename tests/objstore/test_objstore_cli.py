@@ -230,9 +230,11 @@ def test_an_endpoint_that_cannot_be_reached_is_one_line_within_the_request_timeo
     assert time.monotonic() - start < 3 + 5
 
 
-def test_verify_of_a_dcp_checkpoint_in_a_bucket_checks_each_item_hash_of_its_record(bucket, capsys):
+@pytest.mark.parametrize("edit", ["hash", "item removed"])
+def test_verify_of_a_dcp_checkpoint_in_a_bucket_checks_each_item_hash_of_its_record(bucket, capsys, edit):
     # Regression: `ckpt verify` read each object whole against its own hash only, so an item list edited in the
     # commit record passed verify while dcp_load refused it. Now both say the record was changed.
+    # Regression ("item removed"): an item dropped from the list passed verify (only listed items were checked).
     url = f"{bucket}/dcp-items"
     xlakit.dcp_save({"w": state(3)["model"]["w"], "step": 3}, url)
     assert ckpt(capsys, "verify", url)[0] == 0
@@ -241,7 +243,10 @@ def test_verify_of_a_dcp_checkpoint_in_a_bucket_checks_each_item_hash_of_its_rec
     (record_name,) = [n for n in store.list(None, loc) if n.startswith("xlakit-commit.")]
     record = json.loads(store.get(None, loc.child(record_name)))
     name, entry = next((n, e) for n, e in record["objects"].items() if e.get("items"))
-    entry["items"][0][2] = "0" * 16
+    if edit == "hash":
+        entry["items"][0][2] = "0" * 16
+    else:
+        entry["items"].pop()
     store.delete(None, [loc.child(record_name)])
     store.put(None, loc.child(record_name), json.dumps(record).encode())
     code, out, err = ckpt(capsys, "verify", url)

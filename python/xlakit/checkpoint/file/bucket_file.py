@@ -23,6 +23,7 @@ from xlakit.checkpoint.core import workers
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.options import LoadOptions, SaveOptions
 from xlakit.checkpoint.file import background, loading, pipeline, restoring
+from xlakit.checkpoint.format import folders
 from xlakit.checkpoint.objstore import generations, reader
 from xlakit.checkpoint.objstore.client import Location, Store, store_for
 from xlakit.checkpoint.objstore.reader import ObjectFile
@@ -133,4 +134,7 @@ def verify(loc: Location, record: dict, opts: LoadOptions) -> None:
     store = store_for(loc)
     op = Operation("verify", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED,
                    bytes_total=sum(e["nbytes"] for e in record["objects"].values()))
-    op.run(lambda op: [bucket.verify_object(op, store, loc, n, e) for n, e in sorted(record["objects"].items())])
+    objects = record["objects"]
+    checks = folders.item_checks(loc, objects)  # a DCP commit's items
+    op.run(lambda op: [bucket.verify_object(op, store, loc, n, objects[n], checks.get(n))
+                       for n in folders.metadata_last(objects)])

@@ -126,6 +126,67 @@ class ItemHashes:
                                          f"dcp_load(..., verify=False) reads the files unchecked)")
 
 
+def lists_items(files: dict[str, dict]) -> bool:
+    """Whether a DCP commit record lists the items of every data file (an empty one, of a rank given
+    nothing to write, holds none): `dcp_load` then checks each item it reads against its file's list."""
+    data = [e for name, e in files.items() if not name.endswith(_DCP_METADATA)]
+    return bool(data) and all(ITEMS in e or e["nbytes"] == 0 for e in data)
+
+
+def item_checks(root: object, files: dict[str, dict]) -> dict[str, "ItemHashes | ListedItems"]:
+    """What verify checks in its one read of each file of a DCP commit record, besides the file's own
+    hash: each data file's item hashes, and (where the record lists every file's items) that the
+    `.metadata` names no item its file's list lacks, as `dcp_load` requires."""
+    out: dict[str, ItemHashes | ListedItems] = {name: ItemHashes(root, name, e[ITEMS])
+                                                for name, e in files.items() if ITEMS in e}
+    if lists_items(files):
+        out.update((name, ListedItems(root, name, files)) for name in files if name.endswith(_DCP_METADATA))
+    return out
+
+
+def metadata_last(names: object) -> list[str]:
+    """A DCP commit's files in verify's order: `.metadata` last, so that a damaged data file is blamed
+    before the record's item list is compared with the metadata."""
+    return sorted(names, key=lambda n: (n.endswith(_DCP_METADATA), n))  # type: ignore[attr-defined]
+
+
+class ListedItems:
+    """A DCP `.metadata` read in verify's one read of it: once the file matched its own hash, `check`
+    requires each item it names to be in its file's item list of the commit record (`dcp_load` refuses
+    an item the list lacks). Unpickled through `dcp_metadata`'s allowlist: a metadata that names
+    anything else is left to `dcp_load` (the file itself is as committed)."""
+
+    def __init__(self, root: object, name: str, files: dict[str, dict]):
+        self.root, self.files = root, files
+        self.prefix = name[:-len(_DCP_METADATA)]  # a bucket's object names carry the folder
+        self._data = bytearray()
+
+    def update(self, offset: int, data) -> None:
+        self._data += data
+
+    def check(self, size: int) -> None:
+        import io
+
+        from xlakit.checkpoint.format import dcp_metadata
+
+        data, self._data = self._data, bytearray()
+        try:
+            metadata = dcp_metadata.load(io.BytesIO(data), str(self.root))
+        except CheckpointFormatError:
+            return
+        listed: dict[str, dict[tuple[int, int], str]] = {}
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            name = self.prefix + str(info.relative_path)
+            if name not in listed:
+                listed[name] = item_digests(self.root, name, self.files.get(name, {}).get(ITEMS, []))
+            if (info.offset, info.length) not in listed[name]:
+                raise CheckpointCorruptError(
+                    f"{self.root}/{name}: DCP's metadata, which matches its commit record, names an item at byte "
+                    f"{info.offset} ({info.length} bytes) that the record's item list does not; the commit record "
+                    f"was changed after the save committed (dcp_load refuses it too; dcp_load(..., verify=False) "
+                    f"reads the files unchecked)")
+
+
 def file_entry(path: Path) -> dict:
     """A file's line in the commit record: its size and xxh3-64."""
     nbytes, digest = file_digest(path)

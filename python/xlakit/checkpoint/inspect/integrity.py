@@ -49,7 +49,7 @@ class Range:
     expected: str
     label: str
     tensor: str | None
-    items: folders.ItemHashes | None = None  # a DCP file's item hashes, checked in the same read
+    items: folders.ItemHashes | folders.ListedItems | None = None  # a DCP file's items, checked in the same read
 
 
 def plan(path: Path) -> tuple[describe.Kind, list[Range]]:
@@ -145,15 +145,16 @@ def _sharded_ranges(kind: describe.Kind, prefix: str, key: str = "shards", what:
 
 def _dcp_ranges(kind: describe.Kind, prefix: str) -> list[Range]:
     out = []
-    for name, entry in sorted(kind.record["files"].items()):
+    checks = folders.item_checks(kind.path, kind.record["files"])
+    for name in folders.metadata_last(kind.record["files"]):
+        entry = kind.record["files"][name]
         file = kind.path / name
         if not file.is_file():
             raise CheckpointIncompleteError(f"{kind.path}: {name} is listed in the commit record but missing")
         if file.stat().st_size != entry["nbytes"]:
             raise CheckpointCorruptError(f"{file} holds {file.stat().st_size} bytes, the commit record says "
                                          f"{entry['nbytes']}: it is truncated or was replaced")
-        items = folders.ItemHashes(kind.path, name, entry[folders.ITEMS]) if folders.ITEMS in entry else None
-        out.append(Range(file, 0, entry["nbytes"], entry[HASH], f"{prefix}file {name}", None, items))
+        out.append(Range(file, 0, entry["nbytes"], entry[HASH], f"{prefix}file {name}", None, checks.get(name)))
     return out
 
 

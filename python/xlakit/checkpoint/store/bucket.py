@@ -180,8 +180,10 @@ def open_object(op: "Operation", store: Store, loc: Location, name: str, entry: 
     return ObjectFile(store, op, obj, size)
 
 
-def verify_object(op: "Operation", store: Store, loc: Location, name: str, expected: dict) -> None:
-    """Read the object `name` whole and check its size and xxh3-64 against its commit record entry."""
+def verify_object(op: "Operation", store: Store, loc: Location, name: str, expected: dict,
+                  items: "folders.ItemHashes | folders.ListedItems | None" = None) -> None:
+    """Read the object `name` whole and check its size and xxh3-64 against its commit record entry (and
+    `items`, else the item hashes the entry lists, in the same read)."""
     op.enter("verify", name)
     obj = loc.child(name)
     try:
@@ -189,7 +191,8 @@ def verify_object(op: "Operation", store: Store, loc: Location, name: str, expec
     except FileNotFoundError as e:
         raise replaced_error(loc, name) from e
     h, n = xxhash.xxh3_64(), 0
-    items = folders.ItemHashes(loc, name, expected[folders.ITEMS]) if folders.ITEMS in expected else None
+    if items is None and folders.ITEMS in expected:
+        items = folders.ItemHashes(loc, name, expected[folders.ITEMS])
     buffer = memoryview(bytearray(max(min(size, _VERIFY_BYTES), 1)))
     while n < size:
         got = store.get_into(op, obj, n, buffer[:min(len(buffer), size - n)], chunk_bytes=CHUNK_BYTES,

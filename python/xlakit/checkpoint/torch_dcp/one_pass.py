@@ -100,8 +100,7 @@ class SegmentHashes:
 def one_pass(entries: dict[str, dict]) -> bool:
     """Whether a commit's DCP files can be read in one pass (every data file lists its items; an empty
     one, of a rank given nothing to write, holds none)."""
-    data = [e for name, e in entries.items() if not name.endswith(METADATA)]
-    return bool(data) and all(ITEMS in e or e["nbytes"] == 0 for e in data)
+    return folders.lists_items(entries)
 
 
 class _Buffer(io.RawIOBase):

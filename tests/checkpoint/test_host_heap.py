@@ -77,6 +77,11 @@ def test_doctor_says_what_to_do_about_fresh_host_copies(monkeypatch):
     monkeypatch.delenv(_knobs.THP_MEM_ALLOC_ENABLE)
     monkeypatch.setenv(_knobs.KEEP_HOST_HEAP, "1")
     assert doctor.probe_host_heap("TPU").verdict == "ok"
+    # Regression: a bad value ended `xlakit doctor` mid-run (exit 2) at its host heap line instead of failing it.
+    monkeypatch.setenv(_knobs.KEEP_HOST_HEAP, "ture")
+    bad = doctor.probe_host_heap("TPU")
+    assert bad.verdict == "fail" and "'ture'" in bad.detail and _knobs.KEEP_HOST_HEAP in bad.fix, bad
+    monkeypatch.setenv(_knobs.KEEP_HOST_HEAP, "1")
     # A stand-in for a process that runs tcmalloc (none is installable here): xlakit leaves malloc alone.
     monkeypatch.setattr(host_heap, "allocator", lambda: "tcmalloc")
     assert doctor.probe_host_heap("TPU").verdict == "ok"

@@ -25,6 +25,7 @@ from pathlib import Path
 from xlakit import _knobs
 from xlakit.runtime import features, manifest, startup, compile_cache, contract, memory, pjrt_wrap
 from xlakit.runtime import host_heap, torchtpu, torchtpu_doctor
+from xlakit.errors import ConfigurationError
 
 _STATS_MARK = "xlakit-cache-probe-stats: "
 UNPATCHED = "entries are written but never load: this torch_xla is unpatched, install the xlakit wheels"
@@ -242,9 +243,14 @@ def probe_transfer() -> Probe:
 def probe_host_heap(device_type: str | None) -> Probe:
     """Whether a save's device-to-host copies map fresh host memory for every batch (host_heap.py)."""
     which = host_heap.allocator()
+    try:
+        keep = _knobs.get_flag(_knobs.KEEP_HOST_HEAP)
+    except ConfigurationError as e:  # every copying save refuses it: say so here, and go on
+        return Probe("host heap", "fail", f"{which}; {e}; every save from a device refuses it",
+                     f"set {_knobs.KEEP_HOST_HEAP} to 1 or 0, or unset it")
     if which != "glibc":
         return Probe("host heap", "ok", f"{which}: freed host memory is reused by the next save's copies")
-    if _knobs.get_flag(_knobs.KEEP_HOST_HEAP):
+    if keep:
         return Probe("host heap", "ok", f"glibc, kept by {_knobs.KEEP_HOST_HEAP}=1 from the first copying save")
     if _knobs.xla_flag(_knobs.THP_MEM_ALLOC_ENABLE):
         return Probe("host heap", "ok", f"glibc; torch's tensors on huge pages ({_knobs.THP_MEM_ALLOC_ENABLE}=1)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -92,4 +93,45 @@ def test_an_asynchronous_save_that_cannot_commit_at_exit_makes_the_exit_status_n
     assert proc.returncode == 1, proc.stderr
     assert "did not commit before the interpreter exited" in proc.stderr
     with pytest.raises(FileNotFoundError):  # its data object was removed, not merely left uncommitted
+        xlakit.load(url)
+
+
+# Removals the store never answers (a server that stopped at exit), and Ctrl-C while the exit hook waits for them.
+STALLED_REMOVALS = """
+    import asyncio, gcsfs, s3fs
+    for cls in (gcsfs.GCSFileSystem, s3fs.S3FileSystem):
+        async def _rm_file(self, *args, **kwargs):
+            await asyncio.sleep(3600)
+        cls._rm_file = _rm_file
+"""
+CTRL_C_WHILE_SETTLING = """
+    import os, signal, threading
+    from xlakit.checkpoint.core import workers
+    from xlakit.checkpoint.objstore import client
+    def settle(seconds):
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        client._settle_tidying(seconds)
+    workers._settlers[workers._settlers.index(client._settle_tidying)] = settle
+"""
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True])
+def test_removals_the_store_never_answers_delay_the_exit_by_the_hook_grace_at_most(bucket, ctrl_c):
+    # Regression: Ctrl-C while the exit hook waited for the removals made a lost final save exit 1, not 130.
+    url = f"{bucket}/end/stalled.pt"
+    start = time.monotonic()
+    proc = _run(textwrap.dedent(STALLED_REMOVALS) + textwrap.dedent("""
+        from xlakit.checkpoint.core import operation
+        original = operation.Operation.commit_point
+        def late(self):
+            time.sleep(max(self.deadline - time.monotonic(), 0.0) + 0.05)
+            return original(self)
+        operation.Operation.commit_point = late
+        h = xlakit.save(state, url, asynchronous=True, timeout_s=3)
+    """) + (textwrap.dedent(CTRL_C_WHILE_SETTLING) if ctrl_c else ""), url)
+    assert proc.returncode == (130 if ctrl_c else 1), proc.stderr
+    assert "did not commit before the interpreter exited" in proc.stderr
+    # Bounded by the save's deadline and the hook's grace, not by the request timeout (120 s) of the removals.
+    assert time.monotonic() - start < 60
+    with pytest.raises(xlakit.CheckpointIncompleteError, match="never committed"):  # left for the next save
         xlakit.load(url)

@@ -162,14 +162,16 @@ def settle_at_exit(settle: Callable[[float], None]) -> None:
     _settlers.append(settle)
 
 
-def _settle(end: float) -> None:
+def _settle(end: float) -> bool:
+    """Call each `settle_at_exit` function within the time left; whether Ctrl-C cut them short."""
     for settle in _settlers:
         try:
             settle(max(end - time.monotonic(), 0.0))
         except KeyboardInterrupt:
-            return  # Ctrl-C at exit: what is left is removed by the next save
+            return True  # Ctrl-C at exit: what is left is removed by the next save
         except Exception as e:  # noqa: BLE001 - the exit hook goes on whatever one layer does
             log.warning("xlakit: at exit, %s failed: %s: %s", getattr(settle, "__name__", settle), type(e).__name__, e)
+    return False
 
 
 def _at_exit() -> None:
@@ -207,7 +209,7 @@ def _at_exit() -> None:
         for thread in threads:  # ended operations' threads are still freeing what they held
             _wait_through_ctrl_c(lambda left, t=thread: t.join(left) or not t.is_alive(), end)
         if not any(t.is_alive() for t in threads):
-            _settle(end)
+            interrupted = _settle(end) or interrupted
             if lost:
                 _exit_now(130 if interrupted else 1)
             return

@@ -76,20 +76,24 @@ SLOW_REMOVALS = """
 """
 
 
+# The commit is reached after the deadline (and so refused).
+LOST_SAVE = """
+    from xlakit.checkpoint.core import operation
+    original = operation.Operation.commit_point
+    def late(self):
+        time.sleep(max(self.deadline - time.monotonic(), 0.0) + 0.05)
+        return original(self)
+    operation.Operation.commit_point = late
+    h = xlakit.save(state, url, asynchronous=True, timeout_s=3)
+"""
+
+
 @pytest.mark.parametrize("removals", ["prompt", "a second late"])
 def test_an_asynchronous_save_that_cannot_commit_at_exit_makes_the_exit_status_nonzero(bucket, removals):
     url = f"{bucket}/end/latest.pt"
     # The commit is reached after the deadline (and so refused): whatever the cause, a lost
     # final save must not read as success.
-    proc = _run((textwrap.dedent(SLOW_REMOVALS) if removals != "prompt" else "") + textwrap.dedent("""
-        from xlakit.checkpoint.core import operation
-        original = operation.Operation.commit_point
-        def late(self):
-            time.sleep(max(self.deadline - time.monotonic(), 0.0) + 0.05)
-            return original(self)
-        operation.Operation.commit_point = late
-        h = xlakit.save(state, url, asynchronous=True, timeout_s=3)
-    """), url)
+    proc = _run((textwrap.dedent(SLOW_REMOVALS) if removals != "prompt" else "") + textwrap.dedent(LOST_SAVE), url)
     assert proc.returncode == 1, proc.stderr
     assert "did not commit before the interpreter exited" in proc.stderr
     with pytest.raises(FileNotFoundError):  # its data object was removed, not merely left uncommitted
@@ -120,15 +124,8 @@ def test_removals_the_store_never_answers_delay_the_exit_by_the_hook_grace_at_mo
     # Regression: Ctrl-C while the exit hook waited for the removals made a lost final save exit 1, not 130.
     url = f"{bucket}/end/stalled.pt"
     start = time.monotonic()
-    proc = _run(textwrap.dedent(STALLED_REMOVALS) + textwrap.dedent("""
-        from xlakit.checkpoint.core import operation
-        original = operation.Operation.commit_point
-        def late(self):
-            time.sleep(max(self.deadline - time.monotonic(), 0.0) + 0.05)
-            return original(self)
-        operation.Operation.commit_point = late
-        h = xlakit.save(state, url, asynchronous=True, timeout_s=3)
-    """) + (textwrap.dedent(CTRL_C_WHILE_SETTLING) if ctrl_c else ""), url)
+    script = STALLED_REMOVALS + LOST_SAVE + (CTRL_C_WHILE_SETTLING if ctrl_c else "")
+    proc = _run(textwrap.dedent(script), url)
     assert proc.returncode == (130 if ctrl_c else 1), proc.stderr
     assert "did not commit before the interpreter exited" in proc.stderr
     # Bounded by the save's deadline and the hook's grace, not by the request timeout (120 s) of the removals.

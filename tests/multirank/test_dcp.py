@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+import xxhash
 
 import xlakit
 from tests.support import fakes
@@ -479,3 +480,14 @@ def test_timeout_error_survives_pickling():
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is xlakit.CheckpointTimeoutError and str(back) == "late"
     assert (back.stage, back.tensor, back.rank, back.__notes__) == ("write", "w", 2, ["raise timeout_s"])
+
+
+def test_an_item_of_no_bytes_at_the_end_of_a_file_is_not_called_past_the_end():
+    # Regression (attack round): a 0-byte item at the file's end was reported "past its end" by verify.
+    empty = xxhash.xxh3_64(b"").hexdigest()
+    folders.ItemHashes("root", "f", [[0, 0, empty]]).check(0)
+    items = folders.ItemHashes("root", "f", [[0, 3, xxhash.xxh3_64(b"abc").hexdigest()], [3, 0, empty]])
+    items.update(0, b"abc")
+    items.check(3)
+    with pytest.raises(xlakit.CheckpointCorruptError, match="past its end"):
+        folders.ItemHashes("root", "f", [[4, 0, empty]]).check(3)

@@ -117,6 +117,7 @@ class ItemHashes:
             self._next += 1
 
     def check(self, size: int) -> None:
+        self.update(size, b"")  # an item of no bytes at the very end
         if self._next < len(self.items) and self.mismatch is None:
             (o, n), _ = self.items[self._next]
             self.mismatch = f"{self.where}: the commit record lists an item at byte {o} ({n} bytes), past its end ({size} bytes)"

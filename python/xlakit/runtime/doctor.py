@@ -251,7 +251,7 @@ def probe_host_heap(device_type: str | None) -> Probe:
     if which != "glibc":
         return Probe("host heap", "ok", f"{which}: freed host memory is reused by the next save's copies")
     if keep:
-        return Probe("host heap", "ok", f"glibc, kept by {_knobs.KEEP_HOST_HEAP}=1 from the first copying save")
+        return Probe("host heap", "ok", f"glibc, kept ({_knobs.KEEP_HOST_HEAP} set) from the first copying save")
     if _knobs.xla_flag(_knobs.THP_MEM_ALLOC_ENABLE):
         return Probe("host heap", "ok", f"glibc; torch's tensors on huge pages ({_knobs.THP_MEM_ALLOC_ENABLE}=1)")
     if device_type in (None, "CPU"):

@@ -109,8 +109,14 @@ def test_ctrl_c_on_one_rank_cancels_the_save_on_every_rank(tmp_path):
     for rank in (0, 2, 3):
         r = results[rank].get("save2") or results[rank]
         assert r["ok"] is False and r["rank_named"] == 1 and "KeyboardInterrupt" in r["message"], (rank, r)
+    if any("stopped and removed its temporary files" in n for n in results[1]["save2"]["notes"]):
+        assert results[1]["temporaries_at_once"] == [], results[1]  # what the note says is true at once
     for rank in range(WORLD):
-        assert results[rank]["version_now"] == 1 and results[rank]["temporaries"] == []
+        assert results[rank]["version_now"] == 1 and results[rank]["idle"], results[rank]
+        assert results[rank]["temporaries"] == [], results[rank]
+    # Regression (CI of stop 40): each rank listed every rank's temporaries right after its own error, while
+    # rank 1's cancelled worker was still removing its own; the folder is judged once the job has ended.
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".xlakit-tmp")) == []
 
 
 def test_asynchronous_sharded_and_replicated_saves_commit(tmp_path):

@@ -120,7 +120,15 @@ def run(scenario: str, folder: Path) -> dict:
                                                        max_inflight_bytes=4096))
         except KeyboardInterrupt as e:
             out["save2"] = {"ok": False, "error": "KeyboardInterrupt", "notes": getattr(e, "__notes__", [])}
-        out["temporaries"] = sorted(n for n in os.listdir(target) if n.endswith(".xlakit-tmp"))
+        # This rank's own temporaries, at once (the error's note says whether its worker has stopped and
+        # removed them) and once its worker is idle (`wait_until_idle`, as the note says to). Other ranks'
+        # files are theirs to remove, on their own time: the test looks at the folder after the job.
+        def own() -> list[str]:
+            return sorted(n for n in os.listdir(target) if n.endswith(".xlakit-tmp") and f"shard-{RANK:05d}" in n)
+
+        out["temporaries_at_once"] = own()
+        out["idle"] = xlakit.wait_until_idle(10)
+        out["temporaries"] = own()
     elif scenario == "async-layouts":
         for layout in ("sharded", "replicated"):
             where = target if layout == "sharded" else folder / "replicated.pt"

@@ -274,7 +274,7 @@ def test_item_hashes_are_those_of_the_bytes_when_items_span_read_chunks(tmp_path
 
     from xlakit.checkpoint.torch_dcp import one_pass
 
-    monkeypatch.setattr(one_pass, "_CHUNK", 7)
+    monkeypatch.setattr(folders, "_CHUNK", 7)  # the read file_entry shares with file_digest
     data = bytes(range(256)) * 3
     (tmp_path / "f").write_bytes(data)
     ranges = [(0, 5), (5, 20), (25, 0), (25, 700), (725, 43)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
@@ -31,14 +32,14 @@ REPLICATED_FORMAT = "xlakit-replicated"  # a replica-parallel folder of shares (
 FORMAT_VERSION = 1  # what DCP and sharded records are written with
 # The newest record this xlakit reads; 2: replicated checkpoints as a folder of shares (replicas.py).
 NEWEST_VERSION = 2
-_DCP_METADATA = ".metadata"
+DCP_METADATA = ".metadata"
 _DCP_DATA_SUFFIX = ".distcp"
 _CHUNK = 8 << 20
 ITEMS = "items"  # a DCP file's entry: [[offset, length, xxh3-64], ...] of each item DCP wrote (torch_dcp/one_pass.py)
 
 
 def _is_checkpoint_file(name: str) -> bool:
-    return name in (COMMIT_RECORD, _DCP_METADATA) or name.endswith(_DCP_DATA_SUFFIX)
+    return name in (COMMIT_RECORD, DCP_METADATA) or name.endswith(_DCP_DATA_SUFFIX)
 
 
 def check_replaceable(final: Path) -> None:
@@ -51,18 +52,55 @@ def check_replaceable(final: Path) -> None:
         err = CheckpointWriteError(errno.EEXIST, f"cannot save {final}: it exists and is not a "
                                    f"DCP checkpoint folder (found {', '.join(foreign[:5])})")
         err.filename = str(final)
-        err.add_note(f"A save replaces a folder holding only {_DCP_METADATA}, *{_DCP_DATA_SUFFIX} "
+        err.add_note(f"A save replaces a folder holding only {DCP_METADATA}, *{_DCP_DATA_SUFFIX} "
                      f"and {COMMIT_RECORD}; choose another path or move those files away.")
         raise err
 
 
-def file_digest(path: Path) -> tuple[int, str]:
+def file_digest(path: Path, also: Callable[[int, bytes], None] | None = None) -> tuple[int, str]:
+    """A file's size and xxh3-64; `also(offset, chunk)` sees each chunk of the same read."""
     h, n = xxhash.xxh3_64(), 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
+            if also is not None:
+                also(n, chunk)
             n += len(chunk)
     return n, h.hexdigest()
+
+
+class RangeHashes:
+    """The xxh3-64 of each of a file's sorted, non-overlapping (offset, length) ranges, from chunks of
+    one front-to-back read (`update(offset, data)`, in order)."""
+
+    def __init__(self, ranges: list[tuple[int, int]]):
+        self.ranges = ranges
+        self.digests: list[str] = []  # of the ranges the read has passed, in order
+        self._hash = xxhash.xxh3_64()
+
+    def update(self, offset: int, data) -> None:
+        end = offset + len(data)
+        while len(self.digests) < len(self.ranges):
+            o, n = self.ranges[len(self.digests)]
+            lo, hi = max(o, offset), min(o + n, end)
+            if hi > lo:
+                self._hash.update(data[lo - offset:hi - offset])
+            if o + n > end:
+                return
+            self.digests.append(self._hash.hexdigest())
+            self._hash.reset()
+
+    def finish(self, size: int) -> list[str] | None:
+        """After the read (`size` bytes): every range's digest, or None if some lie past the end."""
+        self.update(size, b"")  # a range of no bytes at the very end
+        return self.digests if len(self.digests) == len(self.ranges) else None
+
+
+def unlisted_item(root: object, name: str, offset: int, length: int) -> str:
+    """What is wrong when DCP's checked metadata names an item its file's item list lacks."""
+    return (f"{root}/{name}: DCP's metadata, which matches its commit record, names an item at byte {offset} "
+            f"({length} bytes) that the record's item list does not; the commit record was changed after the "
+            f"save committed")
 
 
 def item_digests(root: object, name: str, items: object) -> dict[tuple[int, int], str]:
@@ -96,33 +134,21 @@ class ItemHashes:
                 raise CheckpointCorruptError(f"{root}: the commit record's item list of {name} has items that overlap "
                                              f"(at bytes {o1} and {o2}); the record was changed after the save "
                                              f"committed")
-        self._next = 0
-        self._hash = xxhash.xxh3_64()
-        self.mismatch: str | None = None
+        self._hashes = RangeHashes([r for r, _ in self.items])
 
     def update(self, offset: int, data) -> None:
-        end = offset + len(data)
-        while self._next < len(self.items):
-            (o, n), digest = self.items[self._next]
-            lo, hi = max(o, offset), min(o + n, end)
-            if hi > lo:
-                self._hash.update(data[lo - offset:hi - offset])
-            if o + n > end:
-                return
-            found = self._hash.hexdigest()
-            if found != digest and self.mismatch is None:
-                self.mismatch = (f"{self.where}: the item at byte {o} ({n} bytes) has {HASH} {found}, the commit "
-                                 f"record's item list says {digest}")
-            self._hash.reset()
-            self._next += 1
+        self._hashes.update(offset, data)
 
     def check(self, size: int) -> None:
-        self.update(size, b"")  # an item of no bytes at the very end
-        if self._next < len(self.items) and self.mismatch is None:
-            (o, n), _ = self.items[self._next]
-            self.mismatch = f"{self.where}: the commit record lists an item at byte {o} ({n} bytes), past its end ({size} bytes)"
-        if self.mismatch is not None:
-            raise CheckpointCorruptError(f"{self.mismatch}; the file matches its own {HASH}, so the item list was "
+        self._hashes.finish(size)
+        found = self._hashes.digests
+        mismatch = next((f"{self.where}: the item at byte {o} ({n} bytes) has {HASH} {d}, the commit record's item "
+                         f"list says {digest}" for ((o, n), digest), d in zip(self.items, found) if d != digest), None)
+        if mismatch is None and len(found) < len(self.items):
+            (o, n), _ = self.items[len(found)]
+            mismatch = f"{self.where}: the commit record lists an item at byte {o} ({n} bytes), past its end ({size} bytes)"
+        if mismatch is not None:
+            raise CheckpointCorruptError(f"{mismatch}; the file matches its own {HASH}, so the item list was "
                                          f"changed after the save committed (dcp_load refuses it too; "
                                          f"dcp_load(..., verify=False) reads the files unchecked)")
 
@@ -130,7 +156,7 @@ class ItemHashes:
 def lists_items(files: dict[str, dict]) -> bool:
     """Whether a DCP commit record lists the items of every data file (an empty one, of a rank given
     nothing to write, holds none): `dcp_load` then checks each item it reads against its file's list."""
-    data = [e for name, e in files.items() if not name.endswith(_DCP_METADATA)]
+    data = [e for name, e in files.items() if not name.endswith(DCP_METADATA)]
     return bool(data) and all(ITEMS in e or e["nbytes"] == 0 for e in data)
 
 
@@ -141,14 +167,14 @@ def item_checks(root: object, files: dict[str, dict]) -> dict[str, "ItemHashes |
     out: dict[str, ItemHashes | ListedItems] = {name: ItemHashes(root, name, e[ITEMS])
                                                 for name, e in files.items() if ITEMS in e}
     if lists_items(files):
-        out.update((name, ListedItems(root, name, files)) for name in files if name.endswith(_DCP_METADATA))
+        out.update((name, ListedItems(root, name, files)) for name in files if name.endswith(DCP_METADATA))
     return out
 
 
 def metadata_last(names: object) -> list[str]:
     """A DCP commit's files in verify's order: `.metadata` last, so that a damaged data file is blamed
     before the record's item list is compared with the metadata."""
-    return sorted(names, key=lambda n: (n.endswith(_DCP_METADATA), n))  # type: ignore[attr-defined]
+    return sorted(names, key=lambda n: (n.endswith(DCP_METADATA), n))  # type: ignore[attr-defined]
 
 
 class ListedItems:
@@ -159,7 +185,7 @@ class ListedItems:
 
     def __init__(self, root: object, name: str, files: dict[str, dict]):
         self.root, self.files = root, files
-        self.prefix = name[:-len(_DCP_METADATA)]  # a bucket's object names carry the folder
+        self.prefix = name[:-len(DCP_METADATA)]  # a bucket's object names carry the folder
         self._data = bytearray()
 
     def update(self, offset: int, data) -> None:
@@ -181,11 +207,8 @@ class ListedItems:
             if name not in listed:
                 listed[name] = item_digests(self.root, name, self.files.get(name, {}).get(ITEMS, []))
             if (info.offset, info.length) not in listed[name]:
-                raise CheckpointCorruptError(
-                    f"{self.root}/{name}: DCP's metadata, which matches its commit record, names an item at byte "
-                    f"{info.offset} ({info.length} bytes) that the record's item list does not; the commit record "
-                    f"was changed after the save committed (dcp_load refuses it too; dcp_load(..., verify=False) "
-                    f"reads the files unchecked)")
+                raise CheckpointCorruptError(f"{unlisted_item(self.root, name, info.offset, info.length)} (dcp_load "
+                                             f"refuses it too; dcp_load(..., verify=False) reads the files unchecked)")
 
 
 def file_entry(path: Path) -> dict:
@@ -250,7 +273,7 @@ def describe_folder(folder: Path) -> str:
         return f"unreadable ({e.strerror})"
     if not found:
         return "it is empty"
-    if _DCP_METADATA in found:
+    if DCP_METADATA in found:
         return f"it holds a torch.distributed.checkpoint save without xlakit's commit record ({', '.join(found[:4])})"
     if any(n.startswith("shard-") for n in found):
         return f"it holds shards of an interrupted sharded save ({', '.join(found[:4])})"

@@ -34,8 +34,7 @@ from xlakit.checkpoint.format.archive import HASH
 from xlakit.checkpoint.format.folders import ITEMS
 from xlakit.errors import CheckpointCorruptError, CheckpointIncompleteError
 
-METADATA = ".metadata"
-_CHUNK = 8 << 20
+METADATA = folders.DCP_METADATA
 
 
 def item_ranges(results: list) -> dict[str, list[tuple[int, int]]]:
@@ -49,24 +48,12 @@ def item_ranges(results: list) -> dict[str, list[tuple[int, int]]]:
 
 def file_entry(path: Any, ranges: list[tuple[int, int]]) -> dict:
     """A file's line in the commit record: size, xxh3-64, and each item's, from one read of it."""
-    whole, n = xxhash.xxh3_64(), 0
-    items = [[offset, length, xxhash.xxh3_64()] for offset, length in ranges]
-    k = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            whole.update(chunk)
-            view, start = memoryview(chunk), n
-            n += len(chunk)
-            while k < len(items) and items[k][0] < n:
-                offset, length, h = items[k]
-                lo, hi = max(offset, start), min(offset + length, n)
-                h.update(view[lo - start:hi - start])
-                if offset + length > n:
-                    break  # the item goes on in the next chunk
-                k += 1
-    entry = {"nbytes": n, HASH: whole.hexdigest()}
-    if ranges and all(offset + length <= n for offset, length, _ in items):
-        entry[ITEMS] = [[offset, length, h.hexdigest()] for offset, length, h in items]
+    hashes = folders.RangeHashes(ranges)
+    nbytes, digest = folders.file_digest(path, hashes.update)
+    entry = {"nbytes": nbytes, HASH: digest}
+    items = hashes.finish(nbytes)
+    if ranges and items is not None:
+        entry[ITEMS] = [[offset, length, d] for (offset, length), d in zip(ranges, items)]
     return entry
 
 
@@ -201,10 +188,8 @@ class OnePassReader:
                     if self.checked is not None:
                         if (offset, length) not in digests:
                             raise CheckpointCorruptError(
-                                f"{self.path}/{name}: DCP's metadata, which matches its commit record, names an "
-                                f"item at byte {offset} ({length} bytes) that the record's item list does not; "
-                                f"the commit record was changed after the save committed (nothing of the item "
-                                f"was loaded). `xlakit ckpt verify` says the same if every file is whole; then "
+                                f"{folders.unlisted_item(self.path, name, offset, length)} (nothing of the item was "
+                                f"loaded). `xlakit ckpt verify` says the same if every file is whole; then "
                                 f"dcp_load(..., verify=False) reads it unchecked")
                         _check(self.path, name, data, length, digests[(offset, length)], f" at byte {offset}")
                     self.op.advance(length)

@@ -221,8 +221,13 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
     second.background = True
     handle = SaveHandle(job.final, time.monotonic() - first.started, second, first)
 
+    # The owner waits until the caller holds its handle: a thread that starts running Python
+    # at once keeps the GIL for up to its switch interval (5 ms) while the caller waits to return.
+    go = threading.Event()
+
     def owner() -> None:
         nonlocal staged
+        go.wait()
         try:
             second.run(lambda op: write_phase(op, staged))
         except BaseException as e:  # noqa: BLE001 - kept for result() and the next save
@@ -251,6 +256,8 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
         handle._seen = True  # and nothing of this save speaks again at the next one
         second.abandon(e)
         raise
+    finally:
+        go.set()
     return handle
 
 

@@ -82,17 +82,16 @@ def _transfer(state: dict, backend: str, max_inflight_bytes: int) -> None:
 
 
 def run_one(method: str, mib: int, tensor_mib: int, folder: str, max_inflight_bytes: int, repeat: int) -> dict:
-    import xlakit
-
     kind, _, backend = method.partition(":")
-    state = _state("cpu" if kind == "write" else "xla", mib, tensor_mib)
-    if backend.endswith("+heap"):  # set where a save sets it: after the state is on the device
-        from xlakit.runtime import host_heap
-
+    if backend.endswith("+heap"):  # as a job sets it: in the environment, applied when xlakit is imported
         os.environ["XLAKIT_KEEP_HOST_HEAP"] = "1"
         backend = backend.removesuffix("+heap")
-        assert host_heap.keep_if_asked(), "glibc did not take the setting"
-        repeat = max(repeat, 3)  # the heap grows over the first two saves; a training job saves many times
+        repeat = max(repeat, 3)  # the first save grows the heap; a training job saves many times
+    import xlakit
+    from xlakit.runtime import host_heap
+
+    assert host_heap.kept() == (os.environ.get("XLAKIT_KEEP_HOST_HEAP") == "1"), "glibc did not take the setting"
+    state = _state("cpu" if kind == "write" else "xla", mib, tensor_mib)
     path = os.path.join(folder, f"{method.replace(':', '-')}-{mib}.pt")
     run = {
         "write": lambda: xlakit.save(state, path, max_inflight_bytes=max_inflight_bytes),
@@ -118,7 +117,7 @@ def methods() -> list[str]:
 
 def table(rows: list[dict], rounds: int) -> str:
     by = {(r["mib"], r["method"]): r for r in rows}
-    head = (f"{'MiB':>6} {'backend':8} {'write s':>8} {'transfer s':>10} {'save s':>8} {'save/write':>10} "
+    head = (f"{'MiB':>6} {'backend':10} {'write s':>8} {'transfer s':>10} {'save s':>8} {'save/write':>10} "
             f"{'save/max':>8} {'save peak RSS +MiB':>18}")
     lines = [head, "-" * len(head)]
     worst = []
@@ -130,7 +129,7 @@ def table(rows: list[dict], rounds: int) -> str:
                 continue
             slowest = max(write, transfer["wall_s"])
             worst.append((save["wall_s"] / slowest, mib, b))
-            lines.append(f"{mib:6d} {b:8} {write:8.2f} {transfer['wall_s']:10.2f} {save['wall_s']:8.2f} "
+            lines.append(f"{mib:6d} {b:10} {write:8.2f} {transfer['wall_s']:10.2f} {save['wall_s']:8.2f} "
                          f"{save['wall_s'] / write:10.2f} {save['wall_s'] / slowest:8.2f} "
                          f"{save['peak_rss_increase'] / MiB:18.0f}")
     for b in BACKENDS:  # the worst size of each backend

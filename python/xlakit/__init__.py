@@ -33,6 +33,7 @@ from xlakit.errors import (
 )
 from xlakit.runtime.manifest import log_manifest, manifest, manifest_line
 from xlakit.runtime.memory import MemoryInfo, memory_info
+from xlakit.runtime import host_heap as _host_heap
 
 # Loaded on first use so that `import xlakit` (and the CLI) works where torch is
 # missing or broken; `xlakit doctor` has to run exactly there. The checkpoint
@@ -56,6 +57,7 @@ def __getattr__(name: str):
 
 
 _moved.install()
+_host_heap.keep_at_import()  # XLAKIT_KEEP_HOST_HEAP: before the runtime's threads allocate
 
 
 def __dir__() -> list[str]:

@@ -25,8 +25,9 @@ TRANSFER_BACKEND = "XLAKIT_TRANSFER_BACKEND"
 PROFILE = "XLAKIT_PROFILE"  # VERSIONS.toml profile the manifest checks against
 PREEMPTION_GRACE_S = "XLAKIT_PREEMPTION_GRACE_S"  # CheckpointManager: SIGTERM to the last moment to save
 DOCTOR_TIMEOUT_S = "XLAKIT_DOCTOR_TIMEOUT_S"  # deadline of each `xlakit doctor` subprocess probe
-# 1: before its first copying save, xlakit asks glibc to keep freed host memory for the next batch's
-# copies (runtime/host_heap.py says what it sets and what it costs); off by default.
+# 1: when xlakit is imported (or at its first copying save, if set later), it asks glibc to keep freed
+# host memory for the next batch's copies (runtime/host_heap.py says what it sets, why it has to be
+# early and what it costs); off by default.
 KEEP_HOST_HEAP = "XLAKIT_KEEP_HOST_HEAP"
 # Object storage (checkpoint/objstore): S3, the size of one upload part and how many are sent at once
 # (host memory for the upload: part bytes times parts in flight, plus the one being filled); GCS,

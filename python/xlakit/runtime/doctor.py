@@ -251,7 +251,10 @@ def probe_host_heap(device_type: str | None) -> Probe:
     if which != "glibc":
         return Probe("host heap", "ok", f"{which}: freed host memory is reused by the next save's copies")
     if keep:
-        return Probe("host heap", "ok", f"glibc, kept ({_knobs.KEEP_HOST_HEAP} set) from the first copying save")
+        when = "since xlakit was imported" if host_heap.kept() else "from the first copying save"
+        return Probe("host heap", "ok", f"glibc, kept ({_knobs.KEEP_HOST_HEAP} set) {when}")
+    if host_heap.kept_at_launch():
+        return Probe("host heap", "ok", "glibc, kept (GLIBC_TUNABLES set at launch)")
     if _knobs.xla_flag(_knobs.THP_MEM_ALLOC_ENABLE):
         return Probe("host heap", "ok", f"glibc; torch's tensors on huge pages ({_knobs.THP_MEM_ALLOC_ENABLE}=1)")
     if device_type in (None, "CPU"):
@@ -259,8 +262,9 @@ def probe_host_heap(device_type: str | None) -> Probe:
     return Probe("host heap", "warn", "glibc with its defaults: each save's device-to-host copies map fresh "
                  "memory, which the kernel faults in and zeroes on the cores the write needs",
                  f"run under tcmalloc (LD_PRELOAD, as torch_xla's TPU images do), or set "
-                 f"{_knobs.THP_MEM_ALLOC_ENABLE}=1 before torch starts, or {_knobs.KEEP_HOST_HEAP}=1 (faster "
-                 f"copies for more memory: docs/checkpoints.md, Host memory of device copies)")
+                 f"{_knobs.THP_MEM_ALLOC_ENABLE}=1 before torch starts, or {_knobs.KEEP_HOST_HEAP}=1 in the "
+                 f"environment (or GLIBC_TUNABLES={host_heap.LAUNCH_TUNABLES}) for faster copies at a cost "
+                 f"in memory: docs/checkpoints.md, Host memory of device copies")
 
 
 def run(*, profile: str | None = None, pins: str | None = None, timeout_s: float | None = None,

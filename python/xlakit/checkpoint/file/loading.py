@@ -10,8 +10,10 @@ pass over the file, and nothing in a file can run code.
 
 Plain torch.save files, files of earlier xlakit versions and `mmap=True` go
 through `torch.load(weights_only=True)`; with `verify` the xlakit checksums
-are checked first, over a memory map of the file (for `mmap=True`: up front,
-every page read once, before any tensor maps the file).
+are checked first, over a memory map of the file (every page read once,
+before any tensor maps the file), and the load maps the same pages (without
+`mmap=True`, each storage is then copied off the map: the file is still read
+once).
 """
 
 from __future__ import annotations
@@ -76,7 +78,38 @@ def read_file(op: Operation, path: Path, opts: LoadOptions, check_index: CheckIn
         if check_index is not None:
             check_index(meta)
     op.enter("read")
+    if opts.verify and not opts.mmap:
+        # The check brought every record in through a memory map: load over a map of the same
+        # pages and copy each storage off it, instead of reading the file a second time.
+        return off_the_map(torch_load(path, True))
     return torch_load(path, opts.mmap)
+
+
+def off_the_map(state: Any) -> Any:
+    """`state` (as `torch.load(mmap=True)` returns it) with each storage copied into host memory of
+    its own, once per storage, the tensors (views and shared storages as they were) moved onto the
+    copies in place: as `mmap=False` would have read it, without holding the file."""
+    copies: dict[int, torch.UntypedStorage] = {}
+    seen: set[int] = set()
+    todo = [state]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            mapped = obj.untyped_storage()
+            copy = copies.get(mapped._cdata)
+            if copy is None:
+                copy = copies[mapped._cdata] = torch.UntypedStorage(mapped.nbytes())
+                copy.copy_(mapped)
+            with torch.no_grad():
+                obj.set_(copy, obj.storage_offset(), obj.size(), obj.stride())
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo.extend(obj)
+    return state
 
 
 def open_index(f: BinaryIO, path: Path, size: int | None = None) -> dict | None:

@@ -160,7 +160,26 @@ def _table(kind: str, rows: list[dict], max_inflight_bytes: int, device: dict) -
                      + ("" if lowest is x else f" ({lowest['blocked_s'] / lowest['memcpy_s']:.2f}x its memcpy)")
                      + f"; xlakit peak RSS {x['peak_rss_increase'] / MiB:.0f} MiB above the state (goal <= "
                      f"max_inflight_bytes {max_inflight_bytes / MiB:.0f} MiB: {'met' if rss_ok else 'NOT met'})")
+        lines.append(f"{kind}: lowest per column (docs/checkpoints.md says why where a peer wins): "
+                     + "; ".join(_winners(asyncs, device)))
     return lines
+
+
+def _winners(asyncs: list[dict], device: dict) -> list[str]:
+    """The asynchronous peer with the lowest value of each column, with xlakit's value beside a peer's."""
+    columns = {"blocked (x its memcpy)": lambda r: r["blocked_s"] / r["memcpy_s"],
+               "durable s": lambda r: r["durable_s"],
+               "peak RSS +MiB": lambda r: r["peak_rss_increase"] / MiB}
+    if all(device.get(r["peer"]) is not None for r in asyncs):
+        columns["device +MiB"] = lambda r: device[r["peer"]] / MiB
+    out = []
+    x = next(r for r in asyncs if r["peer"] == "xlakit")
+    for name, value in columns.items():
+        best = min(asyncs, key=value)
+        tied = value(best) == value(x)
+        who = "xlakit" if best is x or tied else f"{async_peers.LABELS[best['peer']]} {value(best):.3g}, xlakit {value(x):.3g}"
+        out.append(f"{name}: {who}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

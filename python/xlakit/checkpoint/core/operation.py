@@ -265,6 +265,8 @@ class Operation:
             self.gate.lock.acquire()
             self.gate.claim_cancel("no time left")
             self.gate.lock.release()
+            workers.forget(self)  # an asynchronous save's write is tracked before it runs
+            self.done.set()  # no worker will run: nothing waits for one
             raise self.timeout_error("Nothing was started; " + self.untouched + ".")
         try:
             self.start(work)  # inside: Ctrl-C can land in Thread.start() after the worker began

@@ -35,6 +35,7 @@ import torch
 
 from xlakit.checkpoint.file import pipeline
 from xlakit.checkpoint.core.operation import COMMIT, Cancelled, Gate, Operation, Watch
+from xlakit.checkpoint.core import workers
 from xlakit.checkpoint.core.workers import start_thread
 from xlakit.checkpoint.core.options import SaveOptions
 from xlakit.checkpoint.format.state import StorageEntry
@@ -223,11 +224,17 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
 
     # The owner waits until the caller holds its handle: a thread that starts running Python
     # at once keeps the GIL for up to its switch interval (5 ms) while the caller waits to return.
-    go = threading.Event()
+    # A lock, not an Event: its release is one C call, which a Ctrl-C can only follow, never
+    # precede (Event.set is Python, and a Ctrl-C at its entry left the owner waiting forever).
+    go = threading.Lock()
+    go.acquire()
+
+    alive = threading.Event()
 
     def owner() -> None:
         nonlocal staged
-        go.wait()
+        alive.set()
+        go.acquire()
         try:
             second.run(lambda op: write_phase(op, staged))
         except BaseException as e:  # noqa: BLE001 - kept for result() and the next save
@@ -246,18 +253,25 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
         handle._error = CheckpointAsyncError(f"the asynchronous save of {job.final} was interrupted "
                                              f"before its write began; nothing was written")
         second.done.set()  # no worker will: the write is over before it began
+        workers.forget(second)
         handle._finished.set()
 
     with _lock:
         _pending = handle
     try:
-        start_thread(owner, "xlakit-async-save", never_started=never_started)
+        try:
+            # Live before save() returns (the owner only starts it after): a save, a restore,
+            # wait_until_idle() and the exit hook that come next must see it writing.
+            workers.track(second)
+            start_thread(owner, "xlakit-async-save", never_started=never_started)
+        finally:
+            go.release()
     except BaseException as e:  # Ctrl-C while starting the write: the caller saw it, so no commit
         handle._seen = True  # and nothing of this save speaks again at the next one
         second.abandon(e)
+        if not alive.wait(workers._START_WAIT_S):  # no owner will end it (Ctrl-C before the launch)
+            never_started()
         raise
-    finally:
-        go.set()
     return handle
 
 

@@ -69,7 +69,8 @@ def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions,
                 meta = loading.verify_file(path, op)
                 if check_index is not None:
                     check_index(meta)
-            saved = loading.torch_load(path, False)
+            # Verified: over a map of the pages the check brought in (the file is read once).
+            saved = loading.off_the_map(loading.torch_load(path, True)) if opts.verify else loading.torch_load(path, False)
             targets, restored = match(saved, template, path, opts, None)
             op.enter("copy")
             _apply(op, [(t, t.source) for t in targets])

@@ -80,6 +80,12 @@ def test_the_same_setting_at_launch_through_glibc_tunables(tmp_path, monkeypatch
     assert doctor.probe_host_heap("TPU").verdict == "ok"
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=1")  # the thresholds left at their defaults
     assert doctor.probe_host_heap("TPU").verdict == "warn"
+    # Regression: values glibc does not read as numbers (Python's int() took them) counted as kept.
+    for bad in ("1_500_000_000", " 2147483647", "2e9"):
+        monkeypatch.setenv("GLIBC_TUNABLES", host_heap.LAUNCH_TUNABLES.replace("=2147483647:", f"={bad}:", 1))
+        assert doctor.probe_host_heap("TPU").verdict == "warn", bad
+    monkeypatch.setenv("GLIBC_TUNABLES", host_heap.LAUNCH_TUNABLES.replace("2147483647", "0x7fffffff"))
+    assert doctor.probe_host_heap("TPU").verdict == "ok"
 
 
 def test_doctor_says_what_to_do_about_fresh_host_copies(monkeypatch):

@@ -37,6 +37,7 @@ import ctypes
 import logging
 import os
 import platform
+import re
 import threading
 
 from xlakit import _knobs
@@ -80,12 +81,18 @@ LAUNCH_TUNABLES = (f"glibc.malloc.arena_max=1:glibc.malloc.mmap_threshold={2**31
 def kept_at_launch() -> bool:
     """Whether glibc was started with the same setting (GLIBC_TUNABLES names both thresholds and one arena)."""
     tunables = dict(part.partition("=")[::2] for part in os.environ.get("GLIBC_TUNABLES", "").split(":"))
-    try:
-        return (tunables.get("glibc.malloc.arena_max") == "1"
-                and int(tunables.get("glibc.malloc.mmap_threshold", "0"), 0) >= _LARGE
-                and int(tunables.get("glibc.malloc.trim_threshold", "0"), 0) >= _LARGE)
-    except ValueError:
-        return False
+    return (tunables.get("glibc.malloc.arena_max") == "1"
+            and _LARGE <= _glibc_number(tunables.get("glibc.malloc.mmap_threshold", "")) < 2**64
+            and _LARGE <= _glibc_number(tunables.get("glibc.malloc.trim_threshold", "")) < 2**64)
+
+
+def _glibc_number(text: str) -> int:
+    """A tunable's value as glibc reads it (decimal or 0x hex digits only); -1 for anything else."""
+    if re.fullmatch(r"[0-9]+", text):
+        return int(text)
+    if re.fullmatch(r"0[xX][0-9a-fA-F]+", text):
+        return int(text, 16)
+    return -1
 
 
 def keep_at_import() -> None:

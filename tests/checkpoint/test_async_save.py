@@ -168,6 +168,36 @@ def test_ctrl_c_right_after_the_writer_launched_never_leaves_it_waiting(tmp_path
     assert (tmp_path / "c.pt").exists() == (not fired)  # the caller saw the Ctrl-C: no commit
 
 
+def test_ctrl_c_right_after_the_handle_is_pending_leaves_later_saves_working(tmp_path):
+    """Regression: a Ctrl-C between the handle becoming the pending save and the start of its writer left a handle that never finished: every later save was refused as busy."""
+    import sys
+
+    start_code, before, fired = background.start.__code__, background._pending, []
+
+    def trace(frame, event, arg):
+        if frame.f_code is start_code:
+            return ctrl_c_once_pending
+        return None
+
+    def ctrl_c_once_pending(frame, event, arg):
+        # Outside the `with _lock:` (a KeyboardInterrupt can leak any `with` lock in CPython: not this bug).
+        if event == "line" and not fired and background._pending is not before and not background._lock.locked():
+            fired.append(frame.f_lineno)
+            raise KeyboardInterrupt
+        return ctrl_c_once_pending
+
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            xlakit.save({"a": torch.ones(1000)}, tmp_path / "c.pt", asynchronous=True)
+    finally:
+        sys.settrace(None)
+    assert fired
+    assert background._pending._finished.wait(30), "the interrupted save's handle never finished"
+    xlakit.save({"a": torch.ones(1000)}, tmp_path / "d.pt")  # not refused as busy
+    assert not (tmp_path / "c.pt").exists()  # the caller saw the Ctrl-C: no commit
+
+
 def test_a_save_is_writing_as_soon_as_it_returns(tmp_path, monkeypatch):
     """Regression: the background write was tracked only once its owner ran, after save() returned: a save right after it was not refused and wait_until_idle() said idle."""
     gate = threading.Event()

@@ -256,10 +256,10 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
         workers.forget(second)
         handle._finished.set()
 
-    with _lock:
-        _pending = handle
     try:
         try:
+            with _lock:  # inside: a Ctrl-C right after must not leave a handle nobody finishes
+                _pending = handle
             # Live before save() returns (the owner only starts it after): a save, a restore,
             # wait_until_idle() and the exit hook that come next must see it writing.
             workers.track(second)

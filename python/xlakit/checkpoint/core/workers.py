@@ -38,7 +38,7 @@ log = logging.getLogger("xlakit")
 STOP_GRACE_S = 0.5  # how long an owner waits, after cancelling, to say whether the worker stopped
 BUSY_WAIT_S = 5.0  # how long a new operation waits for a cancelled worker before refusing
 EXIT_GRACE_S = 5.0  # how long the exit hook waits for cancelled workers
-_START_WAIT_S = 1.0  # how long an interrupted start waits to learn whether its thread began
+START_WAIT_S = 1.0  # how long an interrupted start waits to learn whether its thread began
 _settlers: list[Callable[[float], None]] = []  # `settle_at_exit`
 
 _live: set[Any] = set()  # operations whose worker has not returned
@@ -78,7 +78,7 @@ def start_thread(target: Callable[[], None], name: str, *, never_started: Callab
     try:
         thread.start()
     except BaseException:
-        if not began.wait(_START_WAIT_S):
+        if not began.wait(START_WAIT_S):
             never_started()
         if thread.ident is None:  # never launched: nothing to join
             with _live_lock:

@@ -269,7 +269,7 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
     except BaseException as e:  # Ctrl-C while starting the write: the caller saw it, so no commit
         handle._seen = True  # and nothing of this save speaks again at the next one
         second.abandon(e)
-        if not alive.wait(workers._START_WAIT_S):  # no owner will end it (Ctrl-C before the launch)
+        if not handle._finished.is_set() and not alive.wait(workers.START_WAIT_S):  # no owner will end it
             never_started()
         raise
     return handle

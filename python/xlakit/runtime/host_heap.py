@@ -18,7 +18,8 @@ It has to be early. A thread keeps the glibc arena it allocated from first, and 
 the arena of one that has ended before any other; the copies of a save run on threads of their own,
 and a large block in any arena but the main one is a fresh mapping whatever the thresholds say. Set
 at import, before the runtime's threads allocate, the setting holds for every later thread
-(measured, 2 GiB of 64 MiB tensors: 375 k faults in the first save, at most 16 k in each later one). Set
+(measured, 2 GiB of 64 MiB tensors: 375 k faults in the first save, at most 16 k in each later one; on
+a loaded machine the second save may still grow the heap). Set
 later (the variable put into `os.environ` by the program), it is applied at the first copying save
 and may change nothing: in one measured process, 1.05 M faults in each of five saves. The same
 setting at launch, for any process: the environment variable GLIBC_TUNABLES set to `LAUNCH_TUNABLES`

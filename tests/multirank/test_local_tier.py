@@ -225,8 +225,9 @@ def test_copies_that_arrive_after_the_deadline_are_not_kept_and_nothing_old_is_r
     results = job.results()
     for r, out in results.items():
         assert out["exit"] == 0, (r, out["stderr"])
-        # Named as the rank that did not answer, or (when its own clock fired first) as the one that gave up.
-        assert not out["whole"] and "rank 3 on host1" in out["error"] and "deadline" in out["error"], out
+        # Rank 3 is named: as the rank that did not answer, or (when its own clock fired first) as the one that
+        # gave up, beside a slow receiver that did not answer first (rank 1 once, on a loaded rehearsal machine).
+        assert not out["whole"] and "rank 3" in out["error"] and "deadline" in out["error"], out
         assert out["held"] == {"1": list(range(WORLD))}, out["held"]  # keep=1: step 1 stays, whole
         own = [0, 1] if r < 2 else [2, 3]
         step2 = hosts(tmp_path) / f"host{r // 2}" / "2"

@@ -78,11 +78,16 @@ def read_file(op: Operation, path: Path, opts: LoadOptions, check_index: CheckIn
         if check_index is not None:
             check_index(meta)
     op.enter("read")
-    if opts.verify and not opts.mmap:
-        # The check brought every record in through a memory map: load over a map of the same
-        # pages and copy each storage off it, instead of reading the file a second time.
+    return load_after_check(path, checked=opts.verify, mmap_=opts.mmap)
+
+
+def load_after_check(path: Path, *, checked: bool, mmap_: bool) -> Any:
+    """torch.load of a file without an index; `checked`: `verify_file` has just brought every record
+    in through a memory map, so a load without `mmap_` maps the same pages and copies each storage
+    off them (`off_the_map`) instead of reading the file a second time."""
+    if checked and not mmap_:
         return off_the_map(torch_load(path, True))
-    return torch_load(path, opts.mmap)
+    return torch_load(path, mmap_)
 
 
 def off_the_map(state: Any) -> Any:

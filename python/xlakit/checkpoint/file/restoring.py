@@ -69,8 +69,7 @@ def _restore(op: Operation, path: Path, template: Any, opts: LoadOptions,
                 meta = loading.verify_file(path, op)
                 if check_index is not None:
                     check_index(meta)
-            # Verified: over a map of the pages the check brought in (the file is read once).
-            saved = loading.off_the_map(loading.torch_load(path, True)) if opts.verify else loading.torch_load(path, False)
+            saved = loading.load_after_check(path, checked=opts.verify, mmap_=False)
             targets, restored = match(saved, template, path, opts, None)
             op.enter("copy")
             _apply(op, [(t, t.source) for t in targets])

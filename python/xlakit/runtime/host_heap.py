@@ -8,7 +8,7 @@ freed, so every byte of every save is faulted in and zeroed by the kernel again,
 write needs. Measured on the 2-core dev machine, 2 GiB of 64 MiB tensors through torch_xla's stock
 copy: 1.05 M minor page faults a save, 2.0 s of system time; the transfer alone takes 1.9 s, the save
 2.8 s (writing the same bytes from CPU tensors: 1.1 s). With the heap kept, the transfer alone takes
-0.6 s and the save, from the second on, 1.4 s (`bench/bench_overlap.py`, its `stock+heap` rows;
+0.6 s and the save, once the heap has grown, 1.4 s (`bench/bench_overlap.py`, its `stock+heap` rows;
 docs/checkpoints.md has the table: faster from 1 GiB, not below).
 
 `XLAKIT_KEEP_HOST_HEAP=1` in the process's environment has xlakit, when it is imported, set glibc's

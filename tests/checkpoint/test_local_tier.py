@@ -400,3 +400,30 @@ def test_latest_step_sees_the_local_tier_so_the_resume_loop_goes_on(tmp_path):
             if mgr.should_save(step):
                 assert mgr.save(step, state(step)) and mgr.local.last_error is None
         assert mgr.latest_step() == 9 and mgr.all_steps() == [4, 8]
+
+
+def test_a_rank_that_reached_a_save_given_up_long_before_says_it_was_stalled_whenever_the_claim_arrived():
+    # A rehearsal failed on this: rank 0 (the store host) stopped, rank 1's give-up queued in its store; on
+    # resuming, rank 0 looked before the queued claim was served and met it only in `agree`. Its error then
+    # blamed rank 1 alone. The claim's own time, not when rank 0 met it, says that rank 0 came late.
+    import time
+    from types import SimpleNamespace
+
+    from xlakit.checkpoint.tier.tier_rounds import _why
+
+    run = SimpleNamespace(rank=0, host="host0", hosts=["host0", "host0", "host1", "host1"], world=4,
+                          tier=SimpleNamespace(timeout_s=6.0))
+    reached = time.time()
+
+    def why(claimed_at: float) -> str:
+        held = {"decision": "abort", "rank": 1, "culprits": [1], "timeout": False, "stage": "start",
+                "error": "rank 1 gave up (its arrival failed) in stage 'start'", "unix": claimed_at}
+        coord = SimpleNamespace(proposals={}, gate=SimpleNamespace(held=held))
+        error = RuntimeError("coordinated local-tier save: nothing was committed")
+        return _why(run, coord, error, [], 3, time.monotonic() + 5, reached)
+
+    late = why(reached - 8)
+    assert late.startswith("rank 0 on host0 reached the local-tier save of step 3 after the other ranks had given "
+                           "it up") and "dropped it at once" in late and "rank 1 on host0 gave the save up" in late
+    assert "writing nothing" not in late  # it met the decision after writing its part
+    assert why(reached + 0.5) == "rank 1 on host0 gave the save up: rank 1 gave up (its arrival failed) in stage 'start'"

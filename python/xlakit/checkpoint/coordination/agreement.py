@@ -332,8 +332,10 @@ class Coordination:
                 self.gate.settle(held)
 
     def _abort_record(self, error: str, culprits: list[int], timeout: bool, stage: str) -> dict:
+        # `unix`: when this rank gave up. Its claim may reach a stalled store host only after that host
+        # resumed, so a late rank reads from it, not from the claim's arrival, that it came too late.
         return {"decision": "abort", "rank": self.rank, "culprits": culprits, "timeout": timeout,
-                "stage": stage, "error": error}
+                "stage": stage, "error": error, "unix": time.time()}
 
     @contextlib.contextmanager
     def giving_up(self, op: Operation, *, waiting: Callable[[BaseException], bool] = lambda e: False):

@@ -47,6 +47,9 @@ from xlakit.checkpoint.tier import local_tier, peer_copy
 from xlakit.errors import CheckpointError, CheckpointPeerError, CheckpointWriteError
 
 
+_CLOCK_SLACK_S = 1.0  # hosts' clocks (NTP) agree far better: a give-up this much older came before this rank
+
+
 class PartNotWritten(CheckpointError):
     """A rank could not write its own part (the message names the rank, its host and the fix)."""
 
@@ -94,6 +97,7 @@ def save(run, step: int, state: Any, deadline: float) -> Outcome:
     untouched = "the local tier's older steps are untouched"
     arrival = Operation(kind, where, _watch(run, deadline - time.monotonic()), rank=run.rank, untouched=untouched)
     late: list[dict] = []
+    reached = time.time()
 
     def arrive(op: Operation) -> None:
         held = coord.decision()
@@ -138,7 +142,7 @@ def save(run, step: int, state: Any, deadline: float) -> Outcome:
     except Exception as e:  # noqa: BLE001 - the local tier is a cache: said, never fatal
         if coord.gate.outcome == COMMIT:  # decided whole; only its confirmation came late here
             return Outcome(True)
-        return Outcome(False, _why(run, coord, e, late, step, deadline))
+        return Outcome(False, _why(run, coord, e, late, step, deadline, reached))
     except BaseException:  # Ctrl-C while writing the part: given up here, so given up everywhere
         if not late:
             op.cancel("interrupted")
@@ -252,8 +256,13 @@ def partners(run) -> str:
             f"an OOM kill); the step is not kept in the local tier, the older steps stay")
 
 
-def _why(run, coord: Coordination, e: Exception, late: list[dict], step: int, deadline: float) -> str:
-    """Why the save is not whole, with every rank and host concerned (alike on every rank where it can)."""
+def _why(run, coord: Coordination, e: Exception, late: list[dict], step: int, deadline: float,
+         reached: float) -> str:
+    """Why the save is not whole, with every rank and host concerned (alike on every rank where it can).
+
+    `reached`: when this rank reached the save (time.time()). Another rank's give-up made well before it
+    means this rank was stalled, though the claim may have reached the store only after this rank
+    looked (its store host, this rank's process, was stopped with the claim queued)."""
     if isinstance(e, (NotWhole, PartNotWritten)):
         return str(e)
     failed = [p["error"].removeprefix(f"{PartNotWritten.__name__}: ") for _, p in sorted(coord.proposals.items())
@@ -283,9 +292,10 @@ def _why(run, coord: Coordination, e: Exception, late: list[dict], step: int, de
         text += (f"; rank {last} on {run.hosts[last]} reached this save {spread:.1f} s after the first rank "
                  f"(stalled?), too late to finish before the first rank's deadline")
     overdue = time.monotonic() - deadline
-    if late or (overdue > _CLAIM_WAIT_S + _VERDICT_GRACE_S + 1 and claimer != run.rank):  # this rank stalled
+    before = claimer is not None and claimer != run.rank and held.get("unix", reached) < reached - _CLOCK_SLACK_S
+    if late or before or (overdue > _CLAIM_WAIT_S + _VERDICT_GRACE_S + 1 and claimer != run.rank):  # stalled
         text = (f"rank {run.rank} on {run.host} " + (f"reached the local-tier save of step {step} after the other "
-                f"ranks had given it up" if late else f"came back {overdue:.1f} s after the deadline of the "
+                f"ranks had given it up" if late or before else f"came back {overdue:.1f} s after the deadline of the "
                 f"local-tier save of step {step}, which the other ranks had given up")
                 + " (it was stalled: SIGSTOP, swapping, a debugger?) and dropped it at once"
                 + (", writing nothing" if late else "") + f"; {text}")

@@ -6,6 +6,8 @@ peer says the checkpoint is written. The states hold the same bytes for every
 peer: `--total-mib` of fp32 tensors of `--tensor-mib` each.
 
 * `xlakit`: `xlakit.save(state, path, asynchronous=True)`, then `handle.result()`.
+* `xlakit-copy` (XLA state only): the same with `transfer_backend="stock"`, the copy a TPU's
+  buffers take to the host (this machine's CPU client exports them zero-copy instead).
 * `dcp`: `torch.distributed.checkpoint.async_save` with its `DefaultStager`
   (shared memory, staging on its own thread: torchtitan's "zero-overhead"
   setting; pinned memory and non-blocking copies need CUDA, which this machine
@@ -81,6 +83,15 @@ class Xlakit:
         pass
 
 
+class XlakitCopy(Xlakit):
+    """xlakit on the route a TPU takes (XLA state only): the stock device-to-host copy, in place of the CPU
+    client's zero-copy DLPack export that `xlakit` takes here."""
+
+    def start(self, state: dict, path: Path) -> tuple[float | None, Wait]:
+        handle = self.xlakit.save(state, path / "ckpt.pt", asynchronous=True, transfer_backend="stock")
+        return None, handle.result
+
+
 class Dcp:
     def __init__(self, kind: str):
         import socket
@@ -149,8 +160,10 @@ class Lightning:
         self.io.teardown()
 
 
-PEERS = {"xlakit": Xlakit, "dcp": Dcp, "orbax": Orbax, "lightning": Lightning}
-LABELS = {"xlakit": "xlakit async save", "dcp": "DCP async_save+DefaultStager",
+PEERS = {"xlakit": Xlakit, "xlakit-copy": XlakitCopy, "dcp": Dcp, "orbax": Orbax, "lightning": Lightning}
+XLA_ONLY = {"xlakit-copy"}
+LABELS = {"xlakit": "xlakit async save", "xlakit-copy": "xlakit async, copy route (TPU)",
+          "dcp": "DCP async_save+DefaultStager",
           "orbax": "Orbax AsyncCheckpointer", "lightning": "Lightning AsyncCheckpointIO"}
 
 

@@ -213,3 +213,33 @@ def test_a_save_is_writing_as_soon_as_it_returns(tmp_path, monkeypatch):
         handle.result(timeout=30)
         gate.clear()
     assert xlakit.wait_until_idle(30) and not (tmp_path / "b.pt").exists()
+
+
+@pytest.mark.parametrize("backend", ["stock", "dlpack"])
+def test_a_written_xla_save_holds_no_host_copy_of_the_state(tmp_path, monkeypatch, backend):
+    # The handle kept its staging operation, and that kept the staged host tensors: after result(), on the
+    # copy route a TPU takes, the process held a host copy of the whole state until the next save was
+    # staged beside it (2x the state); on the DLPack route the old device buffers stayed alive.
+    import gc
+    import weakref
+
+    import torch_xla
+
+    from xlakit.checkpoint.file import transfer
+
+    staged = []
+    real = transfer.batch_to_host
+
+    def recording(*args, **kwargs):
+        hosts = real(*args, **kwargs)
+        staged.extend(weakref.ref(h) for h in hosts)
+        return hosts
+
+    monkeypatch.setattr(transfer, "batch_to_host", recording)
+    device = torch_xla.device()
+    state = {f"w{i}": torch.full((1024,), float(i), device=device) for i in range(4)}
+    handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend=backend)
+    handle.result(timeout=60)
+    gc.collect()
+    assert len(staged) == 4 and all(ref() is None for ref in staged), [ref() is None for ref in staged]
+    assert handle.done() and torch.equal(xlakit.load(tmp_path / "c.pt")["w3"], torch.full((1024,), 3.0))

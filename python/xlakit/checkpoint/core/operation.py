@@ -270,10 +270,14 @@ class Operation:
             raise self.timeout_error("Nothing was started; " + self.untouched + ".")
         try:
             self.start(work)  # inside: Ctrl-C can land in Thread.start() after the worker began
-            return self.watch_worker()
+            result = self.watch_worker()
         except BaseException as e:
             self.abandon(e)
             raise
+        # Handed over: an operation outlives its result (an asynchronous save's handle keeps its
+        # staging operation), and that result may be the whole state's host copy.
+        self.result = None
+        return result
 
     def start(self, work: Callable[["Operation"], Any]) -> None:
         def never_started() -> None:  # no worker will set `done`: nothing may wait for one

@@ -173,6 +173,38 @@ class _RunsCode:
         return (os.mknod, (self.marker,))
 
 
+@pytest.mark.parametrize("base", ["torch_xla's SPMDLoadPlanner", "DCP's DefaultLoadPlanner"])
+def test_a_value_holding_pickled_code_is_refused_naming_it_and_never_run(tmp_path, monkeypatch, base):
+    # DCP's own planner loads each non-tensor value with weights_only=False: without torch_xla (TorchTPU),
+    # dcp_load ran the code a checkpoint's value held, from a bucket too; torch_xla's planner raised torch's
+    # own error, which advises weights_only=False.
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from xlakit.checkpoint.torch_dcp import dcp_plan
+
+    if base.startswith("DCP"):
+        monkeypatch.setattr(dcp_plan, "load_planner_base", lambda: DefaultLoadPlanner)
+    marker = tmp_path / "ran"
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save({**_state(1.0), "extra": _RunsCode(str(marker))}, path)
+    with pytest.raises(xlakit.CheckpointFormatError, match=r"'extra' holds pickled objects .*names posix.mknod"
+                                                          r".*nothing of it was run") as caught:
+        xlakit.dcp_load({**_template(), "extra": None}, path)
+    assert not marker.exists()
+    assert "weights_only=False" not in str(caught.value)  # torch's advice, for torch.load: not how to go on here
+
+
+def test_an_io_bytesio_value_loads_as_dcp_documents(tmp_path):
+    import io
+
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save({**_state(2.0), "blob": io.BytesIO(b"dataloader position 17")}, path)
+    state = {**_template(), "blob": io.BytesIO()}
+    xlakit.dcp_load(state, path)
+    _assert_loaded(state, 2.0)
+    assert state["blob"].getvalue() == b"dataloader position 17"
+
+
 @pytest.mark.parametrize("items", ["x", [[0, 5]], [["0", 5, "ab"]]])
 def test_a_malformed_item_list_in_the_record_is_named(tmp_path, items):
     path = tmp_path / "ckpt"

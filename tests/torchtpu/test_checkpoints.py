@@ -101,6 +101,25 @@ def test_dcp_save_and_load_in_place(tpu, tmp_path):
         assert v.device.type == "tpu" and torch.equal(v.cpu(), state["model"][k].cpu())
 
 
+class _RunsCode:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mknod, (self.marker,))
+
+
+def test_dcp_load_never_runs_the_pickled_code_a_value_holds(tpu, tmp_path):
+    # Without torch_xla, DCP's own planner loads values with weights_only=False: dcp_load ran this code.
+    marker = tmp_path / "ran"
+    state = _tpu_state(tpu)
+    xlakit.dcp_save({"model": state["model"], "extra": _RunsCode(str(marker))}, tmp_path / "dcp")
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "extra": None}
+    with pytest.raises(xlakit.CheckpointFormatError, match="'extra' holds pickled objects .*nothing of it was run"):
+        xlakit.dcp_load(target, tmp_path / "dcp")
+    assert not marker.exists()
+
+
 def test_deadline_expiring_mid_transfer_names_the_stage_and_commits_nothing(tpu, tmp_path, monkeypatch):
     from xlakit.checkpoint.file import transfer
 

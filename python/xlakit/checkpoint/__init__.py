@@ -369,6 +369,8 @@ def dcp_load(state: dict, path: str | os.PathLike, *, options: LoadOptions | Non
         CheckpointIncompleteError: the folder has no commit record (an interrupted
             save, or one not written by xlakit).
         CheckpointCorruptError: a file is missing, truncated or fails its checksum.
+        CheckpointFormatError: a non-tensor value holds pickled objects other than
+            DCP's ``io.BytesIO`` values; values load weights-only, never running code.
         CheckpointTimeoutError: the deadline passed; `state` may be partly loaded.
         CheckpointPeerError: (several ranks) another rank failed; it is named.
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
-import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -70,6 +68,7 @@ def read_dcp(reader: Any, where: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from xlakit.checkpoint.torch_dcp.dcp import run_dcp
+    from xlakit.checkpoint.torch_dcp.dcp_plan import load_value
 
     template: dict[str, Any] = {}
     for fqn, item in reader.read_metadata().state_dict_metadata.items():
@@ -78,14 +77,8 @@ def read_dcp(reader: Any, where: str) -> dict[str, Any]:
 
     class WeightsOnly(DefaultLoadPlanner):
         def load_bytes(self, read_item, value) -> None:
-            fqn = read_item.dest_index.fqn
-            try:  # the template is flat already: its keys are the fqns
-                self.original_state_dict[fqn] = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as e:
-                found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e))
-                raise CheckpointFormatError(f"{where}: the value {fqn!r} holds pickled objects that a "
-                                            f"weights-only load refuses to run"
-                                            + (f" (it names {found.group(1)})" if found else "")) from None
+            fqn = read_item.dest_index.fqn  # the template is flat already: its keys are the fqns
+            self.original_state_dict[fqn] = load_value(value, fqn, where)
 
     run_dcp(dcp.load, template, None, storage_reader=reader, planner=WeightsOnly(flatten_state_dict=False))
     return template

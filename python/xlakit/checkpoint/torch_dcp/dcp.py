@@ -124,6 +124,10 @@ def read_folder(op: Operation, state: dict, final: Path | None, group: Any = Non
             op.enter("read", read_item.dest_index.fqn)
             return super().resolve_tensor(read_item)
 
+        def load_bytes(self, read_item, value):  # weights-only: the planners' own run pickled code
+            fqn = read_item.dest_index.fqn
+            dcp_plan.set_value(self, fqn, dcp_plan.load_value(value, fqn, str(op.path)))
+
     reader = reader or _Reader(op, final)
     reader.prepare()
     run_dcp(dcp.load, state, group, storage_reader=reader, planner=_LoadPlanner())

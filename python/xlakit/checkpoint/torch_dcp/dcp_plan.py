@@ -12,6 +12,8 @@ folders too.
 from __future__ import annotations
 
 import io
+import pickle
+import re
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from xlakit.checkpoint.file import spmd, transfer
 from xlakit.checkpoint.core.operation import Operation
 from xlakit.checkpoint.core.options import SaveOptions
 from xlakit.checkpoint.format.state import StorageEntry
+from xlakit.errors import CheckpointFormatError
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -116,6 +119,36 @@ def _flatten(state: dict) -> tuple[dict, dict]:
     else:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     return flatten_state_dict(state)
+
+
+def load_value(value: io.BytesIO, fqn: str, where: str) -> Any:
+    """A DCP checkpoint's non-tensor value (DCP pickles each one), read weights-only: pickled code is
+    refused, naming what it names, never run. `io.BytesIO` values, which DCP documents, are allowed.
+
+    DCP's own planner loads them with `weights_only=False` (and torch_xla's with torch's default), so
+    a checkpoint, from a bucket too, could run code in the job that loads it."""
+    try:
+        with torch.serialization.safe_globals([io.BytesIO]):
+            return torch.load(value, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e))
+        err = CheckpointFormatError(f"{where}: the value {fqn!r} holds pickled objects that a weights-only load "
+                                    f"refuses to run" + (f" (it names {found.group(1)})" if found else "")
+                                    + "; nothing of it was run")
+        err.add_note("xlakit never runs pickled code from a checkpoint. If you trust this one, load it with "
+                     "torch.distributed.checkpoint.load(..., planner=DefaultLoadPlanner()), which does; or "
+                     "save such values as tensors, numbers, strings or containers of them.")
+        raise err from None
+
+
+def set_value(planner: Any, fqn: str, value: Any) -> None:
+    """Where DCP's load planners put a loaded non-tensor value (their `load_bytes`, without its load)."""
+    if getattr(planner, "flatten_state_dict", True) and fqn in getattr(planner, "mappings", {}):
+        from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415 - DCP's own helper
+
+        set_element(planner.original_state_dict, planner.mappings[fqn], value)
+    else:
+        planner.state_dict[fqn] = value
 
 
 def load_planner_base() -> type:

@@ -173,6 +173,20 @@ class _RunsCode:
         return (os.mknod, (self.marker,))
 
 
+def test_a_metadata_file_naming_code_is_refused_unchecked_too(tmp_path):
+    # With verify=False (or a commit record written with it) the library unpickled .metadata with
+    # pickle.loads and ran what it named; the CLI already read it through the allowlist.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    marker = tmp_path / "ran"
+    size = (path / ".metadata").stat().st_size
+    payload = pickle.dumps(_RunsCode(str(marker)))
+    (path / ".metadata").write_bytes(payload + b"." * (size - len(payload)))  # the record's size: read, not refused
+    with pytest.raises(xlakit.CheckpointCorruptError, match=r"\.metadata is not DCP metadata .*names posix\.mknod"):
+        xlakit.dcp_load(_template(), path, verify=False)
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("base", ["torch_xla's SPMDLoadPlanner", "DCP's DefaultLoadPlanner"])
 def test_a_value_holding_pickled_code_is_refused_naming_it_and_never_run(tmp_path, monkeypatch, base):
     # DCP's own planner loads each non-tensor value with weights_only=False: without torch_xla (TorchTPU),

@@ -132,7 +132,7 @@ def read_state(url: str) -> tuple[Any, UrlKind]:
 
         bucket_file.verify(loc, record, opts)
         op = Operation("load", loc.url, Watch.of(opts), untouched=loading.NOTHING_CHANGED)
-        read = lambda op: tensors.read_dcp(bucket_dcp.reader_for(op, loc, record, safe_metadata=True), loc.url)  # noqa: E731
+        read = lambda op: tensors.read_dcp(bucket_dcp.reader_for(op, loc, record), loc.url)  # noqa: E731
         return op.run(read), found
     raise generations.kind_error(loc, record, FILE)
 
@@ -145,7 +145,7 @@ def read_shard(loc: Location, record: dict, rank: int) -> Any:
 def dcp_metadata(loc: Location, record: dict) -> Any:
     """The DCP metadata (`.metadata`) of the checkpoint `record` at `loc`."""
     op = Operation("load", loc.url, Watch.of(LoadOptions()), untouched=loading.NOTHING_CHANGED)
-    return op.run(lambda op: bucket_dcp.reader_for(op, loc, record, safe_metadata=True).read_metadata())
+    return op.run(lambda op: bucket_dcp.reader_for(op, loc, record).read_metadata())
 
 
 def check_target(url: str, force: bool) -> None:

@@ -38,7 +38,6 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 
 from xlakit.checkpoint.core.operation import Operation
 from xlakit.checkpoint.core.options import SaveOptions
-from xlakit.checkpoint.format import dcp_metadata
 from xlakit.checkpoint.objstore import generations
 from xlakit.checkpoint.objstore.client import Location, Store, store_for
 from xlakit.checkpoint.objstore.reader import ObjectFile
@@ -169,20 +168,14 @@ class _Reader(dcp.StagedReader, FsspecReader):
         return bucket.open_object(self.op, self.fs.store, self.root, name, self.entries[name])  # its size checked
 
 
-class _SafeReader(dcp_metadata.SafeMetadata, _Reader):
-    """`_Reader` whose metadata is read through `dcp_metadata`'s allowlist (`xlakit ckpt`)."""
-
-
-def reader_for(op: Operation, loc: Location, record: dict, *, safe_metadata: bool = False,
-               one_pass_verify: bool | None = None) -> _Reader:
+def reader_for(op: Operation, loc: Location, record: dict, *, one_pass_verify: bool | None = None) -> _Reader:
     """A DCP storage reader of the files the commit record `record` at `loc` names; in one pass
     (`one_pass.py`, checking each item unless `one_pass_verify` is False) unless it is None."""
     folder = record["folder"]
     entries = {n[len(folder) + 1:]: e for n, e in record["objects"].items()}
     sizes = {n: e["nbytes"] for n, e in entries.items()}
-    return (_SafeReader if safe_metadata else _Reader)(
-        op, store_for(loc), loc.child(folder), sizes, None if one_pass_verify is None else entries,
-        bool(one_pass_verify))
+    return _Reader(op, store_for(loc), loc.child(folder), sizes, None if one_pass_verify is None else entries,
+                   bool(one_pass_verify))
 
 
 class BucketDcp(dcp.DcpStore):

@@ -19,7 +19,6 @@ whole first and read by DCP's own reader, as before.
 from __future__ import annotations
 
 import io
-import pickle
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from xlakit.checkpoint.core.operation import Operation
-from xlakit.checkpoint.format import folders
+from xlakit.checkpoint.format import dcp_metadata, folders
 from xlakit.checkpoint.format.archive import HASH
 from xlakit.checkpoint.format.folders import ITEMS
 from xlakit.errors import CheckpointCorruptError, CheckpointIncompleteError
@@ -118,8 +117,10 @@ class _Buffer(io.RawIOBase):
         return len(part)
 
 
-class OnePassReader:
-    """Mixed into a DCP storage reader (before it): reads in one pass, each item checked.
+class OnePassReader(dcp_metadata.SafeMetadata):
+    """Mixed into a DCP storage reader (before it): reads in one pass, each item checked; its
+    `.metadata` through `dcp_metadata`'s allowlist, never running pickled code (DCP's `pickle.load`
+    would run what a bucket or folder holds, whatever its commit record says).
 
     The reader sets `op`; `entries`, each file's commit record entry by its name under the
     reader's root (None: DCP reads as it does, a checkpoint whose record lists no items);
@@ -152,9 +153,10 @@ class OnePassReader:
         if self.verify:
             _check(self.path, METADATA, data, entry["nbytes"], entry[HASH], "")
         try:
-            self._metadata = pickle.loads(data)  # noqa: S301 - as DCP reads it, after the bytes were checked
+            self._metadata = dcp_metadata.load(io.BytesIO(data), str(self.path))
         except Exception as e:  # noqa: BLE001 - any failure of unpickling: the file is not DCP metadata
-            hint = ("it matches its commit record: the save that wrote it was faulty" if self.verify else
+            hint = ("it matches its commit record: the save that wrote it was faulty (or the record was "
+                    "written with it)" if self.verify else
                     "it was damaged or replaced: load with verify=True to check it against its commit record")
             raise CheckpointCorruptError(f"{self.path}/{METADATA} is not DCP metadata ({type(e).__name__}: {e}); "
                                          f"{hint}") from e

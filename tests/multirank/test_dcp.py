@@ -200,12 +200,28 @@ def test_a_value_holding_pickled_code_is_refused_naming_it_and_never_run(tmp_pat
         monkeypatch.setattr(dcp_plan, "load_planner_base", lambda: DefaultLoadPlanner)
     marker = tmp_path / "ran"
     path = tmp_path / "ckpt"
-    xlakit.dcp_save({**_state(1.0), "extra": _RunsCode(str(marker))}, path)
+    with monkeypatch.context() as m:  # written as an earlier xlakit wrote it (its save did not refuse the value)
+        m.setattr(dcp_plan, "check_values", lambda state: None)
+        xlakit.dcp_save({**_state(1.0), "extra": _RunsCode(str(marker))}, path)
     with pytest.raises(xlakit.CheckpointFormatError, match=r"'extra' holds pickled objects .*names posix.mknod"
                                                           r".*nothing of it was run") as caught:
         xlakit.dcp_load({**_template(), "extra": None}, path)
     assert not marker.exists()
     assert "weights_only=False" not in str(caught.value)  # torch's advice, for torch.load: not how to go on here
+
+
+def test_a_value_a_weights_only_load_refuses_is_refused_by_the_save_before_anything_is_written(tmp_path):
+    import numpy as np
+
+    marker = tmp_path / "ran"
+    for value, named in ((_RunsCode(str(marker)), "posix.mknod"), (np.arange(3), "numpy")):
+        with pytest.raises(xlakit.CheckpointSerializationError, match=rf"'extra' .*could not be loaded back "
+                                                                      rf"weights-only \(it names {named}.*nothing was "
+                                                                      rf"written") as caught:
+            xlakit.dcp_save({**_state(1.0), "extra": value}, tmp_path / "ckpt")
+        assert "add_safe_globals" in "".join(caught.value.__notes__)
+        assert not (tmp_path / "ckpt").exists() and not marker.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary folder left either
 
 
 def test_an_io_bytesio_value_loads_as_dcp_documents(tmp_path):

@@ -328,6 +328,8 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
         CheckpointTimeoutError: the deadline passed (stage and tensor named).
         CheckpointWriteError: no folder, no permission, disk full, or `path` holds
             files that are not a checkpoint's (they are never deleted).
+        CheckpointSerializationError: a non-tensor value that `dcp_load` could not read
+            back weights-only (nothing is written).
         CheckpointPeerError: (several ranks) another rank failed or disagrees; it is
             named. A rank that died or stalled is named by a CheckpointTimeoutError.
 

@@ -29,7 +29,7 @@ from xlakit.checkpoint.file import spmd, transfer
 from xlakit.checkpoint.core.operation import Operation
 from xlakit.checkpoint.core.options import SaveOptions
 from xlakit.checkpoint.format.state import StorageEntry
-from xlakit.errors import CheckpointFormatError
+from xlakit.errors import CheckpointFormatError, CheckpointSerializationError
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -45,6 +45,7 @@ class SavePlanner(DefaultSavePlanner):
         # DCP's own flattening also splits containers that hold no tensor.
         flat, self.mappings = _flatten(state_dict)
         self.state_dict = {k: _unwrap(v) for k, v in flat.items()}
+        check_values(self.state_dict)
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
@@ -123,7 +124,8 @@ def _flatten(state: dict) -> tuple[dict, dict]:
 
 def load_value(value: io.BytesIO, fqn: str, where: str) -> Any:
     """A DCP checkpoint's non-tensor value (DCP pickles each one), read weights-only: pickled code is
-    refused, naming what it names, never run. `io.BytesIO` values, which DCP documents, are allowed.
+    refused, naming what it names, never run. `io.BytesIO` values, which DCP documents, are allowed,
+    and so is what the user allowed with `torch.serialization.add_safe_globals`.
 
     DCP's own planner loads them with `weights_only=False` (and torch_xla's with torch's default), so
     a checkpoint, from a bucket too, could run code in the job that loads it."""
@@ -131,14 +133,40 @@ def load_value(value: io.BytesIO, fqn: str, where: str) -> Any:
         with torch.serialization.safe_globals([io.BytesIO]):
             return torch.load(value, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e))
         err = CheckpointFormatError(f"{where}: the value {fqn!r} holds pickled objects that a weights-only load "
-                                    f"refuses to run" + (f" (it names {found.group(1)})" if found else "")
-                                    + "; nothing of it was run")
-        err.add_note("xlakit never runs pickled code from a checkpoint. If you trust this one, load it with "
-                     "torch.distributed.checkpoint.load(..., planner=DefaultLoadPlanner()), which does; or "
-                     "save such values as tensors, numbers, strings or containers of them.")
+                                    f"refuses to run{_naming(e)}; nothing of it was run")
+        err.add_note(_ALLOW)
         raise err from None
+
+
+_ALLOW = ("xlakit never runs pickled code from a checkpoint. If you trust the classes named, allow them "
+          "with torch.serialization.add_safe_globals([...]) (numpy arrays need numpy's, e.g. "
+          "numpy._core.multiarray._reconstruct, numpy.ndarray and numpy.dtype); or save such values as "
+          "tensors, numbers, strings or containers of them.")
+
+
+def _naming(e: Exception) -> str:
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e))
+    return f" (it names {found.group(1)})" if found else ""
+
+
+def check_values(state: dict[str, Any]) -> None:
+    """Refuse, before anything is written, a value of the flat `state` that `load_value` would refuse to
+    load back (as `xlakit.save` refuses one `torch.load(weights_only=True)` would)."""
+    for fqn, value in state.items():
+        if isinstance(value, (torch.Tensor, int, float, str, bool, type(None))):
+            continue
+        data = io.BytesIO()
+        torch.save(value, data)  # as DCP pickles it
+        data.seek(0)
+        try:
+            with torch.serialization.safe_globals([io.BytesIO]):
+                torch.load(data, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            err = CheckpointSerializationError(f"dcp_save: the value {fqn!r} ({type(value).__name__}) could not be "
+                                               f"loaded back weights-only{_naming(e)}; nothing was written")
+            err.add_note(_ALLOW)
+            raise err from None
 
 
 def set_value(planner: Any, fqn: str, value: Any) -> None:

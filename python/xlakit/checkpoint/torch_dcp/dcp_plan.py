@@ -130,8 +130,7 @@ def load_value(value: io.BytesIO, fqn: str, where: str) -> Any:
     DCP's own planner loads them with `weights_only=False` (and torch_xla's with torch's default), so
     a checkpoint, from a bucket too, could run code in the job that loads it."""
     try:
-        with torch.serialization.safe_globals([io.BytesIO]):
-            return torch.load(value, map_location="cpu", weights_only=True)
+        return _weights_only(value)
     except pickle.UnpicklingError as e:
         err = CheckpointFormatError(f"{where}: the value {fqn!r} holds pickled objects that a weights-only load "
                                     f"refuses to run{_naming(e)}; nothing of it was run")
@@ -143,6 +142,11 @@ _ALLOW = ("xlakit never runs pickled code from a checkpoint. If you trust the cl
           "with torch.serialization.add_safe_globals([...]) (numpy arrays need numpy's, e.g. "
           "numpy._core.multiarray._reconstruct, numpy.ndarray and numpy.dtype); or save such values as "
           "tensors, numbers, strings or containers of them.")
+
+
+def _weights_only(data: io.BytesIO) -> Any:
+    with torch.serialization.safe_globals([io.BytesIO]):  # DCP documents io.BytesIO values
+        return torch.load(data, map_location="cpu", weights_only=True)
 
 
 def _naming(e: Exception) -> str:
@@ -160,8 +164,7 @@ def check_values(state: dict[str, Any]) -> None:
         torch.save(value, data)  # as DCP pickles it
         data.seek(0)
         try:
-            with torch.serialization.safe_globals([io.BytesIO]):
-                torch.load(data, map_location="cpu", weights_only=True)
+            _weights_only(data)
         except pickle.UnpicklingError as e:
             err = CheckpointSerializationError(f"dcp_save: the value {fqn!r} ({type(value).__name__}) could not be "
                                                f"loaded back weights-only{_naming(e)}; nothing was written")

@@ -235,6 +235,33 @@ def test_an_io_bytesio_value_loads_as_dcp_documents(tmp_path):
     assert state["blob"].getvalue() == b"dataloader position 17"
 
 
+def test_metadata_python_3_13_writes_loads(tmp_path, monkeypatch):
+    # Bug: Python 3.13 pickles DCP's checkpoint_id path as pathlib._local.PosixPath, which the allowlist
+    # lacked: every dcp_load there was CheckpointCorruptError. Faked here by pickling paths as 3.13 does.
+    import pathlib
+
+    monkeypatch.setitem(sys.modules, "pathlib._local", pathlib)
+    monkeypatch.setattr(pathlib.PosixPath, "__module__", "pathlib._local")
+    xlakit.dcp_save(_state(1.0), tmp_path / "ckpt")
+    assert b"pathlib._local" in (tmp_path / "ckpt" / ".metadata").read_bytes()
+    state = _template()
+    xlakit.dcp_load(state, tmp_path / "ckpt")
+    _assert_loaded(state, 1.0)
+
+
+def test_metadata_naming_a_class_the_allowlist_lacks_is_not_called_corrupt(tmp_path, monkeypatch):
+    # Bug: a .metadata that matches its commit record but names a class outside the allowlist (a newer
+    # torch or Python) was CheckpointCorruptError, "the save that wrote it was faulty".
+    from xlakit.checkpoint.format import dcp_metadata
+
+    xlakit.dcp_save(_state(1.0), tmp_path / "ckpt")
+    monkeypatch.setattr(dcp_metadata, "_ALLOWED", dcp_metadata._ALLOWED - dcp_metadata._PATHS)  # as if it were new
+    with pytest.raises(xlakit.CheckpointFormatError, match=r"names pathlib\.PosixPath, which is not part of DCP's "
+                                                           r"metadata") as caught:
+        xlakit.dcp_load(_template(), tmp_path / "ckpt")
+    assert not isinstance(caught.value, xlakit.CheckpointCorruptError)
+
+
 @pytest.mark.parametrize("items", ["x", [[0, 5]], [["0", 5, "ab"]]])
 def test_a_malformed_item_list_in_the_record_is_named(tmp_path, items):
     path = tmp_path / "ckpt"

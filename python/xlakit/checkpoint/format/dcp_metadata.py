@@ -18,10 +18,11 @@ import torch
 from xlakit.errors import CheckpointFormatError
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+# DCP's StorageMeta.checkpoint_id is the path saved to; Python 3.13 pickles paths as pathlib._local's.
+_PATHS = {(module, name) for module in ("pathlib", "pathlib._local")
+          for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
 _ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-            ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-            ("pathlib", "PureWindowsPath")}
+            ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), *_PATHS}
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
 
@@ -33,8 +34,10 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = super().find_class(module, name) if self._allowed(module, name) else None
         if found is None:
-            raise CheckpointFormatError(f"{self.where}: its DCP .metadata names {module}.{name}, which is not "
-                                        f"part of DCP's metadata; refused (xlakit ckpt never runs pickled code)")
+            err = CheckpointFormatError(f"{self.where}: its DCP .metadata names {module}.{name}, which is not "
+                                        f"part of DCP's metadata; refused (xlakit never runs pickled code)")
+            err.refused = f"{module}.{name}"  # a class the allowlist lacks (the file itself is readable)
+            raise err
         return found
 
     @staticmethod

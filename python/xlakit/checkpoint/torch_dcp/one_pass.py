@@ -155,6 +155,8 @@ class OnePassReader(dcp_metadata.SafeMetadata):
         try:
             self._metadata = dcp_metadata.load(io.BytesIO(data), str(self.path))
         except Exception as e:  # noqa: BLE001 - any failure of unpickling: the file is not DCP metadata
+            if self.verify and getattr(e, "refused", None):
+                raise  # the bytes the save wrote name a class the allowlist lacks: not a damaged file
             hint = ("it matches its commit record: the save that wrote it was faulty (or the record was "
                     "written with it)" if self.verify else
                     "it was damaged or replaced: load with verify=True to check it against its commit record")

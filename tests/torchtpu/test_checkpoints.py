@@ -126,6 +126,17 @@ def test_dcp_load_never_runs_the_pickled_code_a_value_holds(tpu, tmp_path):
     assert not marker.exists()
 
 
+def test_dcp_tpu_tensors_inside_a_value_load_back_on_the_tpu(tpu, tmp_path):
+    # Bug: values were loaded with map_location="cpu": a tuple of TPU tensors (DCP pickles it as one
+    # value) came back on the host, where DCP's own planner restored it on the TPU.
+    pair = (torch.ones(2).to(tpu), torch.arange(3).to(tpu))
+    xlakit.dcp_save({"w": torch.ones(4).to(tpu), "pair": pair}, tmp_path / "dcp")
+    target = {"w": torch.zeros(4, device=tpu), "pair": None}
+    xlakit.dcp_load(target, tmp_path / "dcp")
+    assert [t.device.type for t in target["pair"]] == ["tpu", "tpu"]
+    assert torch.equal(target["pair"][1].cpu(), torch.arange(3))
+
+
 def test_deadline_expiring_mid_transfer_names_the_stage_and_commits_nothing(tpu, tmp_path, monkeypatch):
     from xlakit.checkpoint.file import transfer
 

@@ -78,7 +78,7 @@ def read_dcp(reader: Any, where: str) -> dict[str, Any]:
     class WeightsOnly(DefaultLoadPlanner):
         def load_bytes(self, read_item, value) -> None:
             fqn = read_item.dest_index.fqn  # the template is flat already: its keys are the fqns
-            self.original_state_dict[fqn] = load_value(value, fqn, where)
+            self.original_state_dict[fqn] = load_value(value, fqn, where, map_location="cpu")
 
     run_dcp(dcp.load, template, None, storage_reader=reader, planner=WeightsOnly(flatten_state_dict=False))
     return template

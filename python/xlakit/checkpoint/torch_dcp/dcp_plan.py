@@ -122,15 +122,16 @@ def _flatten(state: dict) -> tuple[dict, dict]:
     return flatten_state_dict(state)
 
 
-def load_value(value: io.BytesIO, fqn: str, where: str) -> Any:
+def load_value(value: io.BytesIO, fqn: str, where: str, map_location: str | None = None) -> Any:
     """A DCP checkpoint's non-tensor value (DCP pickles each one), read weights-only: pickled code is
     refused, naming what it names, never run. `io.BytesIO` values, which DCP documents, are allowed,
     and so is what the user allowed with `torch.serialization.add_safe_globals`.
 
     DCP's own planner loads them with `weights_only=False` (and torch_xla's with torch's default), so
-    a checkpoint, from a bucket too, could run code in the job that loads it."""
+    a checkpoint, from a bucket too, could run code in the job that loads it. Tensors inside a value come
+    back on the device they were saved from, as those planners load them, unless `map_location` says."""
     try:
-        return _weights_only(value)
+        return _weights_only(value, map_location)
     except pickle.UnpicklingError as e:
         err = CheckpointFormatError(f"{where}: the value {fqn!r} holds pickled objects that a weights-only load "
                                     f"refuses to run{_naming(e)}; nothing of it was run")
@@ -140,17 +141,18 @@ def load_value(value: io.BytesIO, fqn: str, where: str) -> Any:
 
 _ALLOW = ("xlakit never runs pickled code from a checkpoint. If you trust the classes named, allow them "
           "with torch.serialization.add_safe_globals([...]) (numpy arrays need numpy's, e.g. "
-          "numpy._core.multiarray._reconstruct, numpy.ndarray and numpy.dtype); or save such values as "
+          "numpy._core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, and numpy.dtypes.UInt32DType for "
+          "np.random.get_state()); or save such values as "
           "tensors, numbers, strings or containers of them.")
 
 
-def _weights_only(data: io.BytesIO) -> Any:
+def _weights_only(data: io.BytesIO, map_location: str | None) -> Any:
     with torch.serialization.safe_globals([io.BytesIO]):  # DCP documents io.BytesIO values
-        return torch.load(data, map_location="cpu", weights_only=True)
+        return torch.load(data, map_location=map_location, weights_only=True)
 
 
 def _naming(e: Exception) -> str:
-    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e))
+    found = re.search(r"(?:Unsupported global: GLOBAL |unsupported GLOBAL |but got <class ')([\w.]+)", str(e))
     return f" (it names {found.group(1)})" if found else ""
 
 
@@ -158,13 +160,18 @@ def check_values(state: dict[str, Any]) -> None:
     """Refuse, before anything is written, a value of the flat `state` that `load_value` would refuse to
     load back (as `xlakit.save` refuses one `torch.load(weights_only=True)` would)."""
     for fqn, value in state.items():
-        if isinstance(value, (torch.Tensor, int, float, str, bool, type(None))):
+        # Exact types: a subclass (numpy.float64 is a float, an IntEnum an int) pickles as its own class.
+        if isinstance(value, torch.Tensor) or type(value) in (int, float, str, bool, type(None)):
             continue
         data = io.BytesIO()
-        torch.save(value, data)  # as DCP pickles it
+        try:
+            torch.save(value, data)  # as DCP pickles it
+        except Exception as e:  # noqa: BLE001 - a value pickle cannot write (a lambda, a lock): named
+            raise CheckpointSerializationError(f"dcp_save: the value {fqn!r} ({type(value).__name__}) cannot be "
+                                               f"pickled ({type(e).__name__}: {e}); nothing was written") from e
         data.seek(0)
         try:
-            _weights_only(data)
+            _weights_only(data, "cpu")
         except pickle.UnpicklingError as e:
             err = CheckpointSerializationError(f"dcp_save: the value {fqn!r} ({type(value).__name__}) could not be "
                                                f"loaded back weights-only{_naming(e)}; nothing was written")

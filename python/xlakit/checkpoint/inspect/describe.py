@@ -17,6 +17,7 @@ types that lead to it; and a state in which two entries get the same name
 from __future__ import annotations
 
 import errno
+import io
 import math
 import pickle
 import struct
@@ -257,6 +258,9 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, io.BytesIO):  # its bytes, not its address
+        data = value.getvalue()
+        return f"io.BytesIO({data!r})" if len(data) <= 64 else f"io.BytesIO({len(data)} bytes)"
     return repr(value)
 
 

@@ -236,6 +236,24 @@ def test_an_io_bytesio_value_loads_as_dcp_documents(tmp_path):
     assert state["blob"].getvalue() == b"dataloader position 17"
 
 
+def test_save_and_load_keep_the_globals_the_user_allowed(tmp_path):
+    # Bug: the values' weights-only check left torch's safe_globals context, which removes what it
+    # added: a user's own add_safe_globals([io.BytesIO]) was gone after any dcp_save or dcp_load.
+    import io
+
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals([io.BytesIO])
+    try:
+        xlakit.dcp_save({**_state(1.0), "cfg": {"layers": [1, 2]}}, tmp_path / "ckpt")
+        assert io.BytesIO in torch.serialization.get_safe_globals()
+        xlakit.dcp_load({**_template(), "cfg": None}, tmp_path / "ckpt")
+        assert io.BytesIO in torch.serialization.get_safe_globals()
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+    xlakit.dcp_load({**_template(), "cfg": None}, tmp_path / "ckpt")
+    assert io.BytesIO not in torch.serialization.get_safe_globals()  # nor left allowed by xlakit
+
 def test_a_subclass_of_a_number_is_checked_by_the_save_too(tmp_path):
     # Bug: check_values skipped any int/float instance, so numpy.float64 (a float) and IntEnum members
     # were written, and dcp_load then refused the checkpoint dcp_save had just committed.

@@ -139,16 +139,20 @@ def load_value(value: io.BytesIO, fqn: str, where: str, map_location: str | None
         raise err from None
 
 
+def _weights_only(data: io.BytesIO, map_location: str | None) -> Any:
+    """`torch.load(weights_only=True)` with `io.BytesIO` allowed too. torch's `safe_globals` removes what
+    it added on exit, so it is entered only when the user has not allowed `io.BytesIO` themselves."""
+    if io.BytesIO in torch.serialization.get_safe_globals():
+        return torch.load(data, map_location=map_location, weights_only=True)
+    with torch.serialization.safe_globals([io.BytesIO]):
+        return torch.load(data, map_location=map_location, weights_only=True)
+
+
 _ALLOW = ("xlakit never runs pickled code from a checkpoint. If you trust the classes named, allow them "
           "with torch.serialization.add_safe_globals([...]) (numpy arrays need numpy's, e.g. "
           "numpy._core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, and numpy.dtypes.UInt32DType for "
           "np.random.get_state()); or save such values as "
           "tensors, numbers, strings or containers of them.")
-
-
-def _weights_only(data: io.BytesIO, map_location: str | None) -> Any:
-    with torch.serialization.safe_globals([io.BytesIO]):  # DCP documents io.BytesIO values
-        return torch.load(data, map_location=map_location, weights_only=True)
 
 
 def _naming(e: Exception) -> str:

@@ -244,7 +244,7 @@ def test_save_and_load_keep_the_globals_the_user_allowed(tmp_path):
     before = torch.serialization.get_safe_globals()
     torch.serialization.add_safe_globals([io.BytesIO])
     try:
-        xlakit.dcp_save({**_state(1.0), "cfg": {"layers": [1, 2]}}, tmp_path / "ckpt")
+        xlakit.dcp_save({**_state(1.0), "cfg": (1, 2)}, tmp_path / "ckpt")  # a tuple: one value in every flattening
         assert io.BytesIO in torch.serialization.get_safe_globals()
         xlakit.dcp_load({**_template(), "cfg": None}, tmp_path / "ckpt")
         assert io.BytesIO in torch.serialization.get_safe_globals()

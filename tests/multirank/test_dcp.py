@@ -371,6 +371,23 @@ def test_a_checkpoint_whose_record_lists_no_items_is_verified_whole_then_read(tm
     assert not state["model"]["w"].any()  # found before anything was read
 
 
+def test_a_record_without_items_whose_metadata_is_refused_names_what_it_names(tmp_path, monkeypatch):
+    # Bug: a folder saved before items were listed had .metadata read by DCP, which takes any failure of
+    # read_metadata for a missing file: a class the allowlist refuses came out as a bare AssertionError.
+    from xlakit.checkpoint.format import dcp_metadata
+
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    record_path = path / folders.COMMIT_RECORD
+    record = json.loads(record_path.read_text())
+    for entry in record["files"].values():
+        entry.pop("items", None)
+    record_path.write_text(json.dumps(record))
+    monkeypatch.setattr(dcp_metadata, "_ALLOWED", dcp_metadata._ALLOWED - dcp_metadata._PATHS)  # as if it were new
+    with pytest.raises(xlakit.CheckpointFormatError, match=r"names pathlib\.PosixPath, which is not part of DCP's"):
+        xlakit.dcp_load(_template(), path)
+
+
 @pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
 def test_a_listed_file_that_is_gone_is_named_as_missing(tmp_path, name):
     # Regression: the one-pass reader let open()'s bare FileNotFoundError out, not the commit record's verdict.

@@ -142,7 +142,8 @@ class OnePassReader(dcp_metadata.SafeMetadata):
     def prepare(self) -> None:
         """Read `.metadata` once and check it, before DCP asks for it (DCP takes any failure of
         `read_metadata` for a missing file and tries another, so it must not fail there)."""
-        if self.entries is None:
+        if self.entries is None:  # a folder saved before items were listed: read here all the same, where
+            self._metadata = super().read_metadata()  # a refusal is raised, not taken by DCP for no file
             return
         entry = self.entries.get(METADATA)
         if entry is None:

@@ -349,15 +349,20 @@ def test_a_malformed_item_list_in_the_record_is_named(tmp_path, items):
         xlakit.dcp_load(_template(), path)
 
 
-def test_a_checkpoint_whose_record_lists_no_items_is_verified_whole_then_read(tmp_path):
-    # Saved before items were hashed: each file is checked whole first, then DCP reads it.
-    path = tmp_path / "ckpt"
-    xlakit.dcp_save(_state(1.0), path)
+def _drop_item_lists(path) -> None:
+    """Make the commit record at `path` one written before items were listed."""
     record_path = path / folders.COMMIT_RECORD
     record = json.loads(record_path.read_text())
     for entry in record["files"].values():
         entry.pop("items", None)
     record_path.write_text(json.dumps(record))
+
+
+def test_a_checkpoint_whose_record_lists_no_items_is_verified_whole_then_read(tmp_path):
+    # Saved before items were hashed: each file is checked whole first, then DCP reads it.
+    path = tmp_path / "ckpt"
+    xlakit.dcp_save(_state(1.0), path)
+    _drop_item_lists(path)
     state = _template()
     xlakit.dcp_load(state, path)
     _assert_loaded(state, 1.0)
@@ -378,11 +383,7 @@ def test_a_record_without_items_whose_metadata_is_refused_names_what_it_names(tm
 
     path = tmp_path / "ckpt"
     xlakit.dcp_save(_state(1.0), path)
-    record_path = path / folders.COMMIT_RECORD
-    record = json.loads(record_path.read_text())
-    for entry in record["files"].values():
-        entry.pop("items", None)
-    record_path.write_text(json.dumps(record))
+    _drop_item_lists(path)
     monkeypatch.setattr(dcp_metadata, "_ALLOWED", dcp_metadata._ALLOWED - dcp_metadata._PATHS)  # as if it were new
     with pytest.raises(xlakit.CheckpointFormatError, match=r"names pathlib\.PosixPath, which is not part of DCP's"):
         xlakit.dcp_load(_template(), path)

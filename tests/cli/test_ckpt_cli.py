@@ -530,7 +530,6 @@ def test_diff_nan_equals_nan_and_differs_from_a_number(tmp_path, capsys):
     assert code == 1 and strict_json(out)["different"][0]["max_abs_diff"] == "Infinity"
 
 
-
 def test_diff_compares_dcp_bytesio_values_by_their_bytes(tmp_path, capsys):
     # Bug: since dcp_load reads DCP's io.BytesIO values, diff compared them by identity: a checkpoint
     # against itself "differed" (exit 1), shown as object addresses.
@@ -542,6 +541,7 @@ def test_diff_compares_dcp_bytesio_values_by_their_bytes(tmp_path, capsys):
     assert code == 0 and out.strip() == "identical", out
     code, out, _ = ckpt(capsys, "diff", tmp_path / "a", tmp_path / "c")
     assert code == 1 and "blob: \"io.BytesIO(b'position 17')\" vs \"io.BytesIO(b'position 18')\"" in out, out
+
 
 # Regression: --json printed the bare constants NaN and Infinity (not JSON) for NaN metrics and values.
 def test_json_output_is_strict_json_when_floats_are_not_finite(tmp_path, capsys):

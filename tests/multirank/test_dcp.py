@@ -254,6 +254,7 @@ def test_save_and_load_keep_the_globals_the_user_allowed(tmp_path):
     xlakit.dcp_load({**_template(), "cfg": None}, tmp_path / "ckpt")
     assert io.BytesIO not in torch.serialization.get_safe_globals()  # nor left allowed by xlakit
 
+
 def test_a_subclass_of_a_number_is_checked_by_the_save_too(tmp_path):
     # Bug: check_values skipped any int/float instance, so numpy.float64 (a float) and IntEnum members
     # were written, and dcp_load then refused the checkpoint dcp_save had just committed.

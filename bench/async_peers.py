@@ -8,6 +8,8 @@ peer: `--total-mib` of fp32 tensors of `--tensor-mib` each.
 * `xlakit`: `xlakit.save(state, path, asynchronous=True)`, then `handle.result()`.
 * `xlakit-copy` (XLA state only): the same with `transfer_backend="stock"`, the copy a TPU's
   buffers take to the host (this machine's CPU client exports them zero-copy instead).
+* `xlakit-device` (XLA state only): the copy route with `staging="device"`: the caller waits for a copy
+  on the device, the background moves it to the host (docs/checkpoints.md, "Staging on the device").
 * `dcp`: `torch.distributed.checkpoint.async_save` with its `DefaultStager`
   (shared memory, staging on its own thread: torchtitan's "zero-overhead"
   setting; pinned memory and non-blocking copies need CUDA, which this machine
@@ -92,6 +94,15 @@ class XlakitCopy(Xlakit):
         return None, handle.result
 
 
+class XlakitDevice(Xlakit):
+    """xlakit on the copy route, staged on the device (XLA state only): the caller waits for a device copy."""
+
+    def start(self, state: dict, path: Path) -> tuple[float | None, Wait]:
+        handle = self.xlakit.save(state, path / "ckpt.pt", asynchronous=True, transfer_backend="stock",
+                                  staging="device")
+        return None, handle.result
+
+
 class Dcp:
     def __init__(self, kind: str):
         import socket
@@ -160,9 +171,11 @@ class Lightning:
         self.io.teardown()
 
 
-PEERS = {"xlakit": Xlakit, "xlakit-copy": XlakitCopy, "dcp": Dcp, "orbax": Orbax, "lightning": Lightning}
-XLA_ONLY = {"xlakit-copy"}
+PEERS = {"xlakit": Xlakit, "xlakit-copy": XlakitCopy, "xlakit-device": XlakitDevice, "dcp": Dcp, "orbax": Orbax,
+         "lightning": Lightning}
+XLA_ONLY = {"xlakit-copy", "xlakit-device"}
 LABELS = {"xlakit": "xlakit async save", "xlakit-copy": "xlakit async, copy route (TPU)",
+          "xlakit-device": "xlakit async, device staging",
           "dcp": "DCP async_save+DefaultStager",
           "orbax": "Orbax AsyncCheckpointer", "lightning": "Lightning AsyncCheckpointIO"}
 

@@ -3,7 +3,8 @@
 One table per state, a 1 GiB state of 32 MiB fp32 tensors by default: CPU
 tensors (`cpu`) and a synced XLA state (`xla`). The XLA table has xlakit twice:
 on this machine's route (the CPU client's zero-copy DLPack export) and on the
-copy route a TPU's buffers take (`xlakit-copy`); the goal lines judge the first. Each row is a fresh process
+copy route a TPU's buffers take (`xlakit-copy`), and on that route staged on the device
+(`xlakit-device`); the goal lines judge the first. Each row is a fresh process
 (clean RSS), in which the peer (`async_peers.py`: each one's own documented
 asynchronous path) saves the state twice, as a training loop does; the
 columns are:
@@ -153,7 +154,8 @@ def _table(kind: str, rows: list[dict], max_inflight_bytes: int, device: dict) -
                      f"{r['blocked_s'] / r['memcpy_s']:8.2f} {ret} {r['durable_s']:8.2f} {r['file_bytes'] / MiB:8.0f} "
                      f"{r['peak_rss_increase'] / MiB:13.0f} {dev}")
     copy = next((r for r in rows if r["peer"] == "xlakit-copy"), None)
-    asyncs = [r for r in rows if r["peer"] not in (SYNC, "xlakit-copy")]  # the routes this machine takes
+    on_device = next((r for r in rows if r["peer"] == "xlakit-device"), None)
+    asyncs = [r for r in rows if r["peer"] not in (SYNC, *async_peers.XLA_ONLY)]  # the routes this machine takes
     x = next((r for r in asyncs if r["peer"] == "xlakit"), None)
     if x is not None:
         lowest = min(asyncs, key=lambda r: r["blocked_s"] / r["memcpy_s"])  # each against its own baseline
@@ -169,6 +171,13 @@ def _table(kind: str, rows: list[dict], max_inflight_bytes: int, device: dict) -
         lines.append(f"{kind}: on the copy route (a TPU's) xlakit's caller waits for the device-to-host copy: blocked "
                      f"{copy['blocked_s'] / copy['memcpy_s']:.2f}x the memcpy, peak RSS "
                      f"{copy['peak_rss_increase'] / MiB:.0f} MiB above the state (docs/checkpoints.md)")
+    if on_device is not None:
+        dev = device.get("xlakit-device")
+        lines.append(f"{kind}: staged on the device, the copy route's caller waits for a device copy: blocked "
+                     f"{on_device['blocked_s'] / on_device['memcpy_s']:.2f}x the memcpy"
+                     + (f" ({copy['blocked_s'] / on_device['blocked_s']:.1f}x less than on the host)" if copy else "")
+                     + (f", {dev / MiB:.0f} MiB extra device memory at most" if dev is not None else "")
+                     + " (docs/checkpoints.md, \"Staging on the device\")")
     return lines
 
 
@@ -194,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-mib", type=int, default=1024)
     p.add_argument("--tensor-mib", type=int, default=32)
     p.add_argument("--kinds", default="cpu,xla")
-    p.add_argument("--peers", default=f"{SYNC},xlakit,xlakit-copy,dcp,orbax,lightning",
-                   help="xlakit-copy (the copy route a TPU takes) runs for the XLA state only")
+    p.add_argument("--peers", default=f"{SYNC},xlakit,xlakit-copy,xlakit-device,dcp,orbax,lightning",
+                   help="xlakit-copy and xlakit-device (the copy route a TPU takes) run for the XLA state only")
     p.add_argument("--saves", type=int, default=2, help="saves per row, in one process (the last one reported)")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every row (best blocked kept)")
     p.add_argument("--no-device-memory", action="store_true", help="skip the device-memory processes")

@@ -59,3 +59,10 @@ def test_unsharded_tensors_are_not_sharded():
 
     assert not spmd.is_sharded(torch.ones(3))
     assert not spmd.is_sharded(torch.ones(3, device=torch_xla.device()))
+
+
+def test_a_device_staged_save_keeps_sharded_copies_split_and_saves_the_values_of_the_call(tmp_path):
+    result = run_scenario("device_staged", tmp_path)
+    assert result["copies"] == 6 and result["sharded"] == 5  # "replicated" is not split
+    assert result["sharded_copies_stay_sharded"] and result["same_specs"]
+    assert result["mismatch"] == [] and result["changed_after"]

@@ -65,10 +65,17 @@ def test_training_loop_killed_and_resumed_is_bit_exact(tpu, tmp_path):
         assert torch.equal(final[k], v), f"{k} differs after the kill and resume"
 
 
-def test_asynchronous_save_while_the_loop_mutates(tpu, tmp_path):
+@pytest.mark.parametrize("staging", ["host", "device"])
+def test_asynchronous_save_while_the_loop_mutates(tpu, tmp_path, staging, monkeypatch):
+    from xlakit.checkpoint.file import device_staging
+
+    copies = []
+    real_copy = device_staging._copy
+    monkeypatch.setattr(device_staging, "_copy", lambda t: copies.append(t.device.type) or real_copy(t))
     w = torch.randn(4 << 20, generator=torch.Generator().manual_seed(1)).to(tpu)  # 16 MiB
     expected = w.cpu()
-    handle = xlakit.save({"w": w}, tmp_path / "async.pt", asynchronous=True)
+    handle = xlakit.save({"w": w}, tmp_path / "async.pt", asynchronous=True, staging=staging)
+    assert copies == ([] if staging == "host" else ["tpu"])  # staged on the device: one copy there
     after = expected.clone()
     for _ in range(20):  # the loop goes on, changing the saved tensor in place
         w.add_(1.0)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xlakit.checkpoint import objstore
-from xlakit.checkpoint.core.options import LoadOptions, SaveOptions, resolve
+from xlakit.checkpoint.core.options import LoadOptions, SaveOptions, check_staging, resolve
 
 if TYPE_CHECKING:
     from xlakit.checkpoint.file.background import SaveHandle
@@ -59,7 +59,8 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
         options: a `SaveOptions`; keyword overrides (``timeout_s=600``) win over it.
             ``layout="replicated"|"sharded"`` coordinates the ranks of a torch.distributed
             job (``replica_parallel=True``: each rank writes a share of a replicated
-            state); ``asynchronous=True`` returns once the state is on the host.
+            state); ``asynchronous=True`` returns once the state is on the host (with
+            ``staging="device"``, once a copy of it is on the device).
 
     Returns:
         None, or with ``asynchronous=True`` a `SaveHandle` whose ``result()`` raises
@@ -82,6 +83,7 @@ def save(obj: Any, path: str | os.PathLike, *, options: SaveOptions | None = Non
     from xlakit.checkpoint.file import background, pipeline
 
     opts: SaveOptions = resolve(SaveOptions, options, overrides)
+    check_staging(opts)
     objstore.check_url(path)
     background.check_previous()  # an unseen background failure speaks first
     if objstore.is_url(path):
@@ -339,7 +341,7 @@ def dcp_save(state: dict, path: str | os.PathLike, *, options: SaveOptions | Non
     """
     opts: SaveOptions = resolve(SaveOptions, options, overrides)
     for name, given in (("compute_crc32", opts.compute_crc32), ("asynchronous", opts.asynchronous),
-                        ("layout", opts.layout != "single")):
+                        ("layout", opts.layout != "single"), ("staging", opts.staging != "host")):
         if given:
             raise ValueError(f"{name} applies to xlakit.save, not to dcp_save (DCP folders are "
                              f"always sharded by rank and written synchronously)")

@@ -53,6 +53,7 @@ class Progress:
 ProgressCallback = Callable[[Progress], None]
 ExtraKeysCallback = Callable[[list[str]], None]
 SAVE_LAYOUTS = ("single", "replicated", "sharded")
+SAVE_STAGINGS = ("host", "device")
 LOAD_LAYOUTS = ("auto", "single", "replicated")
 
 
@@ -113,6 +114,14 @@ class SaveOptions:
             has), "patched" (xlakit's deadline-bounded binding; needs the patched
             torch_xla), "dlpack" (zero-copy export, CPU PJRT client) or "stock"
             (`_xla_get_cpu_tensors`). Default `XLAKIT_TRANSFER_BACKEND`, else "auto".
+        staging: (asynchronous saves) where the state is held while the caller waits:
+            "host" (the default: the caller waits for the device-to-host copy) or "device"
+            (the caller waits for a copy on the device, made at device-memory speed; the
+            background copies it to the host batch by batch and frees each batch's device
+            copy once it is on the host). "device" needs free device memory for a copy
+            of the state's device tensors (docs/checkpoints.md, "Staging on the device").
+            `xlakit.save` refuses "device" without ``asynchronous=True``; a
+            `CheckpointManager`'s synchronous saves (on preemption) stage on the host.
     """
 
     timeout_s: float = field(default_factory=lambda: _knobs.get_float(_knobs.SAVE_TIMEOUT_S))
@@ -127,6 +136,7 @@ class SaveOptions:
     writer_rank: int = 0
     replica_parallel: bool = False
     transfer_backend: str = field(default_factory=_knobs.get_transfer_backend)
+    staging: str = "host"
 
     def __post_init__(self) -> None:
         _seconds("timeout_s", self.timeout_s)
@@ -140,6 +150,7 @@ class SaveOptions:
         _count("writer_rank", self.writer_rank, minimum=0)
         _bool("replica_parallel", self.replica_parallel)
         _choice("transfer_backend", self.transfer_backend, _knobs.TRANSFER_BACKENDS)
+        _choice("staging", self.staging, SAVE_STAGINGS)
         if self.writer_rank != 0 and self.layout != "replicated":
             raise ValueError(f"writer_rank={self.writer_rank} applies to layout='replicated' only "
                              f"(layout is {self.layout!r}); drop it or use layout='replicated'")
@@ -220,6 +231,14 @@ def resolve(cls: type, options: Any, overrides: dict[str, Any]) -> Any:
     return dataclasses.replace(options, **overrides) if overrides else options
 
 
+def check_staging(opts: SaveOptions) -> None:
+    """Refuse `staging` other than "host" for a synchronous `xlakit.save`."""
+    if opts.staging != "host" and not opts.asynchronous:
+        raise ValueError(f"staging={opts.staging!r} applies to asynchronous saves only (a synchronous save "
+                         f"copies its batches to the host while it writes them); pass asynchronous=True "
+                         f"or drop staging")
+
+
 def manager_options(options: SaveOptions | None, layout: str, asynchronous: bool,
                     replica_parallel: bool = False) -> SaveOptions:
     """The `SaveOptions` of a `CheckpointManager`'s saves: the caller's, with the manager's layout,
@@ -234,6 +253,9 @@ def manager_options(options: SaveOptions | None, layout: str, asynchronous: bool
     if layout == "dcp" and (asynchronous or opts.compute_crc32):
         raise ValueError("layout='dcp' saves with xlakit.dcp_save, which is synchronous and has no "
                          "zip CRC32; drop asynchronous/compute_crc32 or use another layout")
+    if opts.staging != "host" and not asynchronous:
+        raise ValueError(f"options.staging={opts.staging!r} applies to asynchronous saves: pass "
+                         f"CheckpointManager(asynchronous=True) or drop staging")
     if layout not in ("replicated", "sharded"):
         if replica_parallel:
             raise ValueError(f"replica_parallel=True applies to layout='replicated' only (layout is "

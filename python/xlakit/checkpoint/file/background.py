@@ -5,10 +5,12 @@ one commit gate. The caller's thread runs the first: the sync and the
 device-to-host copies (and, for coordinated layouts, the agreement between
 ranks). CPU tensors, which the training loop updates in place, are copied
 into a host staging arena that later saves reuse (fresh host memory costs
-several times more to touch than reused memory); nothing is ever cloned on
-the device. XLA buffers exported zero-copy on the CPU PJRT client are kept as
-they are: XLA buffers are immutable (a step writes new ones) and PJRT will not
-donate a buffer to a step while a DLPack reference holds it. A background
+several times more to touch than reused memory); nothing is cloned on the
+device unless the save asks for it (`staging="device"`: `device_staging.py`,
+where the caller waits for device copies and the background moves them). XLA
+buffers exported zero-copy on the CPU PJRT client are kept as they are: XLA
+buffers are immutable (a step writes new ones) and PJRT will not donate a
+buffer to a step while a DLPack reference holds it. A background
 thread then owns the second phase, the write and the commit, under what is
 left of the deadline.
 
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from xlakit.checkpoint.file import pipeline
+from xlakit.checkpoint.file import device_staging, pipeline
 from xlakit.checkpoint.core.operation import COMMIT, Cancelled, Gate, Operation, Watch
 from xlakit.checkpoint.core import workers
 from xlakit.checkpoint.core.workers import start_thread
@@ -184,12 +186,18 @@ def copy_all(copies: list[tuple[int, int, int]]) -> None:
             event.wait()
 
 
-def stage(op: Operation, job: pipeline.FileSave) -> Staged:
-    """Sync and copy every storage to host memory the training loop cannot touch."""
+def stage(op: Operation, job: pipeline.FileSave) -> Staged | device_staging.Staged:
+    """Sync and copy every storage to memory the training loop cannot touch: host memory, or with
+    `staging="device"` copies on the device for the groups whose backend copies."""
+    groups = pipeline.synced_groups(op, job.plan, job.opts)
+    on_device = []
+    if job.opts.staging == "device":
+        on_device = [(g, device_staging.copy_group(op, g, b)) for g, b in groups if b.copies]
+        groups = [(g, b) for g, b in groups if not b.copies]
     staged: dict[int, torch.Tensor] = {}
     viewed: list[StorageEntry] = []
     # Nothing is written while staging: every batch is kept, so there is nothing to overlap with.
-    for batch, hosts, backend in pipeline.device_batches(op, job.plan, job.opts, overlap=False):
+    for batch, hosts, backend in pipeline.host_batches(op, groups, job.opts, overlap=False):
         for e, h in zip(batch, hosts):
             staged[e.index] = h
             if backend.returns_mutable_views:
@@ -204,8 +212,9 @@ def stage(op: Operation, job: pipeline.FileSave) -> Staged:
         staged[e.index] = dst
     with op.clock.timing("transfer"):
         copy_all(copies)
-    storages = job.plan.storages
-    return [(storages, [staged[e.index] for e in storages], None)] if storages else []
+    storages = [e for e in job.plan.storages if e.index in staged]
+    on_host = [(storages, [staged[e.index] for e in storages], None)] if storages else []
+    return device_staging.Staged(on_host, on_device, job.opts) if on_device else on_host
 
 
 def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
@@ -236,7 +245,7 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
         alive.set()
         go.acquire()
         try:
-            second.run(lambda op: write_phase(op, staged))
+            second.run(lambda op: write_phase(op, device_staging.items_of(staged, op)))
         except BaseException as e:  # noqa: BLE001 - kept for result() and the next save
             if isinstance(e, Cancelled) and handle._cancelled:  # asked for: no failure to report
                 handle._seen = True

@@ -74,6 +74,16 @@ def stage_groups(storages: list[StorageEntry], opts: SaveOptions
             for g in groups]
 
 
+def synced_groups(op: Operation, plan: Plan, opts: SaveOptions
+                  ) -> list[tuple[list[StorageEntry], transfer.HostTransfer]]:
+    """`stage_groups` of the plan's storages, each device synced once (every pending value final)."""
+    groups = stage_groups(plan.storages, opts)
+    for group, backend in groups:
+        op.enter("sync")
+        backend.prepare(transfer.TensorsOf(group))
+    return groups
+
+
 def device_batches(op: Operation, plan: Plan, opts: SaveOptions, *, overlap: bool = True) -> Iterator[
         tuple[list[StorageEntry], list[torch.Tensor], transfer.HostTransfer]]:
     """Sync every device once, then yield (batch, host tensors, backend) under the deadline.
@@ -82,10 +92,13 @@ def device_batches(op: Operation, plan: Plan, opts: SaveOptions, *, overlap: boo
     `max_inflight_bytes` of them are held at a time. Where a backend copies (and `overlap`),
     the next batch is copied while the consumer writes this one (`overlap.py`, same bound).
     """
-    groups = stage_groups(plan.storages, opts)
-    for group, backend in groups:
-        op.enter("sync")
-        backend.prepare(transfer.TensorsOf(group))
+    yield from host_batches(op, synced_groups(op, plan, opts), opts, overlap=overlap)
+
+
+def host_batches(op: Operation, groups: list[tuple[list[StorageEntry], transfer.HostTransfer]],
+                 opts: SaveOptions, *, overlap: bool = True) -> Iterator[
+        tuple[list[StorageEntry], list[torch.Tensor], transfer.HostTransfer]]:
+    """`device_batches` of groups already synced."""
     if overlap and any(backend.copies for _, backend in groups):
         yield from overlapped.batches(op, groups, opts)
         return

@@ -123,7 +123,7 @@ class TpuTransfer(HostTransfer):
 
     def prepare(self, tensors):
         # TorchTPU runs ops asynchronously: one synchronisation of each device makes every value final.
-        for index in _device_indices(tensors):
+        for index in device_indices(tensors):
             torch.accelerator.synchronize(index)
 
     def to_host(self, tensors, *, timeout_s):
@@ -135,7 +135,7 @@ class TpuTransfer(HostTransfer):
                                    f"the deadline ({timeout_s:.3g} s for the batch) passed")
             hosts.append(self._copy(t.detach()))
         if self.non_blocking and hosts:
-            for index in _device_indices(tensors):  # the batch's non-blocking copies have landed
+            for index in device_indices(tensors):  # the batch's non-blocking copies have landed
                 torch.accelerator.synchronize(index)
         return hosts
 
@@ -149,7 +149,7 @@ class TpuTransfer(HostTransfer):
         return copy_to_host(t)
 
 
-def _device_indices(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+def device_indices(tensors: Sequence[torch.Tensor]) -> list[int | None]:
     return sorted({t.device.index for t in tensors}, key=lambda i: -1 if i is None else i)
 
 

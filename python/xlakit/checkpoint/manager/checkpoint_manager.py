@@ -233,8 +233,8 @@ class CheckpointManager:
                 checkpoint.dcp_save(state, target, options=opts)
             else:
                 background = self.asynchronous and not preempt
-                handle = checkpoint.save(state, target,
-                                         options=dataclasses.replace(opts, asynchronous=background))
+                handle = checkpoint.save(state, target, options=dataclasses.replace(
+                    opts, asynchronous=background, staging=opts.staging if background else "host"))
                 if background:
                     self._pending = (step, handle)
                     return True

@@ -66,7 +66,7 @@ class TierRun:
             raise ValueError("a local tier saves each rank's part as an xlakit file; layout='dcp' has no such "
                              "part: use layout='sharded' or 'replicated' with local=")
         self.tier, self.world, self.rank = tier, world, rank
-        self.options = dataclasses.replace(options, layout="single", asynchronous=False,
+        self.options = dataclasses.replace(options, layout="single", asynchronous=False, staging="host",
                                            replica_parallel=False, timeout_s=tier.timeout_s)
         self.folder = HostFolder(tier, run)  # `run`: the persistent folder; its steps only
         self.host = self.folder.host

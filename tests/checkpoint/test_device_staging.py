@@ -1,0 +1,239 @@
+"""Asynchronous saves staged on the device (`staging="device"`): the caller waits for a device copy, the
+background moves it to the host batch by batch (issue 35, item 3: the copy route a TPU takes).
+
+The XLA tests run torch_xla's stock copy (`transfer_backend="stock"`) on the CPU PJRT client: a real copying
+route, the one a TPU's buffers take; only its speed differs from a TPU's. Out of device memory is a fake
+(a CPU client does not run out); its message is the one PJRT raises.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+import xlakit
+from xlakit.checkpoint.file import device_staging, pipeline, transfer
+
+pytestmark = pytest.mark.usefixtures("no_pending_save")
+MiB = 1 << 20
+
+
+def _model(device):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.randn(4, 256, device=device)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+@pytest.mark.xla
+def test_training_goes_on_while_the_device_copies_are_moved_to_the_host_off_the_callers_thread(tmp_path, monkeypatch):
+    import torch_xla
+
+    callers = []
+    real = transfer.batch_to_host
+
+    def recording(backend, batch, **kwargs):
+        if batch[0].device_type == "xla":
+            callers.append(threading.current_thread().name)
+        return real(backend, batch, **kwargs)
+
+    monkeypatch.setattr(transfer, "batch_to_host", recording)
+    device = torch_xla.device()
+    model, opt, step = _model(device)
+    step()  # pending: the save's sync runs it
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+    handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock",
+                         staging="device", max_inflight_bytes=MiB)
+    assert callers == []  # no XLA tensor crossed to the host while the caller waited
+    at_save = {k: v.cpu() for k, v in model.state_dict().items()}
+    for _ in range(3):  # in-place updates that donate the old buffers, while the write runs
+        step()
+        torch_xla.sync()
+    handle.result(timeout=60)
+    assert callers and all(name.startswith("xlakit-transfer") for name in callers), callers
+    saved = xlakit.load(tmp_path / "c.pt")
+    assert all(torch.equal(saved["model"][k], at_save[k]) for k in at_save)
+    assert not torch.equal(model.weight.cpu(), at_save["weight"])
+    assert handle.transfer_s > 0 and handle.write_s > 0
+
+
+@pytest.mark.xla
+def test_each_batch_of_device_copies_is_dropped_once_on_the_host_and_none_outlives_the_save(tmp_path, monkeypatch):
+    import torch_xla
+
+    left, copies = [], []
+    real_copy, real_to_host = device_staging._copy, device_staging.Copies.entries_to_host
+
+    def copy(t):
+        c = real_copy(t)
+        copies.append(weakref.ref(c))
+        return c
+
+    def entries_to_host(self, entries, *, timeout_s):
+        hosts = real_to_host(self, entries, timeout_s=timeout_s)
+        left.append(len(self._copies))
+        return hosts
+
+    monkeypatch.setattr(device_staging, "_copy", copy)
+    monkeypatch.setattr(device_staging.Copies, "entries_to_host", entries_to_host)
+    device = torch_xla.device()
+    state = {f"w{i}": torch.full((MiB // 4,), float(i), device=device) for i in range(8)}
+    handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock",
+                         staging="device", max_inflight_bytes=2 * MiB)
+    handle.result(timeout=60)
+    assert len(left) >= 4 and left == sorted(left, reverse=True) and left[-1] == 0, left
+    gc.collect()
+    assert len(copies) == 8 and all(ref() is None for ref in copies)
+    assert torch.equal(xlakit.load(tmp_path / "c.pt")["w7"], torch.full((MiB // 4,), 7.0))
+
+
+@pytest.mark.xla
+def test_the_zero_copy_route_and_cpu_tensors_are_staged_as_on_the_host(tmp_path, monkeypatch):
+    import torch_xla
+
+    made = []
+    real_copy = device_staging._copy
+    monkeypatch.setattr(device_staging, "_copy", lambda t: made.append(t) or real_copy(t))
+    state = {"x": torch.ones(1000, device=torch_xla.device()), "c": torch.zeros(1000)}
+    # The CPU client's DLPack export already holds immutable buffers: nothing to copy on the device.
+    handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="dlpack",
+                         staging="device")
+    state["c"].add_(1)  # a CPU tensor changed in place after the call: saved as it was
+    handle.result(timeout=60)
+    loaded = xlakit.load(tmp_path / "c.pt")
+    assert made == [] and torch.equal(loaded["c"], torch.zeros(1000)) and torch.equal(loaded["x"], torch.ones(1000))
+
+
+@pytest.mark.xla
+def test_out_of_device_memory_fails_the_save_before_anything_is_written_and_says_what_to_do(tmp_path, monkeypatch):
+    import torch_xla
+
+    def out_of_memory(device_type, copies):  # a fake: the CPU client never runs out
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 33554432 bytes.")
+
+    monkeypatch.setattr(device_staging, "_wait", out_of_memory)
+    state = {"w": torch.ones(MiB // 4, device=torch_xla.device())}
+    with pytest.raises(xlakit.CheckpointError, match=r"staging='device' needs room on the device .*staging='host'"):
+        xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock", staging="device")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock", staging="device").result(60)
+    assert torch.equal(xlakit.load(tmp_path / "c.pt")["w"], torch.ones(MiB // 4))
+
+
+@pytest.mark.xla
+def test_the_deadline_stops_the_background_transfer_and_nothing_commits_later(tmp_path, monkeypatch):
+    import torch_xla
+
+    path = tmp_path / "c.pt"
+    xlakit.save({"w0": torch.zeros(4)}, path)
+    real = pipeline.write_batch
+
+    def slow_write(*args, **kwargs):  # a disk that stalls: the deadline passes mid-write
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "write_batch", slow_write)
+    device = torch_xla.device()
+    state = {f"w{i}": torch.full((MiB // 4,), 1.0, device=device) for i in range(16)}
+    handle = xlakit.save(state, path, asynchronous=True, transfer_backend="stock", staging="device",
+                         max_inflight_bytes=2 * MiB, timeout_s=1.0)
+    with pytest.raises(xlakit.CheckpointTimeoutError):
+        handle.result(timeout=30)
+    time.sleep(1.0)  # whatever was in flight has ended: still the previous checkpoint, and nothing else
+    assert torch.equal(xlakit.load(path)["w0"], torch.zeros(4))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+def test_device_staging_is_refused_where_it_cannot_apply(tmp_path):
+    with pytest.raises(ValueError, match="staging must be one of 'host', 'device'"):
+        xlakit.SaveOptions(staging="gpu")
+    with pytest.raises(ValueError, match="applies to asynchronous saves only .*asynchronous=True"):
+        xlakit.save({"w": torch.ones(2)}, tmp_path / "c.pt", staging="device")
+    with pytest.raises(ValueError, match="staging applies to xlakit.save, not to dcp_save"):
+        xlakit.dcp_save({"w": torch.ones(2)}, tmp_path / "d", staging="device")
+    with pytest.raises(ValueError, match=r"CheckpointManager\(asynchronous=True\)"):
+        xlakit.CheckpointManager(tmp_path / "m", options=xlakit.SaveOptions(staging="device"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_manager_stages_its_asynchronous_saves_on_the_device_and_its_preemption_save_on_the_host(tmp_path,
+                                                                                                     monkeypatch):
+    seen = []
+    real = pipeline.synced_groups
+    monkeypatch.setattr(pipeline, "synced_groups",
+                        lambda op, plan, opts: seen.append((opts.asynchronous, opts.staging)) or real(op, plan, opts))
+    previous = signal.getsignal(signal.SIGTERM)
+    mgr = xlakit.CheckpointManager(tmp_path, save_interval_steps=2, asynchronous=True,
+                                   options=xlakit.SaveOptions(staging="device"))
+    mgr.install_preemption_handler(grace_s=30)
+    try:
+        for step in range(1, 10):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # the save at the agreed step is synchronous
+            if mgr.should_save(step):
+                mgr.save(step, {"w": torch.full((4,), float(step))})
+            if mgr.reached_preemption(step):
+                break
+        mgr.wait()
+        restored = mgr.restore(3)
+    finally:
+        mgr.close()
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert mgr.all_steps() == [2, 3] and seen == [(True, "device"), (False, "host")]
+    assert torch.equal(restored["w"], torch.full((4,), 3.0))
+
+
+SAVER = textwrap.dedent("""
+    import sys, torch, torch_xla, xlakit
+    path, start = sys.argv[1], int(sys.argv[2])
+    device = torch_xla.device()
+    state = {"version": start, **{f"w{i}": torch.full((1 << 20,), float(start)).to(device) for i in range(8)}}
+    torch_xla.sync()
+    for version in range(start, start + 1000):
+        handle = xlakit.save(state, path, asynchronous=True, transfer_backend="stock", staging="device",
+                             max_inflight_bytes=8 << 20)
+        state = {"version": version + 1, **{k: v + 1 for k, v in state.items() if k != "version"}}
+        torch_xla.sync()  # the next step runs while the save moves its device copies to the host
+        handle.result()
+        print(version, flush=True)
+""")
+
+
+@pytest.mark.xla
+@pytest.mark.slow
+def test_kill_9_during_device_staged_saves_never_leaves_a_torn_file(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    xlakit.save({"version": 0, **{f"w{i}": torch.full((1 << 20,), 0.0) for i in range(8)}}, path)
+    rng = random.Random(7)
+    versions = []
+    for trial in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(path), str(1 + trial * 1000)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline(), proc.communicate()[1]  # it is saving in a loop now
+        time.sleep(rng.uniform(0.0, 0.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        state = xlakit.load(path)  # whole, every checksum verified, each tensor of its own version
+        assert all(torch.equal(state[f"w{i}"], torch.full((1 << 20,), float(state["version"]))) for i in range(8))
+        versions.append(state["version"])
+    xlakit.save({"version": -1}, path)  # a later save removes what the killed ones left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    assert len(set(versions)) > 1

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import torch
 import xxhash
 
-from xlakit.checkpoint.format import archive, structure
+from xlakit.checkpoint.format import archive, pickled, structure
 from xlakit.checkpoint.core.load_stats import CountedFile
 from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core.workers import collection_paused
@@ -337,7 +337,7 @@ def torch_load(path: Path | BinaryIO, mmap_: bool, *, name: str | None = None) -
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap_)
     except pickle.UnpicklingError as e:
         err = CheckpointFormatError(f"{name} holds pickled objects that a weights-only load refuses "
-                                    f"to run: {str(e).splitlines()[0]}")
+                                    f"to run{pickled.naming_refused(e)}; nothing of it was run")
         err.add_note("xlakit.load never executes pickled code. If you trust the file, load it with "
                      "torch.load(path, weights_only=False).")
         raise err from e

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from struct import Struct
 
 import torch
@@ -260,6 +261,16 @@ class _Emitter(pickle._Pickler):
         if not t.is_xla and (t.is_conj() or t.is_neg()):
             self.save(torch._utils.get_tensor_metadata(t))
         write(pickle.TUPLE + self._put() + pickle.REDUCE)
+
+
+_REFUSED = re.compile(r"(?:Unsupported global: GLOBAL |unsupported GLOBAL |but got <class ')([\w.]+)")
+
+
+def naming_refused(e: Exception) -> str:
+    """" (it names module.Class)" for torch's weights-only refusal `e`, naming what it refused (torch's
+    own first line, "Weights only load failed...", names nothing); "" where it names nothing."""
+    found = _REFUSED.search(str(e))
+    return f" (it names {found.group(1)})" if found else ""
 
 
 def _check_weights_only(data: bytes) -> None:

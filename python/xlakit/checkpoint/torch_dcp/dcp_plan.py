@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import re
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from xlakit.runtime import features, torchtpu
 from xlakit.checkpoint.file import spmd, transfer
 from xlakit.checkpoint.core.operation import Operation
 from xlakit.checkpoint.core.options import SaveOptions
+from xlakit.checkpoint.format import pickled
 from xlakit.checkpoint.format.state import StorageEntry
 from xlakit.errors import CheckpointFormatError, CheckpointSerializationError
 
@@ -134,7 +134,7 @@ def load_value(value: io.BytesIO, fqn: str, where: str, map_location: str | None
         return _weights_only(value, map_location)
     except pickle.UnpicklingError as e:
         err = CheckpointFormatError(f"{where}: the value {fqn!r} holds pickled objects that a weights-only load "
-                                    f"refuses to run{_naming(e)}; nothing of it was run")
+                                    f"refuses to run{pickled.naming_refused(e)}; nothing of it was run")
         err.add_note(_ALLOW)
         raise err from None
 
@@ -155,11 +155,6 @@ _ALLOW = ("xlakit never runs pickled code from a checkpoint. If you trust the cl
           "tensors, numbers, strings or containers of them.")
 
 
-def _naming(e: Exception) -> str:
-    found = re.search(r"(?:Unsupported global: GLOBAL |unsupported GLOBAL |but got <class ')([\w.]+)", str(e))
-    return f" (it names {found.group(1)})" if found else ""
-
-
 def check_values(state: dict[str, Any]) -> None:
     """Refuse, before anything is written, a value of the flat `state` that `load_value` would refuse to
     load back (as `xlakit.save` refuses one `torch.load(weights_only=True)` would)."""
@@ -178,7 +173,7 @@ def check_values(state: dict[str, Any]) -> None:
             _weights_only(data, "cpu")
         except pickle.UnpicklingError as e:
             err = CheckpointSerializationError(f"dcp_save: the value {fqn!r} ({type(value).__name__}) could not be "
-                                               f"loaded back weights-only{_naming(e)}; nothing was written")
+                                               f"loaded back weights-only{pickled.naming_refused(e)}; nothing was written")
             err.add_note(_ALLOW)
             raise err from None
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import xlakit
+from tests.support import training
 from xlakit.checkpoint.file import background, pipeline
 
 pytestmark = pytest.mark.usefixtures("no_pending_save")
@@ -112,16 +113,7 @@ def test_background_write_keeps_the_deadline(tmp_path, monkeypatch):
 def test_training_goes_on_during_an_xla_save_which_keeps_the_values_of_the_call(tmp_path):
     import torch_xla
 
-    device = torch_xla.device()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(64, 64).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-
-    def step():
-        model(torch.randn(4, 64, device=device)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
+    model, opt, step = training.linear_model(torch_xla.device())
     step()  # pending: the save materialises it
     state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True)

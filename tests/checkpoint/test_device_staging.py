@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -23,23 +20,11 @@ import pytest
 import torch
 
 import xlakit
+from tests.support import training
 from xlakit.checkpoint.file import device_staging, pipeline, transfer
 
 pytestmark = pytest.mark.usefixtures("no_pending_save")
 MiB = 1 << 20
-
-
-def _model(device):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(256, 256).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-
-    def step():
-        model(torch.randn(4, 256, device=device)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
-    return model, opt, step
 
 
 @pytest.mark.xla
@@ -56,7 +41,7 @@ def test_training_goes_on_while_the_device_copies_are_moved_to_the_host_off_the_
 
     monkeypatch.setattr(transfer, "batch_to_host", recording)
     device = torch_xla.device()
-    model, opt, step = _model(device)
+    model, opt, step = training.linear_model(device, 256)
     step()  # pending: the save's sync runs it
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
     handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock",
@@ -221,19 +206,6 @@ SAVER = textwrap.dedent("""
 @pytest.mark.slow
 def test_kill_9_during_device_staged_saves_never_leaves_a_torn_file(tmp_path):
     path = tmp_path / "ckpt.pt"
-    xlakit.save({"version": 0, **{f"w{i}": torch.full((1 << 20,), 0.0) for i in range(8)}}, path)
-    rng = random.Random(7)
-    versions = []
-    for trial in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(path), str(1 + trial * 1000)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert proc.stdout.readline(), proc.communicate()[1]  # it is saving in a loop now
-        time.sleep(rng.uniform(0.0, 0.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate()
-        state = xlakit.load(path)  # whole, every checksum verified, each tensor of its own version
-        assert all(torch.equal(state[f"w{i}"], torch.full((1 << 20,), float(state["version"]))) for i in range(8))
-        versions.append(state["version"])
-    xlakit.save({"version": -1}, path)  # a later save removes what the killed ones left behind
+    versions = training.kill_9_trials(path, SAVER, seed=7)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
     assert len(set(versions)) > 1

@@ -8,10 +8,6 @@ PJRT client (`transfer_backend="stock"`) is a real copying backend and is used w
 
 from __future__ import annotations
 
-import random
-import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -21,7 +17,7 @@ import pytest
 import torch
 
 import xlakit
-from tests.support import fakes
+from tests.support import fakes, training
 from xlakit.checkpoint.file import pipeline
 
 MiB = 1 << 20
@@ -169,19 +165,6 @@ SAVER = textwrap.dedent("""
 @pytest.mark.slow
 def test_kill_9_during_overlapped_saves_never_leaves_a_torn_file(tmp_path):
     path = tmp_path / "ckpt.pt"
-    xlakit.save({"version": 0, **{f"w{i}": torch.full((1 << 20,), 0.0) for i in range(8)}}, path)
-    rng = random.Random(11)
-    versions = []
-    for trial in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(path), str(1 + trial * 1000)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert proc.stdout.readline(), proc.communicate()[1]  # it is saving in a loop now
-        time.sleep(rng.uniform(0.0, 0.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate()
-        state = xlakit.load(path)  # whole, every checksum verified
-        assert all(torch.equal(state[f"w{i}"], torch.full((1 << 20,), float(state["version"]))) for i in range(8))
-        versions.append(state["version"])
-    xlakit.save({"version": -1}, path)  # a later save removes what the killed ones left behind
+    versions = training.kill_9_trials(path, SAVER, seed=11)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
     assert len(set(versions)) > 1

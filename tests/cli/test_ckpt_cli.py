@@ -676,3 +676,42 @@ def test_verify_calls_a_file_damaged_only_from_its_checksums_never_from_a_failed
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "this torch cannot be imported" in done.stderr, done
     assert "DAMAGED" not in done.stdout
+
+
+def test_allow_global_reads_values_of_classes_the_user_trusts_and_the_error_says_how(tmp_path, capsys, monkeypatch):
+    # The CLI could not read a checkpoint whose values need a class allowed (numpy's RNG state, a Namespace).
+    from xlakit.checkpoint.torch_dcp import dcp_plan
+
+    with monkeypatch.context() as m:  # a value the user's own process allowed when it saved
+        m.setattr(dcp_plan, "check_values", lambda state: None)
+        xlakit.dcp_save({"w": torch.ones(2), "opts": argparse_namespace()}, tmp_path / "dcp")
+    code, _, err = ckpt(capsys, "diff", tmp_path / "dcp", tmp_path / "dcp")
+    assert code == 2 and err.rstrip().endswith("if you trust it, pass --allow-global argparse.Namespace"), err
+    code, out, err = ckpt(capsys, "diff", tmp_path / "dcp", tmp_path / "dcp", "--allow-global", "argparse.Namespace")
+    assert code == 0 and "identical" in out, err
+    code, _, err = ckpt(capsys, "inspect", tmp_path / "dcp", "--allow-global", "argparse.Namespace")
+    assert code == 0, err
+    import argparse
+
+    assert argparse.Namespace not in torch.serialization.get_safe_globals()  # allowed for that command only
+    code, _, err = ckpt(capsys, "diff", tmp_path / "dcp", tmp_path / "dcp", "--allow-global", "argparse.Nope")
+    assert code == 2 and "--allow-global argparse.Nope: no such class" in err and "Traceback" not in err, err
+    code, _, err = ckpt(capsys, "diff", tmp_path / "dcp", tmp_path / "dcp", "--allow-global", "nosuchmodule.X")
+    assert code == 2 and "--allow-global nosuchmodule.X: no such class" in err, err
+
+
+def test_diff_compares_numpy_values_the_user_allowed_element_by_element(tmp_path, capsys):
+    # With numpy's classes allowed, diff raised "The truth value of an array ... is ambiguous" (exit 2).
+    np = pytest.importorskip("numpy")
+    allowed = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+    rng = np.random.RandomState(0)
+    with torch.serialization.safe_globals(allowed):
+        xlakit.dcp_save({"w": torch.ones(2), "rng": rng.get_state()}, tmp_path / "a")
+        rng.rand()
+        xlakit.dcp_save({"w": torch.ones(2), "rng": rng.get_state()}, tmp_path / "b")
+    allow = [arg for g in allowed for arg in ("--allow-global", f"{g.__module__}.{g.__qualname__}")]
+    code, out, err = ckpt(capsys, "diff", tmp_path / "a", tmp_path / "a", *allow)
+    assert code == 0 and "identical" in out, err
+    code, out, err = ckpt(capsys, "diff", tmp_path / "a", tmp_path / "b", *allow)
+    assert code == 1 and "value differs: rng/1: 'array([" in out and "characters)" in out, (out, err)
+    assert all(len(line) < 400 for line in out.splitlines())

@@ -266,11 +266,20 @@ class _Emitter(pickle._Pickler):
 _REFUSED = re.compile(r"(?:Unsupported global: GLOBAL |unsupported GLOBAL |but got <class ')([\w.]+)")
 
 
+_NAMED = re.compile(r"\(it names ([\w.]+)\)")
+
+
 def naming_refused(e: Exception) -> str:
     """" (it names module.Class)" for torch's weights-only refusal `e`, naming what it refused (torch's
     own first line, "Weights only load failed...", names nothing); "" where it names nothing."""
     found = _REFUSED.search(str(e))
     return f" (it names {found.group(1)})" if found else ""
+
+
+def named_refused(message: str) -> str | None:
+    """The class an xlakit error's `message` says a weights-only load refused (`naming_refused`), or None."""
+    found = _NAMED.search(message)
+    return found.group(1) if found else None
 
 
 def _check_weights_only(data: bytes) -> None:

@@ -250,6 +250,9 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+_REPR_CHARS = 160
+
+
 def jsonable(value: Any) -> Any:
     """A non-tensor value as JSON can show it."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -261,7 +264,8 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, io.BytesIO):  # its bytes, not its address
         data = value.getvalue()
         return f"io.BytesIO({data!r})" if len(data) <= 64 else f"io.BytesIO({len(data)} bytes)"
-    return repr(value)
+    shown = repr(value)  # an object the user allowed (`--allow-global`): a numpy array of 624 numbers
+    return shown if len(shown) <= _REPR_CHARS else f"{shown[:_REPR_CHARS]}... ({len(shown)} characters)"
 
 
 def describe_file(path: Path, kind: Kind) -> dict:

@@ -116,13 +116,25 @@ def compare(a: Any, b: Any) -> dict:
 
 
 def _same_value(x: Any, y: Any) -> bool:
+    """Equal values, containers compared element by element (a NaN equals a NaN); never raises."""
     if type(x) is not type(y):  # 1, 1.0 and True are different values in a checkpoint
         return False
     if isinstance(x, io.BytesIO):  # DCP's documented byte values: equal by their bytes, not identity
         return x.getvalue() == y.getvalue()
-    if isinstance(x, float) and math.isnan(x) and math.isnan(y):
-        return True
-    return bool(x == y)
+    if isinstance(x, float):
+        return x == y or (math.isnan(x) and math.isnan(y))
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(_same_value(a, b) for a, b in zip(x, y))
+    if isinstance(x, dict):
+        return list(x) == list(y) and all(_same_value(x[k], y[k]) for k in x)
+    if isinstance(x, torch.Tensor):  # inside a DCP value
+        return x.dtype == y.dtype and x.shape == y.shape and tensor_difference(x, y) is None
+    if hasattr(x, "tobytes") and hasattr(x, "dtype") and hasattr(x, "shape"):  # a numpy array (allowed by the user)
+        return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+    try:
+        return bool(x == y)
+    except Exception:  # noqa: BLE001 - an == that is not a truth value: compare what the user would see
+        return repr(x) == repr(y)
 
 
 def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict | None:

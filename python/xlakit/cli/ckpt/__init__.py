@@ -28,13 +28,16 @@ import argparse
 import sys
 from typing import Any
 
-from xlakit.cli.ckpt.common import EPILOG, ERROR
+from xlakit.cli.ckpt.common import EPILOG, ERROR, allowing
 from xlakit.cli.ckpt.convert import cmd_convert
 from xlakit.cli.ckpt.diff import cmd_diff
 from xlakit.cli.ckpt.inspect import cmd_inspect
 from xlakit.cli.ckpt.ls import cmd_ls
 from xlakit.cli.ckpt.verify import cmd_verify
 from xlakit.errors import XlakitError
+
+
+_ALLOWING = ("inspect", "diff", "convert")  # the commands that read pickled values
 
 
 def _guarded(func):
@@ -45,22 +48,28 @@ def _guarded(func):
         try:
             for name in ("path", "dir", "a", "b", "out"):
                 objstore.check_url(getattr(args, name, None))  # az://, http://: refused by scheme
-            return func(args)
+            with allowing(getattr(args, "allow_global", None)):
+                return func(args)
         except KeyboardInterrupt:
             print(f"xlakit ckpt {args.ckpt_command}: interrupted; nothing was changed", file=sys.stderr)
             return 130
         except Exception as e:  # noqa: BLE001 - a client library's own error too: one line, never a traceback
-            print(f"xlakit ckpt {args.ckpt_command}: {_error_message(e)}", file=sys.stderr)
+            print(f"xlakit ckpt {args.ckpt_command}: {_error_message(e, args.ckpt_command)}", file=sys.stderr)
             return ERROR
     return run
 
 
-def _error_message(e: Exception) -> str:
+def _error_message(e: Exception, command: str) -> str:
     if isinstance(e, OSError) and e.strerror:
         if e.filename is None or str(e.filename) in e.strerror:  # xlakit's own messages name the path
             return e.strerror
         return f"{e.filename}: {e.strerror}"
-    return str(e) if isinstance(e, XlakitError) else f"{type(e).__name__}: {e}"
+    if not isinstance(e, XlakitError):
+        return f"{type(e).__name__}: {e}"
+    from xlakit.checkpoint.format import pickled
+
+    refused = pickled.named_refused(str(e)) if command in _ALLOWING else None
+    return str(e) + (f"; if you trust it, pass --allow-global {refused}" if refused else "")
 
 
 def add_parser(subparsers) -> None:
@@ -88,5 +97,9 @@ def add_parser(subparsers) -> None:
             q.add_argument("--to", required=True, choices=("safetensors", "xlakit"), help="the output format")
             q.add_argument("out", help="the file to write (or, with --to xlakit, a gs:// or s3:// URL)")
             q.add_argument("--force", action="store_true", help="replace OUT if it exists")
+        if name in _ALLOWING:
+            q.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
+                           help="let a weights-only load of pickled values accept this class (repeat for "
+                                "each); only for checkpoints you trust")
         q.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
         q.set_defaults(func=_guarded(func))

@@ -19,6 +19,30 @@ EPILOG = ("exit codes: 0 success; 1 verify found damage, or diff found differenc
            "no committed step); 130 interrupted")
 
 
+@contextlib.contextmanager
+def allowing(names: list[str] | None) -> Iterator[None]:
+    """Inside, a weights-only load also accepts the classes `names` (`--allow-global module.Name`), as
+    `torch.serialization.add_safe_globals` would: the user's word that they trust them."""
+    if not names:
+        yield
+        return
+    import importlib
+
+    import torch
+
+    found = []
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"--allow-global {name}: no such class or function ({type(e).__name__}: {e}); "
+                             f"give its module and name as the error that refused it named it, e.g. "
+                             f"--allow-global argparse.Namespace") from None
+    with torch.serialization.safe_globals(found):
+        yield
+
+
 def size(n: float) -> str:
     from xlakit.checkpoint.core.operation import human_bytes
 

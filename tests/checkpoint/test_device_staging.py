@@ -2,7 +2,9 @@
 background moves it to the host batch by batch (issue 35, item 3: the copy route a TPU takes).
 
 The XLA tests run torch_xla's stock copy (`transfer_backend="stock"`) on the CPU PJRT client: a real copying
-route, the one a TPU's buffers take; only its speed differs from a TPU's. Out of device memory is a fake
+route, the one a TPU's buffers take; only its speed differs from a TPU's. One test runs torch_xla's own TPU
+route (`PJRT_DEVICE=TPU`, xla-cpu-pjrt standing in for libtpu behind xlakit's PJRT wrapper, whose count of live
+device buffers shows the copies' device memory). Out of device memory is a fake
 (a CPU client does not run out); its message is the one PJRT raises.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -145,6 +149,38 @@ def test_the_deadline_stops_the_background_transfer_and_nothing_commits_later(tm
     time.sleep(1.0)  # whatever was in flight has ended: still the previous checkpoint, and nothing else
     assert torch.equal(xlakit.load(path)["w0"], torch.zeros(4))
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+def _tpu_route_job(backend: str, staging: str) -> dict:
+    """`device_staging_job.py` on torch_xla's TPU route: xlakit's PJRT wrapper in front of xla-cpu-pjrt."""
+    import json
+    import os
+
+    from tests.support import REPO, pjrt_job
+    from xlakit.runtime import pjrt_wrap
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLAKIT_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO / "python"), str(REPO)]), PJRT_DEVICE="TPU",
+               TPU_LIBRARY_PATH=str(pjrt_wrap.library_path()), XLAKIT_PJRT_PLUGIN=pjrt_job.xla_cpu_plugin(),
+               XLA_NO_SPECIAL_SCALARS="1")
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "device_staging_job.py"), backend, staging],
+                         env=env, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.pjrt
+@pytest.mark.slow
+def test_on_the_tpu_route_the_device_holds_one_copy_of_the_state_until_it_is_on_the_host():
+    pytest.importorskip("xla_plugins", reason="needs the xla-cpu-pjrt plugin from PyPI (the pjrt test tools)")
+    on_device, on_host = _tpu_route_job("stock", "device"), _tpu_route_job("stock", "host")
+    state = on_device["state_bytes"]
+    assert on_device["backends"] == on_host["backends"] == ["xla-stock"]
+    # The wrapper's count of live device buffers: the copies exist when the call returns, and are gone after.
+    assert on_device["returned_extra"] == state and on_host["returned_extra"] == 0
+    assert on_device["after_extra"] == 0 and on_host["after_extra"] == 0
+    assert on_device["peak_extra"] <= on_host["peak_extra"] + state  # the training steps' own, plus one copy
+    assert on_device["saved_the_call"] and on_host["saved_the_call"]
 
 
 def test_device_staging_is_refused_where_it_cannot_apply(tmp_path):

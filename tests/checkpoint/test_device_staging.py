@@ -237,3 +237,51 @@ def test_kill_9_during_device_staged_saves_never_leaves_a_torn_file(tmp_path):
     xlakit.save({"version": -1}, path)  # a later save removes what the killed ones left behind
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
     assert len(set(versions)) > 1
+
+
+def _stalled_write(monkeypatch):
+    real = pipeline.write_batch
+
+    def slow_write(*args, **kwargs):  # a disk that stalls: the write is still going when it fails
+        time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "write_batch", slow_write)
+
+
+def _failing_transfer(monkeypatch):
+    real, calls = device_staging.Copies.entries_to_host, []
+
+    def entries_to_host(self, entries, *, timeout_s):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("INTERNAL: the device was lost")
+        return real(self, entries, timeout_s=timeout_s)
+
+    monkeypatch.setattr(device_staging.Copies, "entries_to_host", entries_to_host)
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("failure", ["deadline", "cancel", "transfer error"])
+def test_a_failed_write_frees_its_device_copies_while_its_handle_lives(tmp_path, monkeypatch, failure):
+    # The error a handle keeps held the write's frames, and one of them the device copies not yet moved:
+    # after a failed or cancelled save the device held up to a whole copy of the state until the handle went.
+    import torch_xla
+
+    refs = []
+    real_copy = device_staging._copy
+    monkeypatch.setattr(device_staging, "_copy", lambda t: refs.append(weakref.ref(c := real_copy(t))) or c)
+    (_failing_transfer if failure == "transfer error" else _stalled_write)(monkeypatch)
+    device = torch_xla.device()
+    state = {f"w{i}": torch.full((MiB // 4,), 1.0, device=device) for i in range(16)}
+    handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock", staging="device",
+                         max_inflight_bytes=2 * MiB, timeout_s=1.0 if failure == "deadline" else 60)
+    if failure == "cancel":
+        time.sleep(0.3)
+        assert handle.cancel()
+    else:
+        with pytest.raises((xlakit.CheckpointTimeoutError, RuntimeError)):
+            handle.result(timeout=30)
+    gc.collect()
+    assert len(refs) == 16 and [ref() for ref in refs if ref() is not None] == []
+    assert handle.done() and list(tmp_path.iterdir()) == []

@@ -58,6 +58,10 @@ class Copies(transfer.HostTransfer):
             del self._copies[e.index]
         return hosts
 
+    def release(self) -> None:
+        """Drop the copies not yet moved: the write stopped."""
+        self._copies.clear()
+
 
 class Staged:
     """What the caller's thread staged: host batches, and device copies the write moves to the host."""
@@ -67,8 +71,14 @@ class Staged:
 
     def items(self, op: Operation) -> Iterator[tuple[list[StorageEntry], list, transfer.HostTransfer]]:
         """The batches of the write phase, under its operation `op`."""
-        yield from self.on_host
-        yield from pipeline.host_batches(op, self.on_device, self.opts)
+        try:
+            yield from self.on_host
+            yield from pipeline.host_batches(op, self.on_device, self.opts)
+        finally:
+            # A failed write's error keeps its frames, and they this object, as long as the
+            # handle lives: the device copies go now, not when the handle does.
+            for _, copies in self.on_device:
+                copies.release()
 
 
 def items_of(staged, op: Operation):

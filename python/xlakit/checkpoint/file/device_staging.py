@@ -25,7 +25,8 @@ DLPack export, which already holds immutable buffers) are staged as with
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -71,19 +72,25 @@ class Staged:
 
     def items(self, op: Operation) -> Iterator[tuple[list[StorageEntry], list, transfer.HostTransfer]]:
         """The batches of the write phase, under its operation `op`."""
-        try:
-            yield from self.on_host
-            yield from pipeline.host_batches(op, self.on_device, self.opts)
-        finally:
-            # A failed write's error keeps its frames, and they this object, as long as the
-            # handle lives: the device copies go now, not when the handle does.
-            for _, copies in self.on_device:
-                copies.release()
+        yield from self.on_host
+        yield from pipeline.host_batches(op, self.on_device, self.opts)
+
+    def release(self) -> None:
+        for _, copies in self.on_device:
+            copies.release()
 
 
-def items_of(staged, op: Operation):
-    """The write phase's batches of what `background.stage` returned."""
-    return staged.items(op) if isinstance(staged, Staged) else staged
+def write(op: Operation, staged, write_phase: Callable[[Operation, Any], None]) -> None:
+    """`write_phase(op, batches)` of what `background.stage` returned; device copies not yet moved
+    go when it stops, however it stops: a failed write's error (kept by its handle) holds its
+    frames, and they would hold the copies as long as the handle lives."""
+    if not isinstance(staged, Staged):
+        write_phase(op, staged)
+        return
+    try:
+        write_phase(op, staged.items(op))
+    finally:
+        staged.release()
 
 
 def copy_group(op: Operation, group: list[StorageEntry], backend: transfer.HostTransfer) -> Copies:

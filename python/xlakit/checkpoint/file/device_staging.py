@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from xlakit.checkpoint.core.operation import Operation
+from xlakit.checkpoint.core.operation import Operation, human_bytes
 from xlakit.checkpoint.core.options import SaveOptions
 from xlakit.checkpoint.file import pipeline, spmd, transfer
 from xlakit.checkpoint.format.state import StorageEntry
@@ -107,7 +107,7 @@ def copy_group(op: Operation, group: list[StorageEntry], backend: transfer.HostT
         nbytes = sum(e.nbytes for e in group)
         raise CheckpointError(
             f"staging='device' needs room on the device for a copy of the state's {device_type} "
-            f"tensors ({nbytes / 2**20:.0f} MiB), and the device ran out of memory: {e}. Nothing "
+            f"tensors ({human_bytes(nbytes)}), and the device ran out of memory: {str(e).rstrip('.')}. Nothing "
             f"was written. Save with staging='host' (the default), which holds nothing extra on "
             f"the device") from e
     for e in group:

@@ -130,7 +130,8 @@ def test_out_of_device_memory_fails_the_save_before_anything_is_written_and_says
 
     monkeypatch.setattr(device_staging, "_wait", out_of_memory)
     state = {"w": torch.ones(MiB // 4, device=torch_xla.device())}
-    with pytest.raises(xlakit.CheckpointError, match=r"staging='device' needs room on the device .*staging='host'") as e:
+    room = r"staging='device' needs room on the device .*staging='host'"
+    with pytest.raises(xlakit.CheckpointError, match=room) as e:
         xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock", staging="device")
     assert "bytes. Nothing was written" in str(e.value)  # the runtime's own full stop, not two
     assert list(tmp_path.iterdir()) == []

@@ -210,7 +210,8 @@ def test_wrong_options_are_refused():
         xlakit.lightning.XlakitCheckpointIO(load_options=xlakit.LoadOptions(strict=False))
     # staging='device' on a synchronous plugin was refused only by the first save, deep in a fit, and told the
     # user to pass asynchronous=True in options, which the plugin refuses.
-    with pytest.raises(ValueError, match=r"staging='device' applies to asynchronous saves: .*XlakitCheckpointIO\(asynchronous=True"):
+    synchronous = r"staging='device' applies to asynchronous saves: .*XlakitCheckpointIO\(asynchronous=True"
+    with pytest.raises(ValueError, match=synchronous):
         xlakit.lightning.XlakitCheckpointIO(options=xlakit.SaveOptions(staging="device"))
     assert xlakit.lightning.XlakitCheckpointIO(asynchronous=True, options=xlakit.SaveOptions(staging="device"))
 

@@ -119,9 +119,15 @@ def test_out_of_device_memory_fails_the_save_before_anything_is_written_and_says
 
     monkeypatch.setattr(device_staging, "_wait", out_of_memory)
     state = {"w": torch.ones(MiB // 4, device=torch_xla.device())}
-    with pytest.raises(xlakit.CheckpointError, match=r"staging='device' needs room on the device .*staging='host'"):
+    room = r"staging='device' needs room on the device .*staging='host'"
+    with pytest.raises(xlakit.CheckpointError, match=room) as e:
         xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock", staging="device")
+    assert "bytes. Nothing was written" in str(e.value)  # the runtime's own full stop, not two
     assert list(tmp_path.iterdir()) == []
+    # The bytes it needed were rounded to MiB: a state under half a MiB "needed room for 0 MiB".
+    with pytest.raises(xlakit.CheckpointError, match=r"copy of the state's xla tensors \(3.9 KiB\)"):
+        xlakit.save({"b": torch.ones(1000, device=torch_xla.device())}, tmp_path / "c.pt", asynchronous=True,
+                    transfer_backend="stock", staging="device")
     monkeypatch.undo()
     xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock", staging="device").result(60)
     assert torch.equal(xlakit.load(tmp_path / "c.pt")["w"], torch.ones(MiB // 4))
@@ -245,3 +251,60 @@ def test_kill_9_during_device_staged_saves_never_leaves_a_torn_file(tmp_path):
     versions = training.kill_9_trials(path, SAVER, seed=7)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
     assert len(set(versions)) > 1
+
+
+def _stalled_write(monkeypatch):
+    real = pipeline.write_batch
+
+    def slow_write(*args, **kwargs):  # a disk that stalls: the write is still going when it fails
+        time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "write_batch", slow_write)
+
+
+def _failing_transfer(monkeypatch):
+    real, calls = device_staging.Copies.entries_to_host, []
+
+    def entries_to_host(self, entries, *, timeout_s):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("INTERNAL: the device was lost")
+        return real(self, entries, timeout_s=timeout_s)
+
+    monkeypatch.setattr(device_staging.Copies, "entries_to_host", entries_to_host)
+
+
+def _refused_file(monkeypatch):
+    from xlakit.checkpoint.store import local
+
+    def open_part(self, op, rank, world):  # before the write asks for a batch
+        raise xlakit.CheckpointWriteError("cannot create the temporary file: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(local.LocalFile, "open_part", open_part)
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("failure", ["deadline", "cancel", "transfer error", "file refused"])
+def test_a_failed_write_frees_its_device_copies_while_its_handle_lives(tmp_path, monkeypatch, failure):
+    # The error a handle keeps held the write's frames, and one of them the device copies not yet moved:
+    # after a failed or cancelled save the device held up to a whole copy of the state until the handle went.
+    import torch_xla
+
+    refs = []
+    real_copy = device_staging._copy
+    monkeypatch.setattr(device_staging, "_copy", lambda t: refs.append(weakref.ref(c := real_copy(t))) or c)
+    {"transfer error": _failing_transfer, "file refused": _refused_file}.get(failure, _stalled_write)(monkeypatch)
+    device = torch_xla.device()
+    state = {f"w{i}": torch.full((MiB // 4,), 1.0, device=device) for i in range(16)}
+    handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock", staging="device",
+                         max_inflight_bytes=2 * MiB, timeout_s=1.0 if failure == "deadline" else 60)
+    if failure == "cancel":
+        time.sleep(0.3)
+        assert handle.cancel()
+    else:
+        with pytest.raises((xlakit.CheckpointError, RuntimeError)):
+            handle.result(timeout=30)
+    gc.collect()
+    assert len(refs) == 16 and [ref() for ref in refs if ref() is not None] == []
+    assert handle.done() and list(tmp_path.iterdir()) == []

@@ -208,6 +208,12 @@ def test_wrong_options_are_refused():
         xlakit.lightning.XlakitCheckpointIO().save_checkpoint({}, "x.ckpt", storage_options={"a": 1})
     with pytest.raises(ValueError, match="strict=False applies to xlakit.restore"):
         xlakit.lightning.XlakitCheckpointIO(load_options=xlakit.LoadOptions(strict=False))
+    # staging='device' on a synchronous plugin was refused only by the first save, deep in a fit, and told the
+    # user to pass asynchronous=True in options, which the plugin refuses.
+    synchronous = r"staging='device' applies to asynchronous saves: .*XlakitCheckpointIO\(asynchronous=True"
+    with pytest.raises(ValueError, match=synchronous):
+        xlakit.lightning.XlakitCheckpointIO(options=xlakit.SaveOptions(staging="device"))
+    assert xlakit.lightning.XlakitCheckpointIO(asynchronous=True, options=xlakit.SaveOptions(staging="device"))
 
 
 class _CPUPJRTAccelerator(pl.accelerators.XLAAccelerator):

@@ -245,7 +245,7 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
         alive.set()
         go.acquire()
         try:
-            second.run(lambda op: write_phase(op, device_staging.items_of(staged, op)))
+            second.run(lambda op: device_staging.write(op, staged, write_phase))
         except BaseException as e:  # noqa: BLE001 - kept for result() and the next save
             if isinstance(e, Cancelled) and handle._cancelled:  # asked for: no failure to report
                 handle._seen = True

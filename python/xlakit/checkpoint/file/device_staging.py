@@ -25,11 +25,12 @@ DLPack export, which already holds immutable buffers) are staged as with
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-from xlakit.checkpoint.core.operation import Operation
+from xlakit.checkpoint.core.operation import Operation, human_bytes
 from xlakit.checkpoint.core.options import SaveOptions
 from xlakit.checkpoint.file import pipeline, spmd, transfer
 from xlakit.checkpoint.format.state import StorageEntry
@@ -58,6 +59,10 @@ class Copies(transfer.HostTransfer):
             del self._copies[e.index]
         return hosts
 
+    def release(self) -> None:
+        """Drop the copies not yet moved: the write stopped."""
+        self._copies.clear()
+
 
 class Staged:
     """What the caller's thread staged: host batches, and device copies the write moves to the host."""
@@ -70,10 +75,22 @@ class Staged:
         yield from self.on_host
         yield from pipeline.host_batches(op, self.on_device, self.opts)
 
+    def release(self) -> None:
+        for _, copies in self.on_device:
+            copies.release()
 
-def items_of(staged, op: Operation):
-    """The write phase's batches of what `background.stage` returned."""
-    return staged.items(op) if isinstance(staged, Staged) else staged
+
+def write(op: Operation, staged, write_phase: Callable[[Operation, Any], None]) -> None:
+    """`write_phase(op, batches)` of what `background.stage` returned; device copies not yet moved
+    go when it stops, however it stops: a failed write's error (kept by its handle) holds its
+    frames, and they would hold the copies as long as the handle lives."""
+    if not isinstance(staged, Staged):
+        write_phase(op, staged)
+        return
+    try:
+        write_phase(op, staged.items(op))
+    finally:
+        staged.release()
 
 
 def copy_group(op: Operation, group: list[StorageEntry], backend: transfer.HostTransfer) -> Copies:
@@ -90,7 +107,7 @@ def copy_group(op: Operation, group: list[StorageEntry], backend: transfer.HostT
         nbytes = sum(e.nbytes for e in group)
         raise CheckpointError(
             f"staging='device' needs room on the device for a copy of the state's {device_type} "
-            f"tensors ({nbytes / 2**20:.0f} MiB), and the device ran out of memory: {e}. Nothing "
+            f"tensors ({human_bytes(nbytes)}), and the device ran out of memory: {str(e).rstrip('.')}. Nothing "
             f"was written. Save with staging='host' (the default), which holds nothing extra on "
             f"the device") from e
     for e in group:

@@ -235,3 +235,47 @@ def test_a_written_xla_save_holds_no_host_copy_of_the_state(tmp_path, monkeypatc
     gc.collect()
     assert len(staged) == 4 and all(ref() is None for ref in staged), [ref() is None for ref in staged]
     assert handle.done() and torch.equal(xlakit.load(tmp_path / "c.pt")["w3"], torch.full((1024,), 3.0))
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("failure", ["deadline", "cancel"])
+def test_a_failed_xla_save_holds_no_host_copy_of_the_state_while_its_handle_lives(tmp_path, monkeypatch, failure):
+    # The error a handle keeps held the write's frames, and they the staged host copies: after a failed or
+    # cancelled save, the copy route (a TPU's) kept the state's host copy until the handle went.
+    import gc
+    import time
+    import weakref
+
+    import torch_xla
+
+    from xlakit.checkpoint.file import transfer
+
+    staged = []
+    real = transfer.batch_to_host
+
+    def recording(*args, **kwargs):
+        hosts = real(*args, **kwargs)
+        staged.extend(weakref.ref(h) for h in hosts)
+        return hosts
+
+    def stalled(*args, **kwargs):  # a disk that stalls past the deadline: the write is still going when it fails
+        time.sleep(1.5)
+        return real_write(*args, **kwargs)
+
+    real_write = pipeline.write_batch
+    monkeypatch.setattr(transfer, "batch_to_host", recording)
+    monkeypatch.setattr(pipeline, "write_batch", stalled)
+    device = torch_xla.device()
+    state = {f"w{i}": torch.full((1 << 18,), float(i), device=device) for i in range(16)}
+    handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock",
+                         timeout_s=1.0 if failure == "deadline" else 60)
+    if failure == "cancel":
+        time.sleep(0.3)
+        assert handle.cancel()
+    else:
+        with pytest.raises(xlakit.CheckpointTimeoutError):
+            handle.result(timeout=30)
+    assert xlakit.wait_until_idle(10)  # a write past its deadline stops at its next check, then lets go
+    gc.collect()
+    assert len(staged) == 16 and [ref() for ref in staged if ref() is not None] == []
+    assert handle.done() and list(tmp_path.iterdir()) == []

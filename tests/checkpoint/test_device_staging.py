@@ -305,6 +305,7 @@ def test_a_failed_write_frees_its_device_copies_while_its_handle_lives(tmp_path,
     else:
         with pytest.raises((xlakit.CheckpointError, RuntimeError)):
             handle.result(timeout=30)
+    assert xlakit.wait_until_idle(10)  # a write past its deadline stops at its next check, then lets go
     gc.collect()
     assert len(refs) == 16 and [ref() for ref in refs if ref() is not None] == []
     assert handle.done() and list(tmp_path.iterdir()) == []

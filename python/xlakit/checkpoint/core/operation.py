@@ -27,6 +27,7 @@ import os
 import shutil
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,19 @@ COMMIT, CANCEL = "commit", "cancel"
 
 class Cancelled(Exception):
     """Raised inside a worker whose owner gave the operation up."""
+
+
+def _let_go_of_frames(error: BaseException | None) -> None:
+    """Clear the locals of the finished frames `error` holds in its traceback, and its causes' too.
+
+    An asynchronous save's handle keeps its error; the frames of its failed write held the state's
+    staged host copies as long as the handle (device copies: `device_staging.write` drops them).
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)  # a frame still running is left as it is
+        error = error.__cause__ or error.__context__
 
 
 def human_bytes(n: float) -> str:
@@ -289,6 +303,8 @@ class Operation:
             try:
                 self.result = work(self)
             except BaseException as e:  # noqa: BLE001 - handed to the owner
+                if self.background:  # kept by a handle, maybe for long: not what its frames held
+                    _let_go_of_frames(e)
                 self.error = e
             finally:
                 if self.gate.outcome != COMMIT:

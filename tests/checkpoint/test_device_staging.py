@@ -309,3 +309,23 @@ def test_a_failed_write_frees_its_device_copies_while_its_handle_lives(tmp_path,
     gc.collect()
     assert len(refs) == 16 and [ref() for ref in refs if ref() is not None] == []
     assert handle.done() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.xla
+def test_a_deadline_during_the_device_copy_names_that_stage_and_writes_nothing(tmp_path, monkeypatch):
+    # It said stage 'stage', the name of the host arena's copy.
+    import torch_xla
+
+    real_wait = device_staging._wait
+
+    def slow_device(device_type, copies):  # a fake: a device whose copy program outlasts the deadline
+        time.sleep(1.5)
+        real_wait(device_type, copies)
+
+    monkeypatch.setattr(device_staging, "_wait", slow_device)
+    state = {"w": torch.ones(MiB // 4, device=torch_xla.device())}
+    with pytest.raises(xlakit.CheckpointTimeoutError) as info:
+        xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock", staging="device",
+                    timeout_s=1.0)
+    assert info.value.stage == "device copy" and info.value.tensor == "w"
+    assert xlakit.wait_until_idle(10) and list(tmp_path.iterdir()) == []

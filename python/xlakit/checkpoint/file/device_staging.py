@@ -96,7 +96,7 @@ def write(op: Operation, staged, write_phase: Callable[[Operation, Any], None]) 
 def copy_group(op: Operation, group: list[StorageEntry], backend: transfer.HostTransfer) -> Copies:
     """Copy `group`'s tensors on their device and wait for the copies; nothing is read from
     them after this returns but the copies."""
-    op.enter("stage", group[0].path)
+    op.enter("device copy", group[0].path)
     device_type = group[0].device_type
     try:
         copies = {e.index: _copy(e.tensor) for e in group}

@@ -207,27 +207,33 @@ def test_a_save_is_writing_as_soon_as_it_returns(tmp_path, monkeypatch):
     assert xlakit.wait_until_idle(30) and not (tmp_path / "b.pt").exists()
 
 
+@pytest.fixture
+def staged(monkeypatch) -> list:
+    """Weak references to every host copy a save's transfer makes."""
+    import weakref
+
+    from xlakit.checkpoint.file import transfer
+
+    refs, real = [], transfer.batch_to_host
+
+    def recording(*args, **kwargs):
+        hosts = real(*args, **kwargs)
+        refs.extend(weakref.ref(h) for h in hosts)
+        return hosts
+
+    monkeypatch.setattr(transfer, "batch_to_host", recording)
+    return refs
+
+
 @pytest.mark.parametrize("backend", ["stock", "dlpack"])
-def test_a_written_xla_save_holds_no_host_copy_of_the_state(tmp_path, monkeypatch, backend):
+def test_a_written_xla_save_holds_no_host_copy_of_the_state(tmp_path, staged, backend):
     # The handle kept its staging operation, and that kept the staged host tensors: after result(), on the
     # copy route a TPU takes, the process held a host copy of the whole state until the next save was
     # staged beside it (2x the state); on the DLPack route the old device buffers stayed alive.
     import gc
-    import weakref
 
     import torch_xla
 
-    from xlakit.checkpoint.file import transfer
-
-    staged = []
-    real = transfer.batch_to_host
-
-    def recording(*args, **kwargs):
-        hosts = real(*args, **kwargs)
-        staged.extend(weakref.ref(h) for h in hosts)
-        return hosts
-
-    monkeypatch.setattr(transfer, "batch_to_host", recording)
     device = torch_xla.device()
     state = {f"w{i}": torch.full((1024,), float(i), device=device) for i in range(4)}
     handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend=backend)
@@ -239,31 +245,20 @@ def test_a_written_xla_save_holds_no_host_copy_of_the_state(tmp_path, monkeypatc
 
 @pytest.mark.xla
 @pytest.mark.parametrize("failure", ["deadline", "cancel"])
-def test_a_failed_xla_save_holds_no_host_copy_of_the_state_while_its_handle_lives(tmp_path, monkeypatch, failure):
+def test_a_failed_xla_save_holds_no_host_copy_of_the_state_while_its_handle_lives(tmp_path, monkeypatch, staged,
+                                                                                  failure):
     # The error a handle keeps held the write's frames, and they the staged host copies: after a failed or
     # cancelled save, the copy route (a TPU's) kept the state's host copy until the handle went.
     import gc
     import time
-    import weakref
 
     import torch_xla
-
-    from xlakit.checkpoint.file import transfer
-
-    staged = []
-    real = transfer.batch_to_host
-
-    def recording(*args, **kwargs):
-        hosts = real(*args, **kwargs)
-        staged.extend(weakref.ref(h) for h in hosts)
-        return hosts
 
     def stalled(*args, **kwargs):  # a disk that stalls past the deadline: the write is still going when it fails
         time.sleep(1.5)
         return real_write(*args, **kwargs)
 
     real_write = pipeline.write_batch
-    monkeypatch.setattr(transfer, "batch_to_host", recording)
     monkeypatch.setattr(pipeline, "write_batch", stalled)
     device = torch_xla.device()
     state = {f"w{i}": torch.full((1 << 18,), float(i), device=device) for i in range(16)}

@@ -82,8 +82,9 @@ class Staged:
 
 def write(op: Operation, staged, write_phase: Callable[[Operation, Any], None]) -> None:
     """`write_phase(op, batches)` of what `background.stage` returned; device copies not yet moved
-    go when it stops, however it stops: a failed write's error (kept by its handle) holds its
-    frames, and they would hold the copies as long as the handle lives."""
+    go when it stops, however it stops: a failed write's error, kept by its handle, holds frames
+    (the transfer thread's, which may still be ending when the error is handed over) that would
+    hold the copies as long as the handle lives."""
     if not isinstance(staged, Staged):
         write_phase(op, staged)
         return

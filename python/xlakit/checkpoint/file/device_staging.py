@@ -24,7 +24,6 @@ DLPack export, which already holds immutable buffers) are staged as with
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,7 +35,6 @@ from xlakit.checkpoint.file import pipeline, spmd, transfer
 from xlakit.checkpoint.format.state import StorageEntry
 from xlakit.errors import CheckpointError
 
-log = logging.getLogger("xlakit")
 _OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM")
 
 Groups = list[tuple[list[StorageEntry], transfer.HostTransfer]]

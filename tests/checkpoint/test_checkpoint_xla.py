@@ -142,3 +142,44 @@ def test_state_synced_asynchronously_just_before_the_save_is_exported_safely(xla
         torch_xla.sync()  # asynchronous: the buffers may not be ready yet
         xlakit.save(state, tmp_path / "c.pt")
         assert torch.equal(xlakit.load(tmp_path / "c.pt")["w"], torch.full((512, 512), 2.0 * i))
+
+
+TWO_DEVICES = """
+import json, sys, tempfile, torch, torch_xla, xlakit
+from pathlib import Path
+d0, d1 = torch_xla.device(0), torch_xla.device(1)
+state = {"a": torch.ones(4, device=d0), "b": torch.full((4,), 2.0, device=d1)}
+state["c"] = state["b"] * 3  # pending on xla:1: the save's sync runs it
+want = {"a": torch.ones(4), "b": torch.full((4,), 2.0), "c": torch.full((4,), 6.0)}
+folder, out = Path(tempfile.mkdtemp()), {}
+def same(got):
+    return all(torch.equal(got[k].cpu(), v) for k, v in want.items())
+for name, kw in [("stock", dict(transfer_backend="stock")), ("dlpack", dict(transfer_backend="dlpack")),
+                 ("async", dict(asynchronous=True)),
+                 ("device staging", dict(asynchronous=True, staging="device", transfer_backend="stock"))]:
+    try:
+        handle = xlakit.save(state, folder / "c.pt", **kw)
+        handle and handle.result(60)
+        out[name] = same(xlakit.load(folder / "c.pt"))
+    except Exception as e:
+        out[name] = f"{type(e).__name__}: {e}"
+template = {"a": torch.zeros(4, device=d0), "b": torch.zeros(4, device=d1), "c": torch.zeros(4, device=d1)}
+restored = xlakit.restore(folder / "c.pt", template)
+out["restore"] = same(restored) and [str(t.device) for t in restored.values()] == ["xla:0", "xla:1", "xla:1"]
+print(json.dumps(out))
+"""
+
+
+def test_a_state_on_two_devices_of_one_process_saves_on_every_route(tmp_path):
+    # Every save failed with torch_xla's "'CPU:0' vs 'CPU:1'": its syncs and copies take one device at a time.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2", TMPDIR=str(tmp_path))
+    env.pop("XLA_USE_SPMD", None)
+    run = subprocess.run([sys.executable, "-c", TWO_DEVICES], env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {
+        "stock": True, "dlpack": True, "async": True, "device staging": True, "restore": True}

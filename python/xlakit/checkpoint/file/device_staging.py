@@ -130,7 +130,8 @@ def _wait(device_type: str, copies: list[torch.Tensor]) -> None:
 
         # One graph of copies. The next step runs after it on the device (torch_xla's device
         # lock), so its in-place updates, which donate the old buffers, never meet it half done.
-        torch_xla._XLAC._xla_sync_multi(copies, devices=[], wait=True, sync_xla_data=False)
+        for group in transfer.by_device(copies):
+            torch_xla._XLAC._xla_sync_multi(group, devices=[], wait=True, sync_xla_data=False)
     elif device_type == "tpu":
         for index in transfer.device_indices(copies):
             torch.accelerator.synchronize(index)

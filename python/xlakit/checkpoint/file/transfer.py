@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -173,8 +173,9 @@ class XlaTransfer(HostTransfer):
         device = torch_xla._XLAC._xla_get_default_device()
         torch_xla._XLAC._xla_step_marker(device, [], wait=True)
         torch_xla._XLAC._set_all_reduce_token(device, None)
-        # Tensors on other devices than the default one, if any.
-        torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=True, sync_xla_data=False)
+        # Tensors on other devices than the default one, if any (torch_xla syncs one device at a time).
+        for group in by_device(list(tensors)):
+            torch_xla._XLAC._xla_sync_multi(group, devices=[], wait=True, sync_xla_data=False)
         if self.mode == "dlpack":
             # Tensors materialised earlier by an asynchronous torch_xla.sync() hold buffers
             # that may still be in flight; exporting one of those aborts the process
@@ -185,6 +186,8 @@ class XlaTransfer(HostTransfer):
         import torch_xla
 
         tensors = list(tensors)
+        if len({t.device for t in tensors}) > 1:  # torch_xla's copies take one device's tensors at a time
+            return in_order(tensors, lambda group: self.to_host(group, timeout_s=timeout_s))
         if self.mode != "patched" and spmd.has_sharded(tensors):
             # Stock `.cpu()` of sharded data compiles a replication program per call.
             return spmd.to_host(tensors, timeout_s=timeout_s,
@@ -196,6 +199,27 @@ class XlaTransfer(HostTransfer):
         if self.mode == "dlpack":
             return [_dlpack_view(t) for t in tensors]
         return [h.contiguous() for h in torch_xla._XLAC._xla_get_cpu_tensors(tensors)]
+
+
+def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by device, each group in its order (a state placed on several devices of one
+    process, xla:0 and xla:1: torch_xla's syncs and copies refuse to mix them, "'CPU:0' vs 'CPU:1'")."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
+
+
+def in_order(tensors: list[torch.Tensor], fn: Callable[[list[torch.Tensor]], list]) -> list:
+    """`fn` of each device's tensors (`by_device`), the results put back in the order of `tensors`."""
+    at: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        at.setdefault(t.device, []).append(i)
+    out: list = [None] * len(tensors)
+    for places in at.values():
+        for i, result in zip(places, fn([tensors[i] for i in places])):
+            out[i] = result
+    return out
 
 
 def _dlpack_view(t: torch.Tensor) -> torch.Tensor:

@@ -715,3 +715,13 @@ def test_diff_compares_numpy_values_the_user_allowed_element_by_element(tmp_path
     code, out, err = ckpt(capsys, "diff", tmp_path / "a", tmp_path / "b", *allow)
     assert code == 1 and "value differs: rng/1: 'array([" in out and "characters)" in out, (out, err)
     assert all(len(line) < 400 for line in out.splitlines())
+
+
+def test_allow_global_hint_for_a_plain_torch_save_file(tmp_path, capsys):
+    # A torch.save file's refused value named no class, so no --allow-global hint (only DCP values had one).
+    torch.save({"w": torch.ones(2), "opts": argparse_namespace()}, tmp_path / "t.pt")
+    for command in ("inspect", "diff"):
+        code, _, err = ckpt(capsys, command, *[tmp_path / "t.pt"] * (2 if command == "diff" else 1))
+        assert code == 2 and err.rstrip().endswith("if you trust it, pass --allow-global argparse.Namespace"), err
+    code, out, err = ckpt(capsys, "inspect", tmp_path / "t.pt", "--allow-global", "argparse.Namespace")
+    assert code == 0 and "Namespace(lr=0.1)" in out, err

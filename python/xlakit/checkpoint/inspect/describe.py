@@ -157,10 +157,13 @@ def load_mapped(path: Path) -> Any:
 
 def _pickled_code_refused(path: Path, cause: pickle.UnpicklingError) -> CheckpointFormatError:
     """The refusal of a weights-only load, without torch's advice to retry running pickled code."""
+    from xlakit.checkpoint.format import pickled
+
     reason = next((line.strip() for line in str(cause).splitlines() if "Unsupported" in line), "")
     return CheckpointFormatError(f"{path} holds pickled objects other than tensors, numbers, strings and "
                                  f"containers; `xlakit ckpt` never runs pickled code, so it cannot read "
-                                 f"this file{': ' + reason.split('. ')[0] if reason else ''}")
+                                 f"this file{': ' + reason.split('. ')[0] if reason else ''}"
+                                 f"{pickled.naming_refused(cause)}")
 
 
 def flatten(value: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:

@@ -725,3 +725,37 @@ def test_allow_global_hint_for_a_plain_torch_save_file(tmp_path, capsys):
         assert code == 2 and err.rstrip().endswith("if you trust it, pass --allow-global argparse.Namespace"), err
     code, out, err = ckpt(capsys, "inspect", tmp_path / "t.pt", "--allow-global", "argparse.Namespace")
     assert code == 0 and "Namespace(lr=0.1)" in out, err
+
+
+def test_allow_global_takes_the_name_the_error_gave_and_refuses_what_is_no_class_or_function(tmp_path, capsys):
+    # A numpy-1 pickle's numpy.core.multiarray._reconstruct stayed refused with that very name allowed; a
+    # nested name (Outer.Inner) was "no such class"; a module (os.path) made a good file "damaged".
+    np = pytest.importorskip("numpy")
+    import pickle
+
+    class Numpy1(pickle._Pickler):  # writes the global as numpy 1.x named it
+        def save_global(self, obj, name=None):
+            if obj is np._core.multiarray._reconstruct:
+                self.write(pickle.GLOBAL + b"numpy.core.multiarray\n_reconstruct\n")
+                self.memoize(obj)
+                return
+            super().save_global(obj, name)
+
+    class Module:
+        Pickler, Unpickler, __name__ = Numpy1, pickle.Unpickler, "numpy1_pickle"
+
+    torch.save({"w": torch.ones(2), "arr": np.arange(3.0)}, tmp_path / "np1.pt", pickle_module=Module)
+    code, _, err = ckpt(capsys, "inspect", tmp_path / "np1.pt")
+    assert code == 2 and err.rstrip().endswith("pass --allow-global numpy.core.multiarray._reconstruct"), err
+    allow = [a for n in ("numpy.core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
+                         "numpy.dtypes.Float64DType") for a in ("--allow-global", n)]
+    code, out, err = ckpt(capsys, "inspect", tmp_path / "np1.pt", *allow)
+    assert code == 0 and "array([0., 1., 2.])" in out, err
+    torch.save({"w": torch.ones(2), "opts": argparse_namespace()}, tmp_path / "t.pt")
+    code, _, err = ckpt(capsys, "inspect", tmp_path / "t.pt", "--allow-global", "collections.OrderedDict.fromkeys",
+                        "--allow-global", "argparse.Namespace")
+    assert code == 0, err
+    for name in ("os.path", "math.pi"):
+        code, _, err = ckpt(capsys, "inspect", tmp_path / "t.pt", "--allow-global", name)
+        assert code == 2 and f"--allow-global {name}: " in err and "not a class or function" in err, err
+        assert "damaged" not in err and "Traceback" not in err, err

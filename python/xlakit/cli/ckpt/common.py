@@ -22,25 +22,45 @@ EPILOG = ("exit codes: 0 success; 1 verify found damage, or diff found differenc
 @contextlib.contextmanager
 def allowing(names: list[str] | None) -> Iterator[None]:
     """Inside, a weights-only load also accepts the classes `names` (`--allow-global module.Name`), as
-    `torch.serialization.add_safe_globals` would: the user's word that they trust them."""
+    `torch.serialization.add_safe_globals` would: the user's word that they trust them. Each is allowed
+    under the name given, as the refusal named it, which may not be where it lives now (a numpy 1.x
+    pickle's numpy.core.multiarray._reconstruct)."""
     if not names:
         yield
         return
-    import importlib
-
     import torch
 
-    found = []
-    for name in names:
-        module, _, attr = name.rpartition(".")
-        try:
-            found.append(getattr(importlib.import_module(module), attr))
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"--allow-global {name}: no such class or function ({type(e).__name__}: {e}); "
-                             f"give its module and name as the error that refused it named it, e.g. "
-                             f"--allow-global argparse.Namespace") from None
-    with torch.serialization.safe_globals(found):
+    with torch.serialization.safe_globals([(_resolve(name), name) for name in names]):
         yield
+
+
+def _resolve(name: str) -> Any:
+    """The class or function `module.Name` (or `module.Outer.Inner`) names; ValueError saying why not."""
+    import importlib
+
+    module, obj, problem = name, None, "it is not MODULE.NAME"
+    while "." in module and obj is None and all(name.split(".")):
+        module = module.rpartition(".")[0]
+        try:
+            obj = importlib.import_module(module)
+        except ImportError as e:
+            problem = f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - a module that fails as it is imported: its error, one line
+            problem = f"importing {module} failed with {type(e).__name__}: {e}"
+            break
+    try:
+        for attr in (name[len(module) + 1:].split(".") if obj is not None else ()):
+            obj = getattr(obj, attr)
+    except AttributeError as e:
+        obj, problem = None, f"AttributeError: {e}"
+    fix = ("give its module and name as the error that refused it named it, e.g. --allow-global "
+           "argparse.Namespace")
+    if obj is None:
+        raise ValueError(f"--allow-global {name}: no such class or function ({problem}); {fix}")
+    if not callable(obj):
+        raise ValueError(f"--allow-global {name}: it is a {type(obj).__name__}, not a class or function, "
+                         f"which is all a pickle names; {fix}")
+    return obj
 
 
 def size(n: float) -> str:

@@ -759,3 +759,21 @@ def test_allow_global_takes_the_name_the_error_gave_and_refuses_what_is_no_class
         code, _, err = ckpt(capsys, "inspect", tmp_path / "t.pt", "--allow-global", name)
         assert code == 2 and f"--allow-global {name}: " in err and "not a class or function" in err, err
         assert "damaged" not in err and "Traceback" not in err, err
+
+
+def test_diff_numpy_values_a_nan_equals_a_nan_and_object_arrays_by_their_elements(tmp_path, capsys):
+    # A NaN with its sign bit set (0/0) against np.nan was a difference shown as 'array([nan])' vs 'array([nan])';
+    # an object array differed from itself (its bytes are pointers).
+    np = pytest.importorskip("numpy")
+    with np.errstate(invalid="ignore"):
+        computed = np.array([1.0, 0.0]) / np.array([1.0, 0.0])
+    assert computed.tobytes() != np.array([1.0, np.nan]).tobytes()
+    torch.save({"arr": np.array([1.0, np.nan]), "obj": np.array([10**20, "a b"], dtype=object)}, tmp_path / "a.pt")
+    torch.save({"arr": computed, "obj": np.array([10**20, "a b"], dtype=object)}, tmp_path / "b.pt")
+    torch.save({"arr": np.array([1.0, 2.0]), "obj": np.array([10**20, "a c"], dtype=object)}, tmp_path / "c.pt")
+    allow = [a for n in ("numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
+                         "numpy.dtypes.Float64DType", "numpy.dtypes.ObjectDType") for a in ("--allow-global", n)]
+    code, out, err = ckpt(capsys, "diff", tmp_path / "a.pt", tmp_path / "b.pt", *allow)
+    assert code == 0 and "identical" in out, (out, err)
+    code, result = ckpt_json(capsys, "diff", tmp_path / "a.pt", tmp_path / "c.pt", *allow)
+    assert code == 1 and [v["name"] for v in result["values_different"]] == ["arr", "obj"], result

@@ -19,6 +19,7 @@ import io
 import json
 import math
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -129,12 +130,25 @@ def _same_value(x: Any, y: Any) -> bool:
         return list(x) == list(y) and all(_same_value(x[k], y[k]) for k in x)
     if isinstance(x, torch.Tensor):  # inside a DCP value
         return x.dtype == y.dtype and x.shape == y.shape and tensor_difference(x, y) is None
-    if hasattr(x, "tobytes") and hasattr(x, "dtype") and hasattr(x, "shape"):  # a numpy array (allowed by the user)
-        return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(x, (numpy.ndarray, numpy.generic)):  # allowed by the user
+        return x.dtype == y.dtype and x.shape == y.shape and _same_array(numpy, x, y)
     try:
         return bool(x == y)
     except Exception:  # noqa: BLE001 - an == that is not a truth value: compare what the user would see
         return repr(x) == repr(y)
+
+
+def _same_array(numpy: Any, x: Any, y: Any) -> bool:
+    """Equal numpy arrays of one dtype and shape: as tensors are (bit for bit, a NaN equals a NaN);
+    an object array by its elements (its bytes are addresses)."""
+    if x.dtype.hasobject:
+        return _same_value(numpy.asarray(x).tolist(), numpy.asarray(y).tolist())
+    try:
+        a, b = (torch.from_numpy(numpy.array(v, order="C", ndmin=1)) for v in (x, y))
+    except (TypeError, ValueError):  # no torch type (strings, datetimes, records; big-endian): their bytes
+        return x.tobytes() == y.tobytes()
+    return tensor_difference(a, b) is None
 
 
 def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict | None:

@@ -274,3 +274,29 @@ def test_a_failed_xla_save_holds_no_host_copy_of_the_state_while_its_handle_live
     gc.collect()
     assert len(staged) == 16 and [ref() for ref in staged if ref() is not None] == []
     assert handle.done() and list(tmp_path.iterdir()) == []
+
+
+def test_asking_a_failed_handle_again_does_not_keep_the_earlier_callers_frames(tmp_path, monkeypatch):
+    # Each result() re-raised the kept error, adding its caller's frames to its traceback: the handle held
+    # every asking frame's locals (a training step's tensors) and the traceback grew with each call.
+    import gc
+    import weakref
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device (a fake disk)")
+
+    monkeypatch.setattr(pipeline, "write_batch", full)
+    handle = xlakit.save({"w": torch.ones(8)}, tmp_path / "c.pt", asynchronous=True)
+    callers = []
+
+    def step() -> int:
+        batch = torch.ones(1024)
+        callers.append(weakref.ref(batch))
+        with pytest.raises(OSError, match="No space left") as raised:
+            handle.result(timeout=30)
+        return len(raised.traceback)
+
+    depths = [step() for _ in range(3)]
+    gc.collect()
+    assert depths[0] == depths[1] == depths[2], depths
+    assert [ref() is None for ref in callers[:-1]] == [True, True]

@@ -70,6 +70,7 @@ class SaveHandle:
         self._ops = [o for o in (staged, op) if o is not None]
         self._finished = threading.Event()
         self._error: BaseException | None = None
+        self._error_tb: list = []  # the traceback the save left `_error`, once asked
         self._seen = False
         self._cancelled = False  # the caller gave it up (cancel(), or an interrupt in result())
 
@@ -110,7 +111,11 @@ class SaveHandle:
                                f"{timeout} s; it continues in the background")
         self._seen = True
         if self._error is not None:
-            raise self._error
+            # With the save's own traceback each time: a raise adds its caller's frames to the kept
+            # error, and they (a training step's tensors) would live as long as the handle.
+            if not self._error_tb:
+                self._error_tb.append(self._error.__traceback__)
+            raise self._error.with_traceback(self._error_tb[0])
 
     def cancel(self) -> bool:
         """Cancel the save unless it already committed; True when it will never commit."""

@@ -300,3 +300,31 @@ def test_asking_a_failed_handle_again_does_not_keep_the_earlier_callers_frames(t
     gc.collect()
     assert depths[0] == depths[1] == depths[2], depths
     assert [ref() is None for ref in callers[:-1]] == [True, True]
+
+
+@pytest.mark.xla
+def test_a_failed_write_whose_error_has_a_cause_and_another_context_holds_no_host_copy(tmp_path, monkeypatch, staged):
+    # Only the cause of an error that had both a cause and another context (raise X from Y in an except) was
+    # let go of: the context's frames held the staged host copies as long as the handle.
+    import gc
+
+    import torch_xla
+
+    def check(hosts):
+        raise ValueError("a check of the batch failed")
+
+    def failing(op, writer, batch, hosts):
+        try:
+            check(hosts)
+        except ValueError:
+            raise xlakit.CheckpointError("the write failed") from OSError(5, "Input/output error (a fake disk)")
+
+    monkeypatch.setattr(pipeline, "write_batch", failing)
+    state = {f"w{i}": torch.full((1 << 10,), float(i), device=torch_xla.device()) for i in range(4)}
+    handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock")
+    with pytest.raises(xlakit.CheckpointError, match="the write failed") as raised:
+        handle.result(timeout=30)
+    assert isinstance(raised.value.__context__, ValueError)
+    del raised
+    gc.collect()
+    assert staged and [ref() for ref in staged if ref() is not None] == []

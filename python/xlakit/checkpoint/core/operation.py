@@ -51,16 +51,22 @@ class Cancelled(Exception):
 
 
 def _let_go_of_frames(error: BaseException | None) -> None:
-    """Clear the locals of the finished frames `error` holds in its traceback, and its causes' too.
+    """Clear the locals of the finished frames `error` holds in its traceback, and its causes' and
+    contexts' too (an error raised from one while another was handled has both).
 
     An asynchronous save's handle keeps its error; the frames of its failed write held the state's
     staged host copies as long as the handle (device copies: `device_staging.write` drops them).
     """
-    seen = set()
-    while error is not None and id(error) not in seen:
+    seen, pending = set(), [error]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)  # a frame still running is left as it is
-        error = error.__cause__ or error.__context__
+        pending += [error.__cause__, error.__context__]
+        if isinstance(error, BaseExceptionGroup):
+            pending += error.exceptions
 
 
 def human_bytes(n: float) -> str:

@@ -180,6 +180,7 @@ def _tpu_route_job(backend: str, staging: str) -> dict:
 def test_on_the_tpu_route_the_device_holds_one_copy_of_the_state_until_it_is_on_the_host():
     pytest.importorskip("xla_plugins", reason="needs the xla-cpu-pjrt plugin from PyPI (the pjrt test tools)")
     on_device, on_host = _tpu_route_job("stock", "device"), _tpu_route_job("stock", "host")
+    print("device:", on_device, "host:", on_host)  # shown when an assertion fails
     state = on_device["state_bytes"]
     assert on_device["backends"] == on_host["backends"] == ["xla-stock"]
     # The wrapper's count of live device buffers: the copies exist when the call returns, and are gone after.

@@ -27,7 +27,6 @@ import os
 import shutil
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,25 +47,6 @@ COMMIT, CANCEL = "commit", "cancel"
 
 class Cancelled(Exception):
     """Raised inside a worker whose owner gave the operation up."""
-
-
-def _let_go_of_frames(error: BaseException | None) -> None:
-    """Clear the locals of the finished frames `error` holds in its traceback, and its causes' and
-    contexts' too (an error raised from one while another was handled has both).
-
-    An asynchronous save's handle keeps its error; the frames of its failed write held the state's
-    staged host copies as long as the handle (device copies: `device_staging.write` drops them).
-    """
-    seen, pending = set(), [error]
-    while pending:
-        error = pending.pop()
-        if error is None or id(error) in seen:
-            continue
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)  # a frame still running is left as it is
-        pending += [error.__cause__, error.__context__]
-        if isinstance(error, BaseExceptionGroup):
-            pending += error.exceptions
 
 
 def human_bytes(n: float) -> str:
@@ -310,7 +290,7 @@ class Operation:
                 self.result = work(self)
             except BaseException as e:  # noqa: BLE001 - handed to the owner
                 if self.background:  # kept by a handle, maybe for long: not what its frames held
-                    _let_go_of_frames(e)
+                    workers.let_go_of_frames(e)
                 self.error = e
             finally:
                 if self.gate.outcome != COMMIT:

@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -172,6 +173,25 @@ def _settle(end: float) -> bool:
         except Exception as e:  # noqa: BLE001 - the exit hook goes on whatever one layer does
             log.warning("xlakit: at exit, %s failed: %s: %s", getattr(settle, "__name__", settle), type(e).__name__, e)
     return False
+
+
+def let_go_of_frames(error: BaseException | None) -> None:
+    """Clear the locals of the finished frames `error` holds in its traceback, and its causes' and
+    contexts' too (an error raised from one while another was handled has both).
+
+    An asynchronous save's handle keeps its error; the frames of its failed write held the state's
+    staged host copies as long as the handle (device copies: `device_staging.write` drops them).
+    """
+    seen, pending = set(), [error]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)  # a frame still running is left as it is
+        pending += [error.__cause__, error.__context__]
+        if isinstance(error, BaseExceptionGroup):
+            pending += error.exceptions
 
 
 def _at_exit() -> None:

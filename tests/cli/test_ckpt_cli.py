@@ -777,3 +777,20 @@ def test_diff_numpy_values_a_nan_equals_a_nan_and_object_arrays_by_their_element
     assert code == 0 and "identical" in out, (out, err)
     code, result = ckpt_json(capsys, "diff", tmp_path / "a.pt", tmp_path / "c.pt", *allow)
     assert code == 1 and [v["name"] for v in result["values_different"]] == ["arr", "obj"], result
+
+
+def test_convert_keeps_an_allowed_values_whole_repr_while_diff_shortens_it(tmp_path, capsys):
+    # convert --to safetensors wrote the shortened repr ("... (N characters)") that diff shows into the file.
+    np = pytest.importorskip("numpy")
+    allowed = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+    with torch.serialization.safe_globals(allowed):
+        xlakit.dcp_save({"w": torch.ones(2), "rng": np.random.RandomState(0).get_state()}, tmp_path / "a")
+    allow = [arg for g in allowed for arg in ("--allow-global", f"{g.__module__}.{g.__qualname__}")]
+    code, _, err = ckpt(capsys, "convert", tmp_path / "a", "--to", "safetensors", tmp_path / "a.st", *allow)
+    assert code == 0, err
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "a.st"), "pt") as f:
+        values = json.loads(f.metadata()["xlakit.values"])
+    shown = values["rng/1"] if "rng/1" in values else values["rng"][1]
+    assert "characters)" not in shown and shown.startswith("array([") and shown.endswith(", dtype=uint32)")

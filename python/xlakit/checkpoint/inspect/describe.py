@@ -256,19 +256,20 @@ def json_safe(value: Any) -> Any:
 _REPR_CHARS = 160
 
 
-def jsonable(value: Any) -> Any:
-    """A non-tensor value as JSON can show it."""
+def jsonable(value: Any, *, whole: bool = False) -> Any:
+    """A non-tensor value as JSON can show it; an object's repr shortened unless `whole` (a converted
+    file's metadata keeps it all)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
+        return [jsonable(v, whole=whole) for v in value]
     if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v, whole=whole) for k, v in value.items()}
     if isinstance(value, io.BytesIO):  # its bytes, not its address
         data = value.getvalue()
         return f"io.BytesIO({data!r})" if len(data) <= 64 else f"io.BytesIO({len(data)} bytes)"
     shown = repr(value)  # an object the user allowed (`--allow-global`): a numpy array of 624 numbers
-    return shown if len(shown) <= _REPR_CHARS else f"{shown[:_REPR_CHARS]}... ({len(shown)} characters)"
+    return shown if whole or len(shown) <= _REPR_CHARS else f"{shown[:_REPR_CHARS]}... ({len(shown)} characters)"
 
 
 def describe_file(path: Path, kind: Kind) -> dict:

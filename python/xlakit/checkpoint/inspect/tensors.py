@@ -206,8 +206,8 @@ def write_safetensors(state: Any, out: Path) -> dict:
     meta = {"format": "pt"}
     if values:
         # Strict JSON, as `--json` writes it: a NaN or infinite value is the string "NaN", "Infinity"...
-        meta["xlakit.values"] = json.dumps(describe.json_safe({k: describe.jsonable(v) for k, v in values.items()}),
-                                           allow_nan=False)
+        shown = {k: describe.jsonable(v, whole=True) for k, v in values.items()}
+        meta["xlakit.values"] = json.dumps(describe.json_safe(shown), allow_nan=False)
     header["__metadata__"] = meta
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

@@ -79,7 +79,7 @@ def test_on_the_wrapper_with_xla_cpu_pjrt_for_libtpu_everything_passes_and_no_se
     assert checks["checkpoint"]["details"]["state_bytes"] == 16 << 20
     timings = checks["checkpoint"]["timings_s"]
     assert timings["async_device_staged_blocked"] <= timings["async_device_staged_committed"]
-    assert "staged on the device" in checks["checkpoint"]["summary"]
+    assert "with staging='device'" in checks["checkpoint"]["summary"]
     assert "torchrun" in checks["ranks"]["reason"]
     assert found["manifest"]["runtime"]["device_type"] == "TPU" and found["backend"]["cache_route"] == "pjrt-wrap"
     # The key: its id and length only, anywhere the report goes.

@@ -155,7 +155,7 @@ def measure(backend: dict[str, Any], dev, nbytes: int, folder: Path, timeout_s: 
         details["share_of_nominal"] = share
     else:
         speeds += f"; no nominal figure: {nominal['why_not']}"
-    blocked = (f"the background saves blocked {timings['async_save_blocked']:.3f} s, staged on the device "
+    blocked = (f"the background saves blocked {timings['async_save_blocked']:.3f} s, with staging='device' "
                f"{timings['async_device_staged_blocked']:.3f} s")
     return report.check(NAME, report.PASS, f"{total / MiB:.0f} MiB on {dev.device} saved and restored bit-exact, "
                         f"synchronously and in the background; {speeds}; {blocked}", timings_s=timings,

@@ -187,7 +187,9 @@ class XlaTransfer(HostTransfer):
 
         tensors = list(tensors)
         if len({t.device for t in tensors}) > 1:  # torch_xla's copies take one device's tensors at a time
-            return in_order(tensors, lambda group: self.to_host(group, timeout_s=timeout_s))
+            deadline = time.monotonic() + timeout_s
+            return in_order(tensors, lambda group: self.to_host(
+                group, timeout_s=max(deadline - time.monotonic(), 0.001)))
         if self.mode != "patched" and spmd.has_sharded(tensors):
             # Stock `.cpu()` of sharded data compiles a replication program per call.
             return spmd.to_host(tensors, timeout_s=timeout_s,

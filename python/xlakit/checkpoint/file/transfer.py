@@ -206,22 +206,23 @@ class XlaTransfer(HostTransfer):
 def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """`tensors` grouped by device, each group in its order (a state placed on several devices of one
     process, xla:0 and xla:1: torch_xla's syncs and copies refuse to mix them, "'CPU:0' vs 'CPU:1'")."""
-    groups: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device, []).append(t)
-    return list(groups.values())
+    return [[tensors[i] for i in places] for places in _places_by_device(tensors)]
 
 
 def in_order(tensors: list[torch.Tensor], fn: Callable[[list[torch.Tensor]], list]) -> list:
     """`fn` of each device's tensors (`by_device`), the results put back in the order of `tensors`."""
-    at: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        at.setdefault(t.device, []).append(i)
     out: list = [None] * len(tensors)
-    for places in at.values():
+    for places in _places_by_device(tensors):
         for i, result in zip(places, fn([tensors[i] for i in places])):
             out[i] = result
     return out
+
+
+def _places_by_device(tensors: list[torch.Tensor]) -> list[list[int]]:
+    at: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        at.setdefault(t.device, []).append(i)
+    return list(at.values())
 
 
 def _dlpack_view(t: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,7 @@ def main() -> dict:
             for t in state.values():
                 t.add_(1.0)
             torch_xla.sync()
+            torch_xla._XLAC._xla_wait_device_ops(devices=[])  # one step at a time: its peak, not several's
         handle.result(timeout=120)
         torch_xla._XLAC._xla_wait_device_ops(devices=[])
         gc.collect()

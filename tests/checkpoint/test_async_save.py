@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import xlakit
-from tests.support import training
+from tests.support import fakes, training
 from xlakit.checkpoint.file import background, pipeline
 
 pytestmark = pytest.mark.usefixtures("no_pending_save")
@@ -254,12 +254,7 @@ def test_a_failed_xla_save_holds_no_host_copy_of_the_state_while_its_handle_live
 
     import torch_xla
 
-    def stalled(*args, **kwargs):  # a disk that stalls past the deadline: the write is still going when it fails
-        time.sleep(1.5)
-        return real_write(*args, **kwargs)
-
-    real_write = pipeline.write_batch
-    monkeypatch.setattr(pipeline, "write_batch", stalled)
+    fakes.slow_disk(monkeypatch, 1.5)  # stalls past the deadline: the write is still going when it fails
     device = torch_xla.device()
     state = {f"w{i}": torch.full((1 << 18,), float(i), device=device) for i in range(16)}
     handle = xlakit.save(state, tmp_path / "c.pt", asynchronous=True, transfer_backend="stock",

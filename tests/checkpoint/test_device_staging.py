@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import xlakit
-from tests.support import training
+from tests.support import fakes, training
 from xlakit.checkpoint.file import device_staging, pipeline, transfer
 
 pytestmark = pytest.mark.usefixtures("no_pending_save")
@@ -139,13 +139,7 @@ def test_the_deadline_stops_the_background_transfer_and_nothing_commits_later(tm
 
     path = tmp_path / "c.pt"
     xlakit.save({"w0": torch.zeros(4)}, path)
-    real = pipeline.write_batch
-
-    def slow_write(*args, **kwargs):  # a disk that stalls: the deadline passes mid-write
-        time.sleep(0.3)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "write_batch", slow_write)
+    fakes.slow_disk(monkeypatch, 0.3)  # a disk that stalls: the deadline passes mid-write
     device = torch_xla.device()
     state = {f"w{i}": torch.full((MiB // 4,), 1.0, device=device) for i in range(16)}
     handle = xlakit.save(state, path, asynchronous=True, transfer_backend="stock", staging="device",
@@ -255,13 +249,7 @@ def test_kill_9_during_device_staged_saves_never_leaves_a_torn_file(tmp_path):
 
 
 def _stalled_write(monkeypatch):
-    real = pipeline.write_batch
-
-    def slow_write(*args, **kwargs):  # a disk that stalls: the write is still going when it fails
-        time.sleep(0.2)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "write_batch", slow_write)
+    fakes.slow_disk(monkeypatch, 0.2)  # a disk that stalls: the write is still going when it fails
 
 
 def _failing_transfer(monkeypatch):

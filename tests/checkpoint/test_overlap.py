@@ -18,7 +18,6 @@ import torch
 
 import xlakit
 from tests.support import fakes, training
-from xlakit.checkpoint.file import pipeline
 
 MiB = 1 << 20
 
@@ -80,13 +79,7 @@ def test_an_overlapped_save_round_trips_and_reports_transfer_write_and_overlap(t
 def test_host_copies_held_at_once_stay_within_max_inflight_bytes(tmp_path, monkeypatch):
     device = FakeCountingDevice(delay_s=0.01)
     fakes.install(monkeypatch, device)
-    real_write = pipeline.write_batch
-
-    def slow_write(*args, **kwargs):  # the writer is the slow side: the copies wait for the budget
-        time.sleep(0.02)
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "write_batch", slow_write)
+    fakes.slow_disk(monkeypatch, 0.02)  # the writer is the slow side: the copies wait for the budget
     xlakit.save(state_of(24, 0.0), tmp_path / "c.pt", max_inflight_bytes=6 * MiB)
     assert 3 * MiB < device.peak <= 6 * MiB  # two batches of at most half the budget at once
     # A storage larger than half the budget travels alone: the bound is then that storage.
@@ -103,13 +96,7 @@ def test_the_deadline_stops_an_overlapped_save_and_nothing_commits_later(tmp_pat
     xlakit.save(state_of(4, 1.0), path)
     fakes.install(monkeypatch, FakeCountingDevice(delay_s=0.3 if slow == "transfer" else 0.0))
     if slow == "write":
-        real_write = pipeline.write_batch
-
-        def slow_write(*args, **kwargs):
-            time.sleep(0.3)
-            return real_write(*args, **kwargs)
-
-        monkeypatch.setattr(pipeline, "write_batch", slow_write)
+        fakes.slow_disk(monkeypatch, 0.3)
     start = time.monotonic()
     with pytest.raises(xlakit.CheckpointTimeoutError) as info:
         xlakit.save(state_of(16, 2.0), path, max_inflight_bytes=2 * MiB, timeout_s=1.0)

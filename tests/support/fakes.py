@@ -90,6 +90,20 @@ class FakeFullDisk:
             setattr(archive.ArchiveWriter, name, real)
 
 
+def slow_disk(monkeypatch, delay_s: float) -> None:
+    """A fake slow disk: every batch a save writes waits `delay_s` first (a stalled write, a disk slower
+    than the copies)."""
+    from xlakit.checkpoint.file import pipeline
+
+    real = pipeline.write_batch
+
+    def slow_write(*args, **kwargs):
+        time.sleep(delay_s)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "write_batch", slow_write)
+
+
 def install(monkeypatch, backend: HostTransfer) -> None:
     from xlakit.checkpoint.file import transfer
 

@@ -700,16 +700,21 @@ def test_allow_global_reads_values_of_classes_the_user_trusts_and_the_error_says
     assert code == 2 and "--allow-global nosuchmodule.X: no such class" in err, err
 
 
-def test_diff_compares_numpy_values_the_user_allowed_element_by_element(tmp_path, capsys):
-    # With numpy's classes allowed, diff raised "The truth value of an array ... is ambiguous" (exit 2).
+def numpy_rng_allowed():
+    """numpy, the classes its RNG state (`get_state()`) pickles, and the `--allow-global` arguments naming them."""
     np = pytest.importorskip("numpy")
     allowed = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+    return np, allowed, [arg for g in allowed for arg in ("--allow-global", f"{g.__module__}.{g.__qualname__}")]
+
+
+def test_diff_compares_numpy_values_the_user_allowed_element_by_element(tmp_path, capsys):
+    # With numpy's classes allowed, diff raised "The truth value of an array ... is ambiguous" (exit 2).
+    np, allowed, allow = numpy_rng_allowed()
     rng = np.random.RandomState(0)
     with torch.serialization.safe_globals(allowed):
         xlakit.dcp_save({"w": torch.ones(2), "rng": rng.get_state()}, tmp_path / "a")
         rng.rand()
         xlakit.dcp_save({"w": torch.ones(2), "rng": rng.get_state()}, tmp_path / "b")
-    allow = [arg for g in allowed for arg in ("--allow-global", f"{g.__module__}.{g.__qualname__}")]
     code, out, err = ckpt(capsys, "diff", tmp_path / "a", tmp_path / "a", *allow)
     assert code == 0 and "identical" in out, err
     code, out, err = ckpt(capsys, "diff", tmp_path / "a", tmp_path / "b", *allow)
@@ -781,11 +786,9 @@ def test_diff_numpy_values_a_nan_equals_a_nan_and_object_arrays_by_their_element
 
 def test_convert_keeps_an_allowed_values_whole_repr_while_diff_shortens_it(tmp_path, capsys):
     # convert --to safetensors wrote the shortened repr ("... (N characters)") that diff shows into the file.
-    np = pytest.importorskip("numpy")
-    allowed = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+    np, allowed, allow = numpy_rng_allowed()
     with torch.serialization.safe_globals(allowed):
         xlakit.dcp_save({"w": torch.ones(2), "rng": np.random.RandomState(0).get_state()}, tmp_path / "a")
-    allow = [arg for g in allowed for arg in ("--allow-global", f"{g.__module__}.{g.__qualname__}")]
     code, _, err = ckpt(capsys, "convert", tmp_path / "a", "--to", "safetensors", tmp_path / "a.st", *allow)
     assert code == 0, err
     from safetensors import safe_open

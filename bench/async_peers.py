@@ -72,13 +72,15 @@ def jax_state(kind: str, total_mib: int, tensor_mib: int) -> dict:
 
 
 class Xlakit:
+    options: dict = {}  # the save's options beside asynchronous=True
+
     def __init__(self, kind: str):
         import xlakit
 
         self.xlakit = xlakit
 
     def start(self, state: dict, path: Path) -> tuple[float | None, Wait]:
-        handle = self.xlakit.save(state, path / "ckpt.pt", asynchronous=True)
+        handle = self.xlakit.save(state, path / "ckpt.pt", asynchronous=True, **self.options)
         return None, handle.result
 
     def close(self) -> None:
@@ -89,18 +91,13 @@ class XlakitCopy(Xlakit):
     """xlakit on the route a TPU takes (XLA state only): the stock device-to-host copy, in place of the CPU
     client's zero-copy DLPack export that `xlakit` takes here."""
 
-    def start(self, state: dict, path: Path) -> tuple[float | None, Wait]:
-        handle = self.xlakit.save(state, path / "ckpt.pt", asynchronous=True, transfer_backend="stock")
-        return None, handle.result
+    options = {"transfer_backend": "stock"}
 
 
 class XlakitDevice(Xlakit):
     """xlakit on the copy route, staged on the device (XLA state only): the caller waits for a device copy."""
 
-    def start(self, state: dict, path: Path) -> tuple[float | None, Wait]:
-        handle = self.xlakit.save(state, path / "ckpt.pt", asynchronous=True, transfer_backend="stock",
-                                  staging="device")
-        return None, handle.result
+    options = {"transfer_backend": "stock", "staging": "device"}
 
 
 class Dcp:

@@ -175,7 +175,8 @@ def _table(kind: str, rows: list[dict], max_inflight_bytes: int, device: dict) -
         dev = device.get("xlakit-device")
         lines.append(f"{kind}: staged on the device, the copy route's caller waits for a device copy: blocked "
                      f"{on_device['blocked_s'] / on_device['memcpy_s']:.2f}x the memcpy"
-                     + (f" ({copy['blocked_s'] / on_device['blocked_s']:.1f}x less than on the host)" if copy else "")
+                     + (f" (staged on the host it blocked {copy['blocked_s'] / on_device['blocked_s']:.2f}x as long)"
+                        if copy else "")
                      + (f", {dev / MiB:.0f} MiB extra device memory at most" if dev is not None else "")
                      + " (docs/checkpoints.md, \"Staging on the device\")")
     return lines

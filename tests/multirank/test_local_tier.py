@@ -226,8 +226,10 @@ def test_copies_that_arrive_after_the_deadline_are_not_kept_and_nothing_old_is_r
     for r, out in results.items():
         assert out["exit"] == 0, (r, out["stderr"])
         # Rank 3 is named: as the rank that did not answer, or (when its own clock fired first) as the one that
-        # gave up, beside a slow receiver that did not answer first (rank 1 once, on a loaded rehearsal machine).
-        assert not out["whole"] and "rank 3" in out["error"] and "deadline" in out["error"], out
+        # gave up, beside a slow receiver that did not answer first (rank 1 once, on a loaded rehearsal machine;
+        # and once on CI, rank 1's error named rank 3 only as the one it "was waiting for rank(s) [3]").
+        named = "rank 3" in out["error"] or "rank(s) [3]" in out["error"]
+        assert not out["whole"] and named and "deadline" in out["error"], out
         assert out["held"] == {"1": list(range(WORLD))}, out["held"]  # keep=1: step 1 stays, whole
         own = [0, 1] if r < 2 else [2, 3]
         step2 = hosts(tmp_path) / f"host{r // 2}" / "2"

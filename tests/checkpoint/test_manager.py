@@ -4,6 +4,7 @@ restores, asynchronous errors, preemption, and what a new user gets wrong."""
 from __future__ import annotations
 
 import json
+import argparse
 import os
 import shutil
 import signal
@@ -112,6 +113,34 @@ def test_a_save_that_raised_can_be_retried_at_the_same_step(tmp_path):
     assert mgr.should_save(2) and mgr.all_steps() == [1]
     assert mgr.save(2, state(2)) is True
     assert mgr.all_steps() == [1, 2] and mgr.restore(2)["step"] == 2
+
+
+@pytest.mark.parametrize("layout, asynchronous", [("single", False), ("single", True), ("dcp", False)])
+def test_a_refused_state_leaves_no_step_behind_and_a_step_left_by_a_dead_save_is_not_touched(
+        tmp_path, capsys, layout, asynchronous):
+    # Regression: a refused save left <step>/xlakit-step.json, which `xlakit ckpt ls` listed as an
+    # interrupted save, though its error said nothing was written.
+    from xlakit import cli
+
+    mgr = CheckpointManager(tmp_path, layout=layout, asynchronous=asynchronous)
+    with pytest.raises(xlakit.CheckpointSerializationError, match="argparse.Namespace"):
+        mgr.save(1, {"w": torch.ones(2), "bad": argparse.Namespace(a=1)})
+    assert names(tmp_path) == [] and not steps.scan(tmp_path).pending
+    assert cli.main(["ckpt", "ls", str(tmp_path)]) == 0
+    assert "interrupted" not in capsys.readouterr().out
+    mgr.save(1, state(1))
+    mgr.wait()
+    # A step folder holding more than the record (a killed save's temporary file) stays an interrupted
+    # step after a refused save of that step: only a folder of nothing but the record is removed.
+    (tmp_path / "2").mkdir()
+    steps.write_record(tmp_path / "2", json.loads((tmp_path / "1" / steps.STEP_RECORD).read_text()) | {"step": 2})
+    killed = paths.temp_path(tmp_path / "2" / "ckpt")
+    killed.write_bytes(b"half")
+    with pytest.raises(xlakit.CheckpointSerializationError):
+        mgr.save(2, {"bad": argparse.Namespace(a=1)})
+    assert sorted(os.listdir(tmp_path / "2")) == sorted([killed.name, steps.STEP_RECORD])
+    assert mgr.all_steps() == [1] and steps.scan(tmp_path).pending.keys() == {2}
+    mgr.close()
 
 
 def test_a_forced_save_below_the_latest_step_is_refused(tmp_path):
@@ -344,7 +373,7 @@ def test_wrong_arguments_name_what_was_expected(tmp_path):
         mgr.save(1, state(1), metrics={"loss": "low"})
     with pytest.raises(xlakit.CheckpointSerializationError, match="cannot save model"):
         mgr.save(1, {"model": torch.nn.Linear(2, 2)}, metrics={"loss": 1.0})
-    assert mgr.all_steps() == [] and steps.scan(tmp_path).pending.keys() == {1}
+    assert mgr.all_steps() == [] and not steps.scan(tmp_path).pending  # refused: no step folder left
     mgr.close()
     with pytest.raises(RuntimeError, match="is closed"):
         mgr.save(2, state(2), metrics={"loss": 1.0})

@@ -139,6 +139,17 @@ def test_a_read_only_manager_reads_a_bucket_the_writer_holds_and_changes_nothing
         assert torch.equal(reader.restore()["w"], torch.full((2,), 2.0))
 
 
+def test_a_refused_save_leaves_no_step_record_in_the_bucket(bucket):
+    # Regression: a refused save left <step>/xlakit-step.json, listed as an interrupted save.
+    url = f"{bucket}/refused"
+    with xlakit.CheckpointManager(url) as mgr:
+        with pytest.raises(xlakit.CheckpointSerializationError, match="cannot save bad"):
+            mgr.save(1, {"w": torch.ones(2), "bad": object()})
+        assert not any(n.startswith("1/") for n in names(url)), names(url)
+        mgr.save(1, {"w": torch.ones(2)})
+        assert mgr.all_steps() == [1]
+
+
 def test_verify_of_a_manager_url_checks_every_committed_step(bucket, capsys):
     from xlakit import cli
 

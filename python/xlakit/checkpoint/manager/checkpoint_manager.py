@@ -238,8 +238,12 @@ class CheckpointManager:
                 if background:
                     self._pending = (step, handle)
                     return True
-        except BaseException:
+        except BaseException as e:
             self._last = previous  # nothing was saved: `should_save(step)` is true again, a retry saves
+            # A refused state (or option) leaves no step behind, removed before the caller sees the error
+            # (no late delete). In a job, one rank's refusal is not the others' to act on: it stays there.
+            if isinstance(e, (TypeError, ValueError)) and self._world == 1:
+                self._folder.withdraw(step, record)
             raise
         self._preempt_saved = self._preempt_saved or preempt
         self._committed(step)

@@ -150,6 +150,20 @@ class BucketFolder:
         op.check()
         self.store.put(op, prefix.child(steps.STEP_RECORD), body, create_only=steps.STEP_RECORD not in inside)
 
+    def withdraw(self, step: int, record: dict) -> bool:
+        """`LocalFolder.withdraw`: remove the step record `prepare` put, when it is all the prefix holds
+        and is this very record; whether it was removed."""
+        prefix = self.loc.child(str(step))
+        try:
+            if list(self.store.list(None, prefix)) != [steps.STEP_RECORD]:
+                return False
+            if steps.check_record(self.store.get(None, prefix.child(steps.STEP_RECORD)), str(step)) != record:
+                return False
+            self.store.delete(None, [prefix.child(steps.STEP_RECORD)])
+        except Exception:  # noqa: BLE001 - tidying after a refused save: it stays an interrupted step
+            return False
+        return True
+
     def hold(self, op) -> Callable[[], None]:
         """Take the URL's lease (waiting for an expiring one within `op`'s deadline); the call that
         gives it up."""

@@ -414,6 +414,23 @@ class LocalFolder:
     def step_bytes(self, step: StepFolder) -> int:
         return folder_bytes(step.path)
 
+    def withdraw(self, step: int, record: dict) -> bool:
+        """(One process, its save of `step` failed before it wrote anything.) Remove the step folder
+        `prepare` made, when it holds nothing but this very record; whether it was removed.
+
+        Otherwise `xlakit ckpt ls` would list a refused save as an interrupted one until the next commit.
+        """
+        folder = self.step_path(step)
+        try:
+            if os.listdir(folder) != [STEP_RECORD] or record_of(folder) != record:
+                return False
+            os.unlink(folder / STEP_RECORD)
+            os.rmdir(folder)  # fails if anything appeared meanwhile: then it stays, as an interrupted step
+        except (OSError, ValueError):
+            return False
+        paths.fsync_dir(self.directory)
+        return True
+
     def discard(self, doomed: list[int]) -> None:
         """Take steps out of every scan at once (to the trash); `clean` removes them."""
         for s in doomed:

@@ -132,3 +132,9 @@ class CompileCacheError(XlakitError, RuntimeError):
 
 class CacheFolderTrustError(CompileCacheError, PermissionError):
     """Someone other than the user (and root) can put an entry into the cache folder; names the fix."""
+
+
+def with_hints(message: str, error: BaseException) -> str:
+    """`message` (the error's, as a command prints it), then each hint `error` carries (`add_note`: how to fix
+    it) on a line of its own, indented: what a command prints instead of a traceback."""
+    return "\n".join([message, *(f"  {note}" for note in getattr(error, "__notes__", ()))])

@@ -722,6 +722,23 @@ def test_diff_compares_numpy_values_the_user_allowed_element_by_element(tmp_path
     assert all(len(line) < 400 for line in out.splitlines())
 
 
+def test_a_command_error_prints_how_to_fix_it_under_its_one_line(tmp_path, capsys):
+    # The errors' hints (add_note: how to mend a damaged step, what convert can do instead) were dropped.
+    with xlakit.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+    (tmp_path / "run" / "1" / "xlakit-step.json").write_text("{not json")
+    code, out, err = ckpt(capsys, "inspect", tmp_path / "run" / "1")
+    first, hint = err.splitlines()
+    assert code == 2 and "xlakit-step.json is damaged" in first and "Traceback" not in err, err
+    assert hint.startswith("  xlakit never deletes or reuses") and "xlakit ckpt inspect" in hint, hint
+    np, allowed, allow = numpy_rng_allowed()
+    with torch.serialization.safe_globals(allowed):
+        xlakit.dcp_save({"w": torch.ones(2), "rng": np.random.RandomState(0).get_state()}, tmp_path / "dcp")
+    code, out, err = ckpt(capsys, "convert", tmp_path / "dcp", "--to", "xlakit", tmp_path / "o.pt", *allow)
+    assert code == 2 and "cannot save rng/1: it is a numpy.ndarray" in err.splitlines()[0], err
+    assert "`--to safetensors` keeps such a value as text" in err and not (tmp_path / "o.pt").exists(), err
+
+
 def test_allow_global_hint_for_a_plain_torch_save_file(tmp_path, capsys):
     # A torch.save file's refused value named no class, so no --allow-global hint (only DCP values had one).
     torch.save({"w": torch.ones(2), "opts": argparse_namespace()}, tmp_path / "t.pt")

@@ -230,7 +230,9 @@ def test_an_endpoint_that_cannot_be_reached_is_one_line_within_the_request_timeo
             monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")  # nothing listens there
     start = time.monotonic()
     code, _, err = ckpt(capsys, "verify", f"{bucket}/x.pt")
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    first, *hints = err.strip().splitlines()  # one line, then how to fix it, never a traceback
+    assert code == 2 and f"listing {bucket}/x.pt/" in first and all(h.startswith("  ") for h in hints), err
+    assert "Traceback" not in err and "Check the bucket's endpoint" in err, err
     assert time.monotonic() - start < 3 + 5
 
 

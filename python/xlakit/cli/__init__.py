@@ -2,7 +2,7 @@
 
 Each area module exposes `add_parser(subparsers)` which registers its
 subcommand and sets `func(args) -> int`. Errors xlakit raises on purpose are
-printed as one line (no traceback) with exit status 2. Stdout is the report's:
+printed as one line, then their hints (how to fix it), never a traceback, with exit status 2. Stdout is the report's:
 the commands that read files (`ckpt`, `cache`, `pjrt`) run with torch's
 device-backend autoload off, so torch imports no device backend (torch-tpu's
 import prints, and aborts a process without libtpu or TPU_LIBRARY_PATH), and
@@ -17,7 +17,7 @@ import importlib
 import sys
 
 from xlakit._version import describe
-from xlakit.errors import XlakitError
+from xlakit.errors import XlakitError, with_hints
 from xlakit.runtime import torchtpu
 
 # Modules that define subcommands, in help order.
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 return int(args.func(args) or 0)
         return int(args.func(args) or 0)
     except XlakitError as e:
-        print(f"xlakit {args.command}: {e}", file=sys.stderr)
+        print(with_hints(f"xlakit {args.command}: {e}", e), file=sys.stderr)
         return 2
 
 

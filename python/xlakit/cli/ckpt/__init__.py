@@ -34,14 +34,15 @@ from xlakit.cli.ckpt.diff import cmd_diff
 from xlakit.cli.ckpt.inspect import cmd_inspect
 from xlakit.cli.ckpt.ls import cmd_ls
 from xlakit.cli.ckpt.verify import cmd_verify
-from xlakit.errors import XlakitError
+from xlakit.errors import XlakitError, with_hints
 
 
 _ALLOWING = ("inspect", "diff", "convert")  # the commands that read pickled values
 
 
 def _guarded(func):
-    """Run a subcommand; any failure is one line on stderr and exit status 2 (never a traceback)."""
+    """Run a subcommand; any failure is one line on stderr, then its hints, and exit status 2 (never a
+    traceback)."""
     def run(args: argparse.Namespace) -> int:
         from xlakit.checkpoint import objstore
 
@@ -69,7 +70,9 @@ def _error_message(e: Exception, command: str) -> str:
     from xlakit.checkpoint.format import pickled
 
     refused = pickled.named_refused(str(e)) if command in _ALLOWING else None
-    return str(e) + (f"; if you trust it, pass --allow-global {refused}" if refused else "")
+    if refused:  # the command's own way to allow it, in place of the Python one its hint gives
+        return f"{e}; if you trust it, pass --allow-global {refused}"
+    return with_hints(str(e), e)
 
 
 def add_parser(subparsers) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 
 from xlakit.cli.ckpt.common import OK, size, emit, about, read_state
+from xlakit.errors import CheckpointSerializationError
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -46,7 +47,13 @@ def _write(state: Any, out: str, to: str) -> dict:
         return tensors.write_safetensors(state, Path(out))  # refuses a state whose names collide
     from xlakit import checkpoint
 
-    checkpoint.save(state, out)  # keeps the state's structure: names cannot collide here
+    try:
+        checkpoint.save(state, out)  # keeps the state's structure: names cannot collide here
+    except CheckpointSerializationError as e:  # a value read through --allow-global
+        e.add_note("An xlakit file holds only those, so that it loads weights-only without --allow-global; "
+                   "`--to safetensors` keeps such a value as text in its metadata, or turn it into a tensor "
+                   "in Python (torch.from_numpy) and xlakit.save that.")
+        raise
     if objstore.is_url(out):
         from xlakit.checkpoint.inspect import bucket_describe
 

@@ -92,9 +92,10 @@ def one_rank():
     """torch.distributed with one rank (gloo on loopback): a coordinated save of one rank, in this process."""
     import torch.distributed as dist
 
-    from tests.support.objstore_servers import free_port
+    from tests.support.ranks import private_port
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # Not a port the kernel hands out (free_port): one it handed out may be taken before the store binds it.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{private_port()}", rank=0, world_size=1)
     try:
         yield
     finally:

@@ -66,9 +66,9 @@ def test_a_folder_of_shares_is_read_once_outside_the_job(tmp_path):
     folder = tmp_path / "shares"
     import torch.distributed as dist
 
-    from tests.support.objstore_servers import free_port
+    from tests.support.ranks import private_port
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{private_port()}", rank=0, world_size=1)
     try:
         xlakit.save(state, folder, layout="replicated", replica_parallel=True)
     finally:

@@ -17,11 +17,15 @@ import pytest
 
 from tests.support.ranks import Job
 from tests.support import SUPPORT
+from xlakit.checkpoint.coordination.agreed_gate import _CLAIM_WAIT_S, _VERDICT_GRACE_S
+from xlakit.checkpoint.core import workers
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 WORKER = SUPPORT / "fault_worker.py"
 DEADLINE_S = 4.0  # the worker's timeout_s for the faulty save
-MARGIN_S = 6.0  # a cancel's claim waits <= 2 s for the store, plus <= 2 s for the committer's verdict
+# After its deadline a rank waits for the committer's verdict and for its claim to reach the store (rank 0 stopped:
+# neither comes), then for its worker (STOP_GRACE_S); the rest is slack for a loaded machine.
+MARGIN_S = _VERDICT_GRACE_S + _CLAIM_WAIT_S + workers.STOP_GRACE_S + 3.0
 WORLD = 4
 
 
@@ -64,7 +68,7 @@ def test_a_rank_that_disagrees_is_named_everywhere_and_nothing_is_touched(tmp_pa
         r = results[rank].get("save2") or results[rank]
         assert r["ok"] is False and r["error"] == "CheckpointPeerError", (rank, r)
         assert r["rank_named"] == culprit and f"disagree on {field}" in r["message"], (rank, r)
-        assert r["elapsed_s"] < 2.0, r  # found at once, not at the deadline
+        assert r["elapsed_s"] < DEADLINE_S, r  # found at once, not at the deadline (the ranks' arrivals may differ)
         assert results[rank]["version_now"] == 1
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before
     assert not (tmp_path / "elsewhere").exists()
@@ -84,8 +88,7 @@ def test_after_a_timeout_the_job_saves_again_once_every_rank_is_back(tmp_path):
     # Regression: after one timed-out barrier every later save failed ("Application timeout
     # caused pair closure"): xlakit's gloo group was never replaced.
     job = Job(WORKER, "stopped-rank-then-recovery", tmp_path, WORLD)
-    job.wait_event(3, "saving-2")
-    job.signal(3, signal.SIGSTOP)
+    job.wait_stopped(3)  # it stops itself before save 2
     time.sleep(DEADLINE_S + MARGIN_S)
     job.signal(3, signal.SIGCONT)
     results = job.results()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.support.spmd_run import run_scenario
+from xlakit.checkpoint.core import workers
 from xlakit.checkpoint.file import spmd
 
 pytestmark = pytest.mark.xla
@@ -48,7 +49,9 @@ def test_sharded_tensors_travel_in_byte_capped_batches(saved):
 def test_shard_copy_runs_under_the_deadline(tmp_path):
     result = run_scenario("sharded_deadline", tmp_path)
     assert result["timeout"]["stage"] == "transfer"
-    assert result["timeout"]["elapsed_s"] < 0.5 + 1.0
+    # The deadline, the owner's wait for the worker (STOP_GRACE_S) and slack for a loaded machine: still under
+    # the 3 s the first shard copy takes, so the save did not wait for it.
+    assert result["timeout"]["elapsed_s"] < 0.5 + workers.STOP_GRACE_S + 1.5
     assert result["previous_intact"]
     assert result["to_host_expired_stage"] == "transfer"
     assert "cover 24 of its 48 elements" in result["partial_cover_error"]

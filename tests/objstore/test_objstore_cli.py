@@ -223,11 +223,13 @@ def test_an_endpoint_that_cannot_be_reached_is_one_line_within_the_request_timeo
     monkeypatch.setenv("XLAKIT_OBJECT_REQUEST_TIMEOUT_S", "3")
     import os
 
-    from tests.support.objstore_servers import free_port
+    from tests.support.ranks import private_port
 
     for name in ("STORAGE_EMULATOR_HOST", "AWS_ENDPOINT_URL"):
         if name in os.environ:
-            monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")  # nothing listens there
+            # Nothing listens there: not a port the kernel hands out (free_port), on which a gloo pair of a
+            # job of another xdist worker may listen by now.
+            monkeypatch.setenv(name, f"http://127.0.0.1:{private_port()}")
     start = time.monotonic()
     code, _, err = ckpt(capsys, "verify", f"{bucket}/x.pt")
     first, *hints = err.strip().splitlines()  # one line, then how to fix it, never a traceback

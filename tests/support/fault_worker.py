@@ -103,6 +103,8 @@ def run(scenario: str, folder: Path) -> dict:
         return out  # the sequence of coordinated operations is off from here on
     elif scenario == "stopped-rank-then-recovery":
         say(event="saving-2")
+        if RANK == 3:  # stops itself before save 2: a SIGSTOP the test sent at "saving-2" could land after its vote
+            os.kill(os.getpid(), signal.SIGSTOP)
         out["save2"] = outcome(lambda: xlakit.save(state(2), target, layout="sharded", timeout_s=DEADLINE_S))
         out["save3"] = outcome(lambda: xlakit.save(state(3), target, layout="sharded", timeout_s=30))
         out["dcp2"] = outcome(lambda: xlakit.dcp_save({"w": torch.ones(8) * RANK}, folder / "dcp", timeout_s=30))

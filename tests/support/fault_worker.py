@@ -109,7 +109,9 @@ def run(scenario: str, folder: Path) -> dict:
         out["save3"] = outcome(lambda: xlakit.save(state(3), target, layout="sharded", timeout_s=30))
         out["dcp2"] = outcome(lambda: xlakit.dcp_save({"w": torch.ones(8) * RANK}, folder / "dcp", timeout_s=30))
     elif scenario == "interrupted-rank":
-        if RANK == 1:  # a slow device (fake), so that the test's SIGINT lands mid-save
+        # A slow device (fake) on SLOW_RANK: the test's SIGINT to rank 1 lands mid-save, in its own transfer
+        # (SLOW_RANK 1) or while it waits for the slow rank 0 (SLOW_RANK 0).
+        if RANK == int(os.environ.get("SLOW_RANK", "1")):
             from tests.support import fakes
             from xlakit.checkpoint.file import transfer
 
@@ -118,7 +120,9 @@ def run(scenario: str, folder: Path) -> dict:
         parts = {**state(2), **{f"p{i}": torch.full((1024,), float(i)) for i in range(12)}}
         say(event="saving-2")
         try:
-            out["save2"] = outcome(lambda: xlakit.save(parts, target, layout="sharded", timeout_s=30,
+            # SHORT_RANK gives up at its 3 s deadline while it waits for the slow rank.
+            timeout_s = 3 if RANK == int(os.environ.get("SHORT_RANK", "-1")) else 30
+            out["save2"] = outcome(lambda: xlakit.save(parts, target, layout="sharded", timeout_s=timeout_s,
                                                        max_inflight_bytes=4096))
         except KeyboardInterrupt as e:
             out["save2"] = {"ok": False, "error": "KeyboardInterrupt", "notes": getattr(e, "__notes__", [])}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 
-from xlakit.checkpoint.core.operation import CANCEL, COMMIT, Gate
+from xlakit.checkpoint.core.operation import CANCEL, COMMIT, DEADLINE_PASSED, NO_TIME_LEFT, Gate
 from xlakit.errors import CheckpointPeerError
 
 _POLL_S = 0.02
@@ -59,12 +59,16 @@ class AgreedGate(Gate):
         c = self.coord
         waiting = list(c.waiting_for)
         stage = c.op.stage if c.op is not None else "start"
+        # Out of time while waiting: the ranks waited for are to blame. Given up for its own reason
+        # (Ctrl-C, a handle's cancel, the interpreter exiting), this rank is, however healthy they are.
+        blamed = waiting if reason in (DEADLINE_PASSED, NO_TIME_LEFT) else []
         error = (f"rank {c.rank} gave up ({reason}) in stage {stage!r}"
-                 + (f" while waiting for rank(s) {waiting} (stalled or died)" if waiting else ""))
-        record = c._abort_record(error, waiting or [c.rank], "deadline" in reason, stage)
+                 + (f" while waiting for rank(s) {blamed} (stalled or died)" if blamed else
+                    f" while waiting for rank(s) {waiting}" if waiting else ""))
+        record = c._abort_record(error, blamed or [c.rank], reason == DEADLINE_PASSED, stage)
         answer: list[dict] = []
 
-        grace = _VERDICT_GRACE_S if c.rank != c.committer and c.committer in waiting else 0.0
+        grace = _VERDICT_GRACE_S if c.rank != c.committer and c.committer in blamed else 0.0
 
         def ask() -> None:
             try:
@@ -93,11 +97,11 @@ class AgreedGate(Gate):
         # Until the store confirms an abort, this rank's files might be named by a commit.
         return self.outcome == CANCEL and self.confirmed
 
-    def foreign_error(self) -> Exception | None:
+    def foreign_error(self, *, blamed_too: bool = False) -> Exception | None:
         """The error for an abort another rank decided, if that is why this operation ended."""
         held = self.held
         if (held is not None and held.get("decision") != COMMIT and held.get("rank") != self.coord.rank
-                and self.coord.rank not in held.get("culprits", [])):
+                and (blamed_too or self.coord.rank not in held.get("culprits", []))):
             return self.coord.peer_error(held)
         return None  # this rank's own failure: its own error says more
 

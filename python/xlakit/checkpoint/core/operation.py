@@ -43,6 +43,8 @@ log = logging.getLogger("xlakit")
 _POLL_S = 0.05
 _LOCK_WAIT_S = 5.0  # how long a cancel waits for a commit already under way
 COMMIT, CANCEL = "commit", "cancel"
+# Reasons to give an operation up that are running out of time: in a job, the ranks it waited for are to blame.
+DEADLINE_PASSED, NO_TIME_LEFT = "the deadline passed", "no time left"
 
 
 class Cancelled(Exception):
@@ -99,8 +101,9 @@ class Gate:
         """Whether files a commit could still name may go: only once the operation is surely off."""
         return self.outcome == CANCEL
 
-    def foreign_error(self) -> Exception | None:
-        """Where another rank decided the operation's end: the error that names it."""
+    def foreign_error(self, *, blamed_too: bool = False) -> Exception | None:
+        """Where another rank decided the operation's end: the error that names it (`blamed_too`: also
+        where that rank blamed this one, which has no error of its own to say more)."""
         return None
 
     def blame(self) -> int | None:
@@ -221,7 +224,7 @@ class Operation:
         """
         with self.gate.lock:
             if self.gate.outcome is None and time.monotonic() >= self.deadline:
-                if self.gate.claim_cancel("the deadline passed") != COMMIT:  # another rank may have decided
+                if self.gate.claim_cancel(DEADLINE_PASSED) != COMMIT:  # another rank may have decided
                     self.stage, self.tensor = "commit", None
                     raise self.timeout_error(
                         f"The deadline had passed when the {self.kind} reached its commit, so it did not "
@@ -263,7 +266,7 @@ class Operation:
         """
         if time.monotonic() >= self.deadline:  # an earlier stage used it all
             self.gate.lock.acquire()
-            self.gate.claim_cancel("no time left")
+            self.gate.claim_cancel(NO_TIME_LEFT)
             self.gate.lock.release()
             workers.forget(self)  # an asynchronous save's write is tracked before it runs
             self.done.set()  # no worker will run: nothing waits for one
@@ -325,11 +328,13 @@ class Operation:
         if watch.callback is not None:
             watch.callback(self.progress())
         if self.error is not None:
-            raise self.error
+            # Stopped because another rank gave the operation up (after every vote, at the commit point):
+            # that rank's error, not the worker's internal signal.
+            raise (self.gate.foreign_error(blamed_too=True) if isinstance(self.error, Cancelled) else None) or self.error
         return self.result
 
     def _expire(self) -> Any:
-        outcome = self.cancel("the deadline passed")
+        outcome = self.cancel(DEADLINE_PASSED)
         if outcome == CANCEL:
             raise _Expired(self.gate.foreign_error() or self.timeout_error(None))
         if self.done.wait(workers.STOP_GRACE_S) and self.error is None:

@@ -177,9 +177,9 @@ def listing_or_empty(url: str) -> dict:
 
 
 def test_an_unreachable_store_leaves_the_job_on_its_local_cache_said_once(tmp_path):
-    from tests.support.objstore_servers import free_port
+    from tests.support.ranks import private_port
 
-    closed = f"http://127.0.0.1:{free_port()}"
+    closed = f"http://127.0.0.1:{private_port()}"  # not one the kernel hands out: another test's socket may take it
     first = vm(tmp_path, "gs://nowhere/cache", "offline", STORAGE_EMULATOR_HOST=closed,
                XLAKIT_CACHE_TIER_PULL_TIMEOUT_S="5", XLAKIT_CACHE_TIER_EXIT_TIMEOUT_S="5",
                XLAKIT_OBJECT_REQUEST_TIMEOUT_S="5")

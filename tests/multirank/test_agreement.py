@@ -138,6 +138,18 @@ def test_a_slow_committer_blamed_at_another_ranks_deadline_gets_that_error_not_a
         assert results[rank]["version_now"] == 1 and results[rank]["idle"], results[rank]
 
 
+# Regression (a helper's audit): a committing rank that reached its commit in the last second before the ranks'
+# earliest deadline gave the save up itself, and xlakit.save (or handle.result()) raised the internal Cancelled.
+@pytest.mark.parametrize("layout,asynchronous", [("sharded", "0"), ("replicated", "1")], ids=["sharded", "async-replicated"])
+def test_a_committer_too_close_to_the_deadline_gives_up_with_a_timeout_naming_itself(tmp_path, layout, asynchronous):
+    results = Job(WORKER, "late-committer", tmp_path, 2, env={"LAYOUT": layout, "ASYNC": asynchronous}).results()
+    for rank in range(2):
+        r = results[rank].get("save2") or results[rank]
+        assert r["ok"] is False and r["error"] == "CheckpointTimeoutError" and r["rank_named"] == 0, (rank, r)
+        assert rank == 0 or "rank 0 reached its commit too close to the earliest deadline" in r["message"], r
+        assert results[rank]["version_now"] == 1, results[rank]
+
+
 def test_asynchronous_sharded_and_replicated_saves_commit(tmp_path):
     results = Job(WORKER, "async-layouts", tmp_path, WORLD).results()
     for rank in range(WORLD):

@@ -135,6 +135,33 @@ def run(scenario: str, folder: Path) -> dict:
         out["temporaries_at_once"] = own()
         out["idle"] = xlakit.wait_until_idle(10)
         out["temporaries"] = own()
+    elif scenario == "late-committer":
+        # Rank 0 (the committer) reaches its commit inside the last second before the ranks' earliest deadline
+        # (a fake delay, exactly there): too late to commit safely, it gives the save up itself.
+        asynchronous = os.environ.get("ASYNC") == "1"
+        layout = os.environ.get("LAYOUT", "sharded")
+        where = target if layout == "sharded" else folder / "replicated.pt"
+        if layout != "sharded":
+            xlakit.save(state(1), where, layout=layout, timeout_s=30)
+        if RANK == 0:
+            from xlakit.checkpoint.coordination import agreement
+
+            real = agreement.Coordination.votes
+
+            def late(self, op, round_="vote"):
+                time.sleep(max(self.earliest_deadline() - 0.5 - time.time(), 0.0))
+                return real(self, op, round_)
+
+            agreement.Coordination.votes = late
+
+        def save2():
+            handle = xlakit.save(state(2), where, layout=layout, timeout_s=DEADLINE_S, asynchronous=asynchronous)
+            if handle is not None:
+                handle.result(timeout=60)
+
+        out["save2"] = outcome(save2)
+        out["version_now"] = versions(where, layout)
+        return out
     elif scenario == "async-layouts":
         for layout in ("sharded", "replicated"):
             where = target if layout == "sharded" else folder / "replicated.pt"

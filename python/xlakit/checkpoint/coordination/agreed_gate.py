@@ -46,9 +46,15 @@ class AgreedGate(Gate):
             return self.outcome == COMMIT
         c = self.coord
         if c._past_commit_time():
-            self.settle(c.claim(c._abort_record(
-                "the earliest deadline of the ranks was reached before every rank was ready",
-                [c.rank], True, "commit")))
+            late = f"rank {c.rank} reached its commit too close to the earliest deadline of the ranks to commit"
+            self.settle(c.claim(c._abort_record(late, [c.rank], True, "commit")))
+            if self.outcome == CANCEL and self.held.get("rank") == c.rank and c.op is not None:
+                # Its own decision: its own error (the worker's internal Cancelled would reach the caller).
+                c.op.stage, c.op.tensor = "commit", None
+                raise c.op.timeout_error(
+                    f"{late.capitalize()} before it (every rank had voted ready), so it gave the "
+                    f"{c.op.kind} up on every rank: nothing was committed, {c.op.untouched}. If the "
+                    f"{c.op.kind} is merely slow, raise timeout_s on every rank.")
         else:
             self.settle(c.claim({"decision": COMMIT, "rank": c.rank}))
         return self.outcome == COMMIT

@@ -150,6 +150,18 @@ def test_a_committer_too_close_to_the_deadline_gives_up_with_a_timeout_naming_it
         assert results[rank]["version_now"] == 1, results[rank]
 
 
+def test_a_handle_cancelled_while_waiting_for_the_committer_raises_cancelled_error_there(tmp_path):
+    # Regression (a helper's audit): the worker of a rank waiting for the commit read that rank's own abort claim
+    # in the store before the claim was settled, and result() raised a CheckpointPeerError naming that rank
+    # ("rank 1: rank 1 gave up") instead of CancelledError.
+    results = Job(WORKER, "cancelled-handle", tmp_path, 2).results()
+    assert results[1]["cancelled"] is True and results[1]["save2"]["error"] == "CancelledError", results[1]
+    r = results[0].get("save2") or results[0]
+    assert r["error"] == "CheckpointPeerError" and r["rank_named"] == 1, r
+    assert "cancelled through its handle" in r["message"] and "stalled or died" not in r["message"], r
+    assert results[0]["version_now"] == results[1]["version_now"] == 1, results
+
+
 def test_asynchronous_sharded_and_replicated_saves_commit(tmp_path):
     results = Job(WORKER, "async-layouts", tmp_path, WORLD).results()
     for rank in range(WORLD):

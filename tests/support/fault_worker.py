@@ -8,6 +8,7 @@ may act on (a signal to this PID), `{"result": {...}}` is the outcome.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -162,6 +163,36 @@ def run(scenario: str, folder: Path) -> dict:
         out["save2"] = outcome(save2)
         out["version_now"] = versions(where, layout)
         return out
+    elif scenario == "cancelled-handle":
+        # Rank 1 cancels its asynchronous save through its handle while it waits for rank 0 (slow: a fake
+        # 3 s before it collects the votes). Its store answers its abort claim late (a fake 0.3 s delay):
+        # the abort is in the store before this rank has settled it.
+        from xlakit.checkpoint.coordination import agreement
+
+        if RANK == 0:
+            real_votes = agreement.Coordination.votes
+
+            def slow(self, op, round_="vote"):
+                time.sleep(3.0)
+                return real_votes(self, op, round_)
+
+            agreement.Coordination.votes = slow
+        handle = xlakit.save(state(2), target, layout="sharded", asynchronous=True, timeout_s=30)
+        if RANK == 1:
+            real_claim = agreement.Coordination.claim
+
+            def late_answer(self, record):
+                held = real_claim(self, record)
+                time.sleep(0.3)
+                return held
+
+            agreement.Coordination.claim = late_answer
+            time.sleep(1.0)
+            out["cancelled"] = handle.cancel()
+        try:
+            out["save2"] = outcome(lambda: handle.result(timeout=60))
+        except concurrent.futures.CancelledError as e:
+            out["save2"] = {"ok": False, "error": "CancelledError", "message": str(e)}
     elif scenario == "async-layouts":
         for layout in ("sharded", "replicated"):
             where = target if layout == "sharded" else folder / "replicated.pt"

@@ -369,8 +369,11 @@ class Coordination:
         while True:
             held = self.decision()
             if held is not None and held["decision"] != COMMIT:
-                raise self.peer_error(held)
-            if held is not None:
+                # This rank's own abort (its owner gave up, e.g. a handle's cancel) is not a peer's: the owner
+                # settles it, and `op.check()` stops this worker.
+                if held["rank"] != self.rank:
+                    raise self.peer_error(held)
+            elif held is not None:
                 self.gate.settle(held)
                 final = self.peek("final")
                 if final is not None:

@@ -168,6 +168,8 @@ def test_asynchronous_sharded_and_replicated_saves_commit(tmp_path):
         r = results[rank]
         assert r["async-sharded"]["ok"] and r["async-replicated"]["ok"], r
         assert r["version-sharded"] == 5 and r["version-replicated"] == 5, r
+        # Regression: a sharded save's handle named this rank's shard file, not the checkpoint folder.
+        assert r["path-sharded"][0] == r["path-sharded"][1] and r["path-replicated"][0] == r["path-replicated"][1], r
 
 
 def test_an_asynchronous_failure_on_one_rank_surfaces_on_every_rank(tmp_path):

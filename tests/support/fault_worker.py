@@ -198,6 +198,7 @@ def run(scenario: str, folder: Path) -> dict:
             where = target if layout == "sharded" else folder / "replicated.pt"
             handle = xlakit.save(state(5), where, layout=layout, asynchronous=True, timeout_s=30)
             out[f"async-{layout}"] = outcome(lambda: handle.result(timeout=60))
+            out[f"path-{layout}"] = [str(handle.path), str(where)]  # the checkpoint named, not this rank's shard
             out[f"version-{layout}"] = versions(where, layout)
         return out
     elif scenario == "async-failure":

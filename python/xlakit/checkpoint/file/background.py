@@ -224,8 +224,9 @@ def stage(op: Operation, job: pipeline.FileSave) -> Staged | device_staging.Stag
 
 def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
           write_phase: Callable[[Operation, Any], None], *, gate: Gate | None = None,
-          rank: int | None = None) -> SaveHandle:
-    """Run `stage_phase` on the caller's thread, then `write_phase` in the background."""
+          rank: int | None = None, path: Path | None = None) -> SaveHandle:
+    """Run `stage_phase` on the caller's thread, then `write_phase` in the background; the handle is of
+    `path`, the checkpoint the caller named (default `job.final`; a rank's shard file is only its part)."""
     global _pending
     watch = Watch.of(job.opts)
     first = Operation("save (staging)", job.final, watch, bytes_total=job.plan.nbytes, gate=gate,
@@ -234,7 +235,7 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
     second = Operation("save", job.final, watch, bytes_total=job.plan.nbytes, started=first.started,
                        gate=first.gate, rank=rank)
     second.background = True
-    handle = SaveHandle(job.final, time.monotonic() - first.started, second, first)
+    handle = SaveHandle(path or job.final, time.monotonic() - first.started, second, first)
 
     # The owner waits until the caller holds its handle: a thread that starts running Python
     # at once keeps the GIL for up to its switch interval (5 ms) while the caller waits to return.
@@ -254,17 +255,17 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
         except BaseException as e:  # noqa: BLE001 - kept for result() and the next save
             if isinstance(e, Cancelled) and handle._cancelled:  # asked for: no failure to report
                 handle._seen = True
-                handle._error = CancelledError(f"the asynchronous save of {job.final} was cancelled; "
+                handle._error = CancelledError(f"the asynchronous save of {handle.path} was cancelled; "
                                                f"nothing was committed")
             else:
                 handle._error = e
-                log.error("xlakit: asynchronous save of %s failed: %s", job.final, e)
+                log.error("xlakit: asynchronous save of %s failed: %s", handle.path, e)
         finally:
             staged = None  # the host copies go before result() returns, not while this thread ends
             handle._finished.set()
 
     def never_started() -> None:
-        handle._error = CheckpointAsyncError(f"the asynchronous save of {job.final} was interrupted "
+        handle._error = CheckpointAsyncError(f"the asynchronous save of {handle.path} was interrupted "
                                              f"before its write began; nothing was written")
         second.done.set()  # no worker will: the write is over before it began
         workers.forget(second)

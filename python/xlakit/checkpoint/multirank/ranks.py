@@ -160,7 +160,7 @@ def save(obj: Any, path: Path, opts: SaveOptions, *, saver: type[CoordinatedSave
     save_ = saver(obj, path, opts, store=store)
     if opts.asynchronous:
         job = save_.job or pipeline.FileSave(path, opts, _empty_plan(), b"", b"")
-        return background.start(job, save_.stage, save_.write, gate=save_.coord.gate, rank=save_.rank)
+        return background.start(job, save_.stage, save_.write, gate=save_.coord.gate, rank=save_.rank, path=path)
     op = save_.operation("save")
     op.run(save_.run)
     return None

@@ -3,16 +3,15 @@
 The manager adds policy, not a new way to write: each step is one
 `xlakit.save` (or `dcp_save`) into `<directory>/<step>/`, committed by that
 save's own commit point, and the steps are whatever `steps.scan` finds
-committed on disk (see `steps.py` for the layout and why a crash at any
-moment leaves a consistent view; `bucket_steps.py` for the same on
-object storage, where a lease replaces the folder's lock). In a
-torch.distributed job every decision goes through the job's agreement
-(`decisions.decide`): the configuration
-when the managers start, the step before each save (rank 0 writes its
-record, or every rank learns why it could not), and the set of steps to
-delete after each commit or at a rollback (`rollback.py`; rank 0 moves them
-to the trash only once every rank proposed the same set and voted). Ranks
-call the manager's methods in the same order, as they call collectives.
+committed on disk (see `steps.py` for the layout and why a crash at any moment
+leaves a consistent view; `bucket_steps.py` for the same on object storage,
+where a lease replaces the folder's lock). In a torch.distributed job every
+decision goes through the job's agreement (`decisions.decide`): the
+configuration when the managers start, the step before each save (rank 0
+writes its record, or every rank learns why it could not), and the set of
+steps to delete after each commit or at a rollback (`rollback.py`; rank 0
+moves them to the trash only once every rank proposed the same set and voted).
+Ranks call the manager's methods in the same order, as they call collectives.
 
 Asynchronous saves run one at a time; the next `save`, `wait`, `restore` or
 `close` waits for the one in flight and raises its error, and runs retention
@@ -226,8 +225,7 @@ class CheckpointManager:
                          prepare=prepare)
         previous, self._last = self._last, step if self._last is None else max(self._last, step)
         target = self._folder.target(step, record)
-        from xlakit import checkpoint
-
+        from xlakit import checkpoint  # (the package imports this module)
         try:
             if self.layout == "dcp":
                 checkpoint.dcp_save(state, target, options=opts)
@@ -240,9 +238,7 @@ class CheckpointManager:
                     return True
         except BaseException as e:
             self._last = previous  # nothing was saved: `should_save(step)` is true again, a retry saves
-            # A refused state (or option) leaves no step behind, removed before the caller sees the error
-            # (no late delete). In a job, one rank's refusal is not the others' to act on: it stays there.
-            if isinstance(e, (TypeError, ValueError)) and self._world == 1:
+            if isinstance(e, (TypeError, ValueError)) and self._world == 1:  # refused: no step left (`withdraw`)
                 self._folder.withdraw(step, record)
             raise
         self._preempt_saved = self._preempt_saved or preempt

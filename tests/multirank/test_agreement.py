@@ -140,7 +140,8 @@ def test_a_slow_committer_blamed_at_another_ranks_deadline_gets_that_error_not_a
 
 # Regression (a helper's audit): a committing rank that reached its commit in the last second before the ranks'
 # earliest deadline gave the save up itself, and xlakit.save (or handle.result()) raised the internal Cancelled.
-@pytest.mark.parametrize("layout,asynchronous", [("sharded", "0"), ("replicated", "1")], ids=["sharded", "async-replicated"])
+@pytest.mark.parametrize("layout,asynchronous", [("sharded", "0"), ("replicated", "1")],
+                         ids=["sharded", "async-replicated"])
 def test_a_committer_too_close_to_the_deadline_gives_up_with_a_timeout_naming_itself(tmp_path, layout, asynchronous):
     results = Job(WORKER, "late-committer", tmp_path, 2, env={"LAYOUT": layout, "ASYNC": asynchronous}).results()
     for rank in range(2):

@@ -2,12 +2,12 @@
 
 Each area module exposes `add_parser(subparsers)` which registers its
 subcommand and sets `func(args) -> int`. Errors xlakit raises on purpose are
-printed as one line, then their hints (how to fix it), never a traceback, with exit status 2. Stdout is the report's:
-the commands that read files (`ckpt`, `cache`, `pjrt`) run with torch's
-device-backend autoload off, so torch imports no device backend (torch-tpu's
-import prints, and aborts a process without libtpu or TPU_LIBRARY_PATH), and
-the runtime's commands import torch with stdout sent to stderr
-(`runtime/torchtpu.py`).
+printed as one line, then their hints (how to fix it), never a traceback, with
+exit status 2. Stdout is the report's: the commands that read files (`ckpt`,
+`cache`, `pjrt`) run with torch's device-backend autoload off, so torch
+imports no device backend (torch-tpu's import prints, and aborts a process
+without libtpu or TPU_LIBRARY_PATH), and the runtime's commands import torch
+with stdout sent to stderr (`runtime/torchtpu.py`).
 """
 
 from __future__ import annotations

@@ -330,7 +330,8 @@ class Operation:
         if self.error is not None:
             # Stopped because another rank gave the operation up (after every vote, at the commit point):
             # that rank's error, not the worker's internal signal.
-            raise (self.gate.foreign_error(blamed_too=True) if isinstance(self.error, Cancelled) else None) or self.error
+            foreign = self.gate.foreign_error(blamed_too=True) if isinstance(self.error, Cancelled) else None
+            raise foreign or self.error
         return self.result
 
     def _expire(self) -> Any:

@@ -182,7 +182,10 @@ def test_on_the_tpu_route_the_device_holds_one_copy_of_the_state_until_it_is_on_
     # The wrapper's count of live device buffers: the copies exist when the call returns, and are gone after.
     assert on_device["returned_extra"] == state and on_host["returned_extra"] == 0
     assert on_device["after_extra"] == 0 and on_host["after_extra"] == 0
-    assert on_device["peak_extra"] <= on_host["peak_extra"] + state  # the training steps' own, plus one copy
+    # After each training step, once the runtime freed what it dropped: at most the one copy on the device
+    # (less as batches reach the host); on the host route nothing. A second copy anywhere reads here as
+    # 2x the state for 10 s.
+    assert max(on_device["settled_extra"]) <= state and on_host["settled_extra"] == [0, 0, 0]
     assert on_device["saved_the_call"] and on_host["saved_the_call"]
 
 

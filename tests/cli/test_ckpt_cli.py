@@ -737,6 +737,12 @@ def test_a_command_error_prints_how_to_fix_it_under_its_one_line(tmp_path, capsy
     code, out, err = ckpt(capsys, "convert", tmp_path / "dcp", "--to", "xlakit", tmp_path / "o.pt", *allow)
     assert code == 2 and "cannot save rng/1: it is a numpy.ndarray" in err.splitlines()[0], err
     assert "`--to safetensors` keeps such a value as text" in err and not (tmp_path / "o.pt").exists(), err
+    # An OSError of xlakit's (CheckpointWriteError) too: its line is its strerror, its hint still follows.
+    code, out, err = ckpt(capsys, "convert", tmp_path / "run" / "1" / "ckpt.pt", "--to", "xlakit",
+                          tmp_path / "nowhere" / "o.pt")
+    first, hint = err.splitlines()
+    assert code == 2 and first.endswith(f"the folder {tmp_path / 'nowhere'} does not exist"), err
+    assert hint.startswith("  How to fix: create it first"), err
 
 
 def test_allow_global_hint_for_a_plain_torch_save_file(tmp_path, capsys):

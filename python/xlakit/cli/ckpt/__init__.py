@@ -61,18 +61,23 @@ def _guarded(func):
 
 
 def _error_message(e: Exception, command: str) -> str:
+    """The error's line, then its hints (`with_hints`)."""
+    line = _line(e)
+    if command in _ALLOWING and isinstance(e, XlakitError):
+        from xlakit.checkpoint.format import pickled
+
+        refused = pickled.named_refused(line)
+        if refused:  # the command's own way to allow it, in place of the Python one its hint gives
+            return f"{line}; if you trust it, pass --allow-global {refused}"
+    return with_hints(line, e)
+
+
+def _line(e: Exception) -> str:
     if isinstance(e, OSError) and e.strerror:
         if e.filename is None or str(e.filename) in e.strerror:  # xlakit's own messages name the path
             return e.strerror
         return f"{e.filename}: {e.strerror}"
-    if not isinstance(e, XlakitError):
-        return f"{type(e).__name__}: {e}"
-    from xlakit.checkpoint.format import pickled
-
-    refused = pickled.named_refused(str(e)) if command in _ALLOWING else None
-    if refused:  # the command's own way to allow it, in place of the Python one its hint gives
-        return f"{e}; if you trust it, pass --allow-global {refused}"
-    return with_hints(str(e), e)
+    return str(e) if isinstance(e, XlakitError) else f"{type(e).__name__}: {e}"
 
 
 def add_parser(subparsers) -> None:

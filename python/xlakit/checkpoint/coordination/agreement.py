@@ -368,16 +368,13 @@ class Coordination:
         op.enter("commit")
         while True:
             held = self.decision()
-            if held is not None and held["decision"] != COMMIT:
-                # This rank's own abort (its owner gave up, e.g. a handle's cancel) is not a peer's: the owner
-                # settles it, and `op.check()` stops this worker.
-                if held["rank"] != self.rank:
-                    raise self.peer_error(held)
-            elif held is not None:
+            if held is not None and held["decision"] == COMMIT:
                 self.gate.settle(held)
                 final = self.peek("final")
                 if final is not None:
                     return final
+            elif held is not None and held["rank"] != self.rank:  # its own abort: `op.check()` stops this worker
+                raise self.peer_error(held)
             _answer()
             op.check()
             time.sleep(_POLL_S)

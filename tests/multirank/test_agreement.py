@@ -151,6 +151,17 @@ def test_a_committer_too_close_to_the_deadline_gives_up_with_a_timeout_naming_it
         assert results[rank]["version_now"] == 1, results[rank]
 
 
+def test_a_rank_out_of_time_before_its_write_began_is_a_timeout_on_every_rank(tmp_path):
+    # Regression: the abort of a rank whose deadline passed between the two phases of an asynchronous save
+    # ("no time left") was recorded as no timeout, and the other ranks raised CheckpointPeerError.
+    results = Job(WORKER, "no-time-left", tmp_path, 2).results()
+    for rank in range(2):
+        r = results[rank].get("save2") or results[rank]
+        assert r["ok"] is False and r["error"] == "CheckpointTimeoutError" and r["rank_named"] == 1, (rank, r)
+        assert results[rank]["version_now"] == 1, results[rank]
+    assert "rank 1 gave up (no time left)" in results[0]["save2"]["message"], results[0]
+
+
 def test_a_handle_cancelled_while_waiting_for_the_committer_raises_cancelled_error_there(tmp_path):
     # Regression (a helper's audit): the worker of a rank waiting for the commit read that rank's own abort claim
     # in the store before the claim was settled, and result() raised a CheckpointPeerError naming that rank

@@ -163,6 +163,36 @@ def run(scenario: str, folder: Path) -> dict:
         out["save2"] = outcome(save2)
         out["version_now"] = versions(where, layout)
         return out
+    elif scenario == "no-time-left":
+        # Rank 1's asynchronous save hands its write over after its deadline (a fake delay between the two
+        # phases, exactly there): its write never starts. Rank 0, 1 s later to the save, is still writing its
+        # shard then (a fake 3.5 s rename): it meets rank 1's abort, the first, when it goes on.
+        from xlakit.checkpoint.file import background
+
+        if RANK == 1:
+            real_handle = background.SaveHandle.__init__
+
+            def late(self, path, blocked_s, op, staged=None):
+                time.sleep(max(op.deadline - time.monotonic() + 0.2, 0.0))
+                real_handle(self, path, blocked_s, op, staged)
+
+            background.SaveHandle.__init__ = late
+        else:
+            real_rename = local_store._rename_shard
+
+            def slow(op, tmp, final):
+                time.sleep(3.5)
+                real_rename(op, tmp, final)
+
+            local_store._rename_shard = slow
+            time.sleep(1.0)
+
+        def save2():
+            xlakit.save(state(2), target, layout="sharded", timeout_s=DEADLINE_S, asynchronous=True).result(60)
+
+        out["save2"] = outcome(save2)
+        out["version_now"] = versions(target, "sharded")
+        return out
     elif scenario == "cancelled-handle":
         # Rank 1 cancels its asynchronous save through its handle while it waits for rank 0 (slow: a fake
         # 3 s before it collects the votes). Its store answers its abort claim late (a fake 0.3 s delay):

@@ -71,7 +71,7 @@ class AgreedGate(Gate):
         error = (f"rank {c.rank} gave up ({reason}) in stage {stage!r}"
                  + (f" while waiting for rank(s) {blamed} (stalled or died)" if blamed else
                     f" while waiting for rank(s) {waiting}" if waiting else ""))
-        record = c._abort_record(error, blamed or [c.rank], reason == DEADLINE_PASSED, stage)
+        record = c._abort_record(error, blamed or [c.rank], reason in (DEADLINE_PASSED, NO_TIME_LEFT), stage)
         answer: list[dict] = []
 
         grace = _VERDICT_GRACE_S if c.rank != c.committer and c.committer in blamed else 0.0

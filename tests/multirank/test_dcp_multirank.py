@@ -16,7 +16,7 @@ import torch
 
 import xlakit
 from tests.support import ranks
-from tests.support.dcp_worker import DEADLINE_S
+from tests.support.dcp_worker import DEADLINE_S, INTERRUPTED_DEADLINE_S
 from xlakit.checkpoint.core import load_stats
 from xlakit.checkpoint.format import folders
 from tests.support import SUPPORT
@@ -124,3 +124,16 @@ def test_a_rank_dying_mid_save_is_named_by_the_others_and_the_previous_loads(fai
     # No temporary folder is left, and neither failed save replaced version 1.
     assert sorted(os.listdir(folder)) == ["ckpt"]
     _assert_version(_load_here(folder / "ckpt"), 1)
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_one_rank_ends_the_others_wait_in_a_collective_before_their_deadline(tmp_path):
+    # Regression: rank 1 interrupted after the agreement left rank 0 in the rendezvous of the save's gloo group
+    # until its deadline (an hour by default); it now raises rank 1's abort a few seconds after it was claimed.
+    results = run_ranks("interrupted", tmp_path, world=2)
+    assert results[1]["save2"] == {**results[1]["save2"], "error": "KeyboardInterrupt"}, results[1]
+    r = results[0]["save2"]
+    assert r.get("error") == "CheckpointPeerError" and r["rank_named"] == 1, r
+    assert "rank 1 gave up (KeyboardInterrupt in the caller)" in r["message"], r
+    assert r["elapsed_s"] < INTERRUPTED_DEADLINE_S / 2, r
+    _assert_version(_load_here(tmp_path / "ckpt"), 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -137,6 +138,30 @@ def run(scenario: str, folder: Path) -> None:
         dist.barrier()
         if RANK == 0:
             flip(damaged)
+    elif scenario == "interrupted":
+        # Rank 1 is interrupted (Ctrl-C: a SIGINT its worker sends itself, a fake) just before the save's
+        # fresh group is made, after the agreement: rank 0 waits in the group's rendezvous, which only rank 1
+        # could end.
+        xlakit.dcp_save(saved_state(1), target, timeout_s=30)
+        if RANK == 1:
+            from xlakit.checkpoint.coordination import agreement
+
+            real = agreement.Coordination.group
+
+            def interrupted(self, op):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(3.0)
+                return real(self, op)
+
+            agreement.Coordination.group = interrupted
+        start = time.monotonic()
+        try:
+            xlakit.dcp_save(saved_state(2), target, timeout_s=INTERRUPTED_DEADLINE_S)
+            report("save2", start, saved=True)
+        except KeyboardInterrupt:
+            report("save2", start, error="KeyboardInterrupt")
+        except xlakit.CheckpointError as e:
+            report("save2", start, **_error(e))
     elif scenario == "failures":
         # One job: a committed save, a save rank 1 cannot write, then one during which it dies.
         xlakit.dcp_save(saved_state(1), target, timeout_s=30)
@@ -145,6 +170,7 @@ def run(scenario: str, folder: Path) -> None:
 
 
 DEADLINE_S = 4.0
+INTERRUPTED_DEADLINE_S = 20.0
 
 
 if __name__ == "__main__":

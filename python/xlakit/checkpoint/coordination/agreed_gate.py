@@ -18,13 +18,17 @@ from __future__ import annotations
 import threading
 import time
 
-from xlakit.checkpoint.core.operation import CANCEL, COMMIT, DEADLINE_PASSED, NO_TIME_LEFT, Gate
+from xlakit.checkpoint.core import workers
+from xlakit.checkpoint.core.gate import CANCEL, COMMIT, DEADLINE_PASSED, NO_TIME_LEFT, Gate
 from xlakit.errors import CheckpointPeerError
 
 _POLL_S = 0.02
 _CLAIM_WAIT_S = 2.0  # how long a cancel waits for the store to confirm its abort
 _VERDICT_GRACE_S = 2.0  # at its deadline, how long a rank waits for the committer's verdict
 STORE_HOST = 0  # the rank whose process serves the job's TCPStore when the job is not under torchrun
+_LOOK_EVERY_S = 0.5  # how often an owner looks in the store for another rank's abort while its worker runs
+_WORKER_FIRST_S = 3.0  # how long it then leaves the worker to see that abort itself (it polls the store;
+                       # a collective another rank left does not return before its timeout)
 
 
 class AgreedGate(Gate):
@@ -36,6 +40,10 @@ class AgreedGate(Gate):
         self.held: dict | None = None
         self.confirmed = True
         self.store_silent = False
+        self._next_look = time.monotonic() + _LOOK_EVERY_S
+        self._looking = False
+        self._seen: dict | None = None  # another rank's abort, as the owner's look found it in the store
+        self._seen_at = 0.0
 
     def settle(self, held: dict) -> None:
         self.held = held
@@ -61,6 +69,9 @@ class AgreedGate(Gate):
 
     def claim_cancel(self, reason: str) -> str:
         if self.outcome is not None:
+            return self.outcome
+        if self._seen is not None:  # the store's decision, already read: final, nothing to claim
+            self.settle(self._seen)
             return self.outcome
         c = self.coord
         waiting = list(c.waiting_for)
@@ -102,6 +113,33 @@ class AgreedGate(Gate):
     def may_discard(self) -> bool:
         # Until the store confirms an abort, this rank's files might be named by a commit.
         return self.outcome == CANCEL and self.confirmed
+
+    def stopped_elsewhere(self) -> bool:
+        """Another rank's abort is in the store and this rank's worker has not ended `_WORKER_FIRST_S`
+        after it was seen. The store is asked on a thread of its own, over a connection of its own
+        (a stopped store host must not hold the owner, which enforces the deadline)."""
+        now = time.monotonic()
+        if self.outcome is not None:
+            return False
+        if self._seen is None:
+            if not self._looking and now >= self._next_look:
+                self._next_look, self._looking = now + _LOOK_EVERY_S, True
+                workers.start_thread(self._look, "xlakit-abort-look", never_started=self._looked)
+            return False
+        return now >= self._seen_at + _WORKER_FIRST_S
+
+    def _look(self) -> None:
+        try:
+            held = self.coord.decision_aside()
+            if held is not None and held.get("decision") != COMMIT and held.get("rank") != self.coord.rank:
+                self._seen_at, self._seen = time.monotonic(), held
+        except Exception:  # noqa: BLE001 - a store that does not answer: the deadline decides
+            pass
+        finally:
+            self._looked()
+
+    def _looked(self) -> None:
+        self._looking = False
 
     def foreign_error(self, *, blamed_too: bool = False) -> Exception | None:
         """The error for an abort another rank decided, if that is why this operation ended."""

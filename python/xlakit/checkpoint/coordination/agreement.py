@@ -47,11 +47,13 @@ from datetime import timedelta
 from typing import Any
 
 from xlakit.checkpoint.coordination.agreed_gate import _POLL_S, STORE_HOST, AgreedGate
-from xlakit.checkpoint.core.operation import CANCEL, COMMIT, Operation
+from xlakit.checkpoint.core.gate import CANCEL, COMMIT
+from xlakit.checkpoint.core.operation import Operation
 from xlakit.errors import CheckpointPeerError, CheckpointTimeoutError, XlakitError
 
 _SURVIVOR_WAIT_S = 3.0  # after a broken collective, how long survivors wait for each other's reports
 _COMMIT_MARGIN_S = 1.0  # the committing rank stops this long before the earliest deadline
+_ASIDE_TIMEOUT_S = 2.0  # decision_aside(): a store host that does not answer is the deadline's to judge
 _sequence = 0  # coordinated operations started by this process; every rank counts the same
 _sequence_lock = threading.Lock()
 _answers: list[Callable[[], None]] = []  # run in every wait loop (see `answering`)
@@ -140,6 +142,7 @@ class Coordination:
         self.committer = committer
         self.final_sent = False
         self._group = None
+        self._aside = None  # decision_aside()'s connection
 
     # -- store primitives ---------------------------------------------------------------------
     def _key(self, name: str) -> str:
@@ -172,6 +175,15 @@ class Coordination:
 
     def decision(self) -> dict | None:
         return self.peek("decision")
+
+    def decision_aside(self) -> dict | None:
+        """`decision()` over a connection of its own, answered within `_ASIDE_TIMEOUT_S`: the shared
+        one waits behind the worker's blocking calls (the rendezvous of a new group)."""
+        if self._aside is None:
+            self._aside = self.store.clone()
+            self._aside.set_timeout(timedelta(seconds=_ASIDE_TIMEOUT_S))
+        key = self._key("decision")
+        return json.loads(self._aside.get(key)) if self._aside.check([key]) else None
 
     def first(self, name: str, value: dict) -> dict:
         """Set `name` to `value` unless a rank set it first; the value that holds (atomic)."""

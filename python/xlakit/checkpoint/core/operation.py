@@ -12,9 +12,9 @@ that raises) cancels the operation. The worker notices at its next batch or
 write boundary (`enter`, `advance`), stops and removes its temporary files;
 the owner removes them too, at once. The commit (the rename over the final
 name, a commit record, a folder exchange) happens only inside
-`commit_point()`, which claims the operation's `Gate` under the same lock
-that `cancel()` takes: the commit either happens entirely before the owner
-gives up, or never. A gate can also be agreed across ranks (`agreement.py`).
+`commit_point()`, which claims the operation's `Gate` (`gate.py`) under the same
+lock that `cancel()` takes: the commit either happens entirely before the owner
+gives up, or never. A gate can also be agreed across ranks (`agreed_gate.py`).
 
 The worker threads themselves, and the clean exit, are `workers.py`'s.
 """
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from xlakit.checkpoint.core import workers
+from xlakit.checkpoint.core.gate import CANCEL, COMMIT, DEADLINE_PASSED, NO_TIME_LEFT, STOPPED_ELSEWHERE, Gate
 from xlakit.checkpoint.core.load_stats import LoadStats
 from xlakit.checkpoint.core.stage_clock import StageClock
 from xlakit.checkpoint.core.options import LoadOptions, Progress, ProgressCallback, SaveOptions
@@ -42,9 +43,6 @@ log = logging.getLogger("xlakit")
 
 _POLL_S = 0.05
 _LOCK_WAIT_S = 5.0  # how long a cancel waits for a commit already under way
-COMMIT, CANCEL = "commit", "cancel"
-# Reasons to give an operation up that are running out of time: in a job, the ranks it waited for are to blame.
-DEADLINE_PASSED, NO_TIME_LEFT = "the deadline passed", "no time left"
 
 
 class Cancelled(Exception):
@@ -72,47 +70,6 @@ class Watch:
     def of(cls, opts: SaveOptions | LoadOptions) -> "Watch":
         return cls(opts.timeout_s, opts.stall_warning_s, opts.progress_interval_s,
                    opts.progress_callback)
-
-
-class Gate:
-    """Decides, once, whether an operation commits or is cancelled.
-
-    `lock` is held by whoever decides; subclasses add agreement across ranks
-    (the decision is then also claimed in the job's store).
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.outcome: str | None = None
-
-    def claim_commit(self) -> bool:
-        """With `lock` held: True when this operation may commit (nobody cancelled it)."""
-        if self.outcome is None:
-            self.outcome = COMMIT
-        return self.outcome == COMMIT
-
-    def claim_cancel(self, reason: str) -> str:
-        """With `lock` held: cancel unless the commit was claimed first; the outcome."""
-        if self.outcome is None:
-            self.outcome = CANCEL
-        return self.outcome
-
-    def may_discard(self) -> bool:
-        """Whether files a commit could still name may go: only once the operation is surely off."""
-        return self.outcome == CANCEL
-
-    def foreign_error(self, *, blamed_too: bool = False) -> Exception | None:
-        """Where another rank decided the operation's end: the error that names it (`blamed_too`: also
-        where that rank blamed this one, which has no error of its own to say more)."""
-        return None
-
-    def blame(self) -> int | None:
-        """The rank a failure is due to, where ranks are involved."""
-        return None
-
-    def wait_note(self) -> str | None:
-        """What the operation was waiting for when it gave up, where that explains the failure."""
-        return None
 
 
 class Operation:
@@ -314,6 +271,8 @@ class Operation:
             now = time.monotonic()
             if now >= self.deadline:
                 return self._expire()
+            if self.gate.stopped_elsewhere():
+                self._stop_for_another_rank()
             if now >= next_log:
                 self._log_progress()
                 next_log = now + watch.progress_interval_s
@@ -333,6 +292,17 @@ class Operation:
             foreign = self.gate.foreign_error(blamed_too=True) if isinstance(self.error, Cancelled) else None
             raise foreign or self.error
         return self.result
+
+    def _stop_for_another_rank(self) -> None:
+        """Another rank gave the operation up and this rank's worker has not seen it: it waits in a
+        collective that rank left (DCP's, a broadcast), which ends only at the deadline. Cancel, and
+        raise that rank's error now; the worker stops when the collective returns."""
+        if self.cancel(STOPPED_ELSEWHERE) != CANCEL:
+            return  # it committed first, or is committing: the worker's own outcome decides
+        error = self.gate.foreign_error(blamed_too=True)
+        if error is not None:
+            _note(error, self._cancel_note(self.done.wait(workers.STOP_GRACE_S)))
+            raise _Expired(error)
 
     def _expire(self) -> Any:
         outcome = self.cancel(DEADLINE_PASSED)

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from xlakit.checkpoint.file import device_staging, pipeline
-from xlakit.checkpoint.core.operation import COMMIT, Cancelled, Gate, Operation, Watch
+from xlakit.checkpoint.core.gate import COMMIT, Gate
+from xlakit.checkpoint.core.operation import Cancelled, Operation, Watch
 from xlakit.checkpoint.core import workers
 from xlakit.checkpoint.core.workers import start_thread
 from xlakit.checkpoint.core.options import SaveOptions

@@ -41,7 +41,8 @@ from typing import Any
 
 from xlakit.checkpoint.coordination.agreed_gate import _CLAIM_WAIT_S, _VERDICT_GRACE_S
 from xlakit.checkpoint.coordination.agreement import Coordination
-from xlakit.checkpoint.core.operation import COMMIT, Operation, Watch
+from xlakit.checkpoint.core.gate import COMMIT
+from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.file import pipeline
 from xlakit.checkpoint.tier import local_tier, peer_copy
 from xlakit.errors import CheckpointError, CheckpointPeerError, CheckpointWriteError

@@ -162,6 +162,24 @@ def test_foreign_removes_only_entry_named_files_in_a_folder_xlakit_made(mixed, c
     assert (mixed / "sub" / "target").exists() and (mixed / "sub" / "9").exists()
 
 
+def test_max_bytes_evicts_only_files_it_identifies_as_entries(mixed, capsys):
+    # Regression (a helper's audit): --max-bytes removed every file named like an entry (a decimal number, 64 hex
+    # digits) in any folder, content unchecked: the very files --foreign refuses as "may be another program's".
+    (mixed / ("a" * 64)).write_bytes(b"my notes\n")
+    (mixed / "1000").write_bytes(_entry())  # an envelope: the cache's, whatever the folder
+    os.utime(mixed / "1000", (OLD, OLD))
+    before = _tree(mixed)
+    assert main(["cache", "prune", str(mixed), "--max-bytes", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "removed: 1000 (least recently used" in out and "kept: 4 file(s) named like entries without" in out
+    del before["1000"]
+    assert _tree(mixed) == before
+    # In a folder enable_persistent_cache made, a stock torch_xla's entries are the cache's too.
+    (mixed / KEY_FILE).write_text(KEY_JSON)
+    assert main(["cache", "prune", str(mixed), "--max-bytes", "0"]) == 0
+    assert not {p.name for p in mixed.iterdir()} & {"12345", "678", "679", "a" * 64}
+
+
 @pytest.mark.parametrize("action", ["ls", "verify", "prune"])
 def test_an_empty_path_is_refused_not_read_as_the_current_folder(cache, monkeypatch, capsys, action):
     # Regression: `xlakit cache prune ""` (an unset variable) pruned the current directory.

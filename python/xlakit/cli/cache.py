@@ -124,8 +124,16 @@ def _evict(folder, max_bytes: int, *, dry_run: bool, gone: set[str]) -> int:
     """Removes the least recently used entries until the folder's entries hold at most `max_bytes`.
 
     A wrapper hit touches its entry, so the oldest modification time is the entry used least recently.
+    An entry is a file named like one with xlakit's envelope; without one (a stock torch_xla's) only in a
+    folder `enable_persistent_cache` made: elsewhere a file called `1234` may be anyone's.
     """
-    entries = [(p, st) for p, st in cache_files.regular_files(folder) if cache_files.is_entry_name(p.name)]
+    made = cache_files.made_by_xlakit(folder)
+    named = [(p, st) for p, st in cache_files.regular_files(folder) if cache_files.is_entry_name(p.name)]
+    entries = [(p, st) for p, st in named if made or cache_files.has_envelope(p)]
+    if len(entries) < len(named):
+        print(f"kept: {len(named) - len(entries)} file(s) named like entries without xlakit's envelope (a stock "
+              f"torch_xla's, or another program's: {folder} was not made by xlakit.enable_persistent_cache); "
+              f"not counted, never evicted")
     total = sum(st.st_size for _, st in entries)
     removed = 0
     for path, st in sorted(entries, key=lambda e: (e[1].st_mtime_ns, e[0].name)):

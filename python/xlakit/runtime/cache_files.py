@@ -95,6 +95,15 @@ def is_entry_name(name: str) -> bool:
     return _is_entry_name(name)
 
 
+def has_envelope(path: Path) -> bool:
+    """Whether the file starts with xlakit's envelope (a name alone is anyone's: a file called `1234`)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4).startswith(_MAGICS)
+    except OSError:
+        return False
+
+
 def _is_temporary(name: str) -> bool:
     """A temporary of the atomic writer for an entry or its key record (its name format is the C++ writer's,
     csrc/core/atomic_file.h)."""

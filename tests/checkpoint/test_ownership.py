@@ -230,6 +230,9 @@ def test_ctrl_c_while_the_worker_thread_starts_never_commits(tmp_path, monkeypat
             real_start(thread)
         raise KeyboardInterrupt
 
+    # A disk slower than the interrupt (a fake): on a loaded machine a worker launched before the signal once
+    # wrote and committed the 4 MiB before the caller's thread ran again ("had committed" is then the truth).
+    fakes.slow_disk(monkeypatch, 1.0)
     monkeypatch.setattr(threading.Thread, "start", start_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt) as info:
         xlakit.save({"gen": torch.tensor(1), "w": torch.ones(1 << 20)}, path, asynchronous=asynchronous)

@@ -67,6 +67,98 @@ def test_unasked_background_failure_is_raised_by_the_next_save(tmp_path, monkeyp
     assert (tmp_path / "next.pt").exists()
 
 
+def test_a_failure_is_in_its_handle_once_wait_until_idle_returns_and_the_next_save_raises_it(tmp_path, monkeypatch):
+    # Regression (a helper's audit): wait_until_idle() returned once the worker had ended, before the owner had put
+    # the failure in the handle; the next asynchronous save then replaced the handle and the failure was only logged
+    # (8 in 10 runs). The deadline case widened the window most.
+    import time
+
+    fakes.slow_disk(monkeypatch, 0.5)  # the worker ends after the deadline passed, while the owner waits for it
+    real_error = background.log.error
+    # The owner reporting the failure a while after the worker ended (a fake delay, exactly there).
+    monkeypatch.setattr(background.log, "error", lambda *a: time.sleep(0.5) or real_error(*a))
+    handle = xlakit.save({"w": torch.ones(4)}, tmp_path / "c.pt", asynchronous=True, timeout_s=0.3)
+    assert xlakit.wait_until_idle(30) and handle.done()
+    monkeypatch.undo()
+    with pytest.raises(xlakit.CheckpointAsyncError, match="never asked"):
+        xlakit.save({"w": torch.ones(4)}, tmp_path / "next.pt", asynchronous=True)
+    assert not (tmp_path / "c.pt").exists()
+
+
+@pytest.mark.parametrize("bad,error", [("5", TypeError), (True, TypeError), (float("nan"), ValueError),
+                                       (-1, ValueError)])
+def test_a_wait_bound_that_is_no_number_of_seconds_is_refused_and_the_save_goes_on(tmp_path, monkeypatch, bad, error):
+    # Regression (a helper's audit): result(timeout=math.inf) raised OverflowError inside the wait, which counts as
+    # an interrupt, and cancelled the save; result("5") too.
+    gate = threading.Event()
+    _gate_write(monkeypatch, lambda: gate.wait(30))
+    handle = xlakit.save({"w": torch.ones(4)}, tmp_path / "c.pt", asynchronous=True)
+    try:
+        with pytest.raises(error, match="timeout must be"):
+            handle.result(timeout=bad)
+        with pytest.raises(error, match="timeout_s must be"):
+            xlakit.wait_until_idle(bad)
+    finally:
+        gate.set()
+    handle.result(timeout=float("inf"))  # as long as it takes
+    assert torch.equal(xlakit.load(tmp_path / "c.pt")["w"], torch.ones(4))
+    assert xlakit.wait_until_idle(float("inf"))
+
+
+def test_cancel_returns_soon_over_a_stuck_write_and_is_no_failure_when_the_deadline_comes(tmp_path, monkeypatch,
+                                                                                          caplog):
+    # Regression (a helper's audit): cancel() waited for a stuck write until the deadline (an hour by default); the
+    # deadline's timeout then replaced the cancel: result() raised it, it was logged, and the next save raised
+    # CheckpointAsyncError for a save the caller had cancelled.
+    import concurrent.futures
+    import time
+
+    from xlakit.checkpoint.core import workers
+
+    xlakit.save({"w": torch.zeros(4)}, tmp_path / "c.pt")
+    gate = threading.Event()
+    _gate_write(monkeypatch, lambda: gate.wait(30))  # a write stuck in the file system (a fake)
+    handle = xlakit.save({"w": torch.ones(4)}, tmp_path / "c.pt", asynchronous=True, timeout_s=2.0)
+    start = time.monotonic()
+    assert handle.cancel() is True
+    assert time.monotonic() - start < workers.STOP_GRACE_S + 1.0
+    time.sleep(2.5)  # the deadline passes while the write is still stuck
+    gate.set()
+    assert xlakit.wait_until_idle(30)
+    with pytest.raises(concurrent.futures.CancelledError):
+        handle.result(timeout=30)
+    monkeypatch.undo()
+    xlakit.save({"w": torch.full((4,), 2.0)}, tmp_path / "next.pt", asynchronous=True).result(30)  # raises nothing
+    assert torch.equal(xlakit.load(tmp_path / "c.pt")["w"], torch.zeros(4))
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+def test_cancel_says_false_when_the_commit_is_under_way_and_could_not_be_stopped(tmp_path, monkeypatch):
+    # Regression (a helper's audit): a commit whose rename held the gate longer than the cancel's wait (a hung NFS
+    # server) made cancel() return True, "will never commit", and the save committed.
+    import os
+    import time
+
+    from xlakit.checkpoint.core import operation
+
+    monkeypatch.setattr(operation, "_LOCK_WAIT_S", 0.3)
+    real_replace = os.replace
+    renaming = threading.Event()
+
+    def slow_replace(src, dst, *args, **kwargs):  # a fake: the commit's rename takes 2 s
+        if str(dst).endswith("c.pt"):
+            renaming.set()
+            time.sleep(2.0)
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", slow_replace)
+    handle = xlakit.save({"w": torch.ones(4)}, tmp_path / "c.pt", asynchronous=True)
+    assert renaming.wait(30)
+    assert handle.cancel() is False
+    handle.result(timeout=30)
+    assert handle.committed and torch.equal(xlakit.load(tmp_path / "c.pt")["w"], torch.ones(4))
+
+
 def test_next_save_refuses_while_one_is_still_writing(tmp_path, monkeypatch):
     gate = threading.Event()
     _gate_write(monkeypatch, lambda: gate.wait(30))

@@ -31,6 +31,7 @@ works where torch is missing or broken.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -421,7 +422,12 @@ def wait_until_idle(timeout_s: float | None = None) -> bool:
         timeout_s: how long to wait at most; None waits as long as it takes.
 
     Returns:
-        True when every worker has returned, False if some still run after `timeout_s`.
+        True when every worker has returned (and an asynchronous save's handle holds its outcome:
+        `handle.done()`, and the next save raises a failure nobody asked for), False if some still
+        run after `timeout_s`.
+
+    Raises:
+        TypeError, ValueError: `timeout_s` is no number of seconds (None and inf wait as long as it takes).
 
     Example:
         >>> import xlakit
@@ -429,5 +435,9 @@ def wait_until_idle(timeout_s: float | None = None) -> bool:
         True
     """
     from xlakit.checkpoint.core import workers
+    from xlakit.checkpoint.file import background
 
-    return workers.wait_until_idle(timeout_s)
+    timeout_s = workers.seconds_to_wait(timeout_s, "timeout_s")
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    return workers.wait_until_idle(timeout_s) and background.wait_for_handle(
+        None if end is None else max(end - time.monotonic(), 0.0))

@@ -41,6 +41,7 @@ BUSY_WAIT_S = 5.0  # how long a new operation waits for a cancelled worker befor
 EXIT_GRACE_S = 5.0  # how long the exit hook waits for cancelled workers
 START_WAIT_S = 1.0  # how long an interrupted start waits to learn whether its thread began
 _settlers: list[Callable[[float], None]] = []  # `settle_at_exit`
+_lost_above: list[bool] = []  # `lost_at_exit`: whether each was interrupted
 
 _live: set[Any] = set()  # operations whose worker has not returned
 _threads: set[threading.Thread] = set()  # threads `start_thread` started and nobody saw end yet
@@ -146,8 +147,21 @@ def check_idle(*, wait_s: float = BUSY_WAIT_S, exclude: Any = None,
     raise err
 
 
+def seconds_to_wait(timeout: Any, name: str = "timeout") -> float | None:
+    """A caller's wait bound, checked before anything waits: None (or inf) is as long as it takes; a
+    bad value is refused here, not met inside the wait (an interrupted wait cancels a save)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds or None (as long as it takes), not {timeout!r}")
+    if timeout != timeout or timeout < 0:
+        raise ValueError(f"{name} must be 0 or more seconds, or None (as long as it takes), not {timeout!r}")
+    return None if timeout > threading.TIMEOUT_MAX else float(timeout)
+
+
 def wait_until_idle(timeout_s: float | None = None) -> bool:
     """Wait for every live operation's worker; False if some still run after `timeout_s`."""
+    timeout_s = seconds_to_wait(timeout_s, "timeout_s")
     end = None if timeout_s is None else time.monotonic() + timeout_s
     for op in live_operations():
         left = None if end is None else max(end - time.monotonic(), 0.0)
@@ -161,6 +175,12 @@ def settle_at_exit(settle: Callable[[float], None]) -> None:
     outlives its operation (an object store's removals, started without waiting) finishes there,
     within the hook's grace."""
     _settlers.append(settle)
+
+
+def lost_at_exit(*, interrupted: bool) -> None:
+    """A layer's own exit hook (a manager's, which runs first) waited for an asynchronous save that did
+    not commit: the process exits nonzero (130 when Ctrl-C abandoned it), as for one this hook waits for."""
+    _lost_above.append(interrupted)
 
 
 def _settle(end: float) -> bool:
@@ -215,6 +235,8 @@ def _at_exit() -> None:
     for op in live_operations():
         op.cancel("the interpreter is exiting")
     lost = [op for op in waited if not op.committed]
+    interrupted = interrupted or any(_lost_above)
+    lost_any = bool(lost or _lost_above)
     for op in lost:
         log.error("xlakit: the asynchronous %s did not commit before the interpreter exited%s; the "
                   "process exits with a nonzero status", op.describe(),
@@ -230,7 +252,7 @@ def _at_exit() -> None:
             _wait_through_ctrl_c(lambda left, t=thread: t.join(left) or not t.is_alive(), end)
         if not any(t.is_alive() for t in threads):
             interrupted = _settle(end) or interrupted
-            if lost:
+            if lost_any:
                 _exit_now(130 if interrupted else 1)
             return
         what = next(t.name for t in threads if t.is_alive())

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from xlakit.checkpoint.file import device_staging, pipeline
-from xlakit.checkpoint.core.gate import COMMIT, Gate
-from xlakit.checkpoint.core.operation import Cancelled, Operation, Watch
+from xlakit.checkpoint.core.gate import CANCEL, Gate
+from xlakit.checkpoint.core.operation import Operation, Watch
 from xlakit.checkpoint.core import workers
 from xlakit.checkpoint.core.workers import start_thread
 from xlakit.checkpoint.core.options import SaveOptions
@@ -48,6 +48,7 @@ log = logging.getLogger("xlakit")
 _ALIGN = 64
 _PIECE = 8 << 20  # staging copies at least this large are split into pieces of it, over threads
 _COPY_THREADS = 4
+_HANDOVER_S = 5.0  # how long a new save waits for an ended save's owner to record its outcome
 _lock = threading.Lock()
 _pending: "SaveHandle | None" = None
 _arena: torch.Tensor | None = None
@@ -91,6 +92,11 @@ class SaveHandle:
         """True once the save committed or failed."""
         return self._finished.is_set()
 
+    @property
+    def committed(self) -> bool:
+        """True once the save's commit was decided (it may still be finishing)."""
+        return self._op.committed
+
     def result(self, timeout: float | None = None) -> None:
         """Wait for the save to commit; raise what it raised.
 
@@ -100,7 +106,10 @@ class SaveHandle:
             TimeoutError: still running after `timeout` seconds (the save goes on).
             CheckpointError: the background write failed (timeout, disk full, ...).
             concurrent.futures.CancelledError: the save was cancelled through `cancel()`.
+            TypeError, ValueError: `timeout` is no number of seconds (refused before waiting: the
+                save goes on).
         """
+        timeout = workers.seconds_to_wait(timeout)
         try:
             finished = self._finished.wait(timeout)
         except BaseException as e:
@@ -119,12 +128,18 @@ class SaveHandle:
             raise self._error.with_traceback(self._error_tb[0])
 
     def cancel(self) -> bool:
-        """Cancel the save unless it already committed; True when it will never commit."""
+        """Cancel the save unless its commit was decided; True when it will never commit.
+
+        Returns within about `STOP_GRACE_S` (a second or so) once cancelled, even when the write is
+        stuck (a hung file system): its worker stops when that call returns, and commits nothing.
+        False when the commit came first, or is under way and could not be stopped.
+        """
         self._cancelled = True
-        if self._op.cancel("cancelled through its handle") == COMMIT:
+        if self._op.cancel("cancelled through its handle") != CANCEL:
             self._cancelled = False
             return False
-        self._finished.wait()
+        self._seen = True  # asked for: no failure for the next save to raise
+        self._finished.wait(workers.STOP_GRACE_S)
         return True
 
     def __repr__(self) -> str:
@@ -135,6 +150,7 @@ class SaveHandle:
 def check_previous() -> None:
     """Raise, once, the failure of an earlier asynchronous save whose handle was never asked."""
     global _pending
+    wait_for_handle(_HANDOVER_S)
     with _lock:
         prev = _pending
         if prev is None or not prev.done():
@@ -144,6 +160,16 @@ def check_previous() -> None:
         prev._seen = True
         raise CheckpointAsyncError(f"the previous asynchronous save of {prev.path} failed and its "
                                    f"handle was never asked: {prev._error}") from prev._error
+
+
+def wait_for_handle(timeout_s: float | None) -> bool:
+    """Once the last asynchronous save's worker has ended, wait (at most `timeout_s`) for its owner to put
+    the outcome in its handle: a save or `wait_until_idle()` right after must see the failure."""
+    with _lock:
+        prev = _pending
+    if prev is None or prev.done():
+        return True
+    return (prev._op.done.is_set() or timeout_s is None) and prev._finished.wait(timeout_s)
 
 
 def _arena_views(entries: list[StorageEntry]) -> list[torch.Tensor]:
@@ -254,7 +280,9 @@ def start(job: pipeline.FileSave, stage_phase: Callable[[Operation], Any],
         try:
             second.run(lambda op: device_staging.write(op, staged, write_phase))
         except BaseException as e:  # noqa: BLE001 - kept for result() and the next save
-            if isinstance(e, Cancelled) and handle._cancelled:  # asked for: no failure to report
+            # Cancelled as asked, whatever ended the worker after that (a stuck write meets the deadline):
+            # no failure to report.
+            if handle._cancelled and not second.committed:
                 handle._seen = True
                 handle._error = CancelledError(f"the asynchronous save of {handle.path} was cancelled; "
                                                f"nothing was committed")

@@ -13,6 +13,7 @@ import logging
 import weakref
 
 from xlakit.checkpoint.core import operation  # noqa: F401 - its exit hook is registered first
+from xlakit.checkpoint.core import workers
 
 log = logging.getLogger("xlakit")
 _open: "weakref.WeakSet" = weakref.WeakSet()  # managers finished at exit if nobody closed them
@@ -36,8 +37,15 @@ def _finish_at_exit() -> None:
         if not manager._pending[1].done():
             log.warning("xlakit: waiting for the asynchronous save of step %d into %s to commit before exiting, "
                         "then applying retention (Ctrl-C abandons it)", manager._pending[0], manager.directory)
+        step, handle = manager._pending
         try:
             manager.close()
         except BaseException as e:  # noqa: BLE001 - nobody is left to raise it to
-            log.error("xlakit: closing the checkpoint manager of %s at exit failed: %s: %s", manager.directory,
-                      type(e).__name__, e)
+            interrupted = isinstance(e, KeyboardInterrupt)
+            log.error("xlakit: closing the checkpoint manager of %s at exit failed: %s", manager.directory,
+                      f"interrupted (Ctrl-C) while waiting for the asynchronous save of step {step}" if interrupted
+                      else f"{type(e).__name__}: {e}")
+            if not handle.committed:  # the last checkpoint was lost: the job must not end as a success
+                log.error("xlakit: the asynchronous save of step %d into %s did not commit before the interpreter "
+                          "exited; the process exits with a nonzero status", step, manager.directory)
+                workers.lost_at_exit(interrupted=interrupted)

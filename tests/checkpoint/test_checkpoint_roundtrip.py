@@ -103,6 +103,15 @@ def test_unsaveable_object_is_refused_by_path_before_anything_is_written(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
 
 
+def test_a_state_that_holds_itself_is_refused_saying_so(tmp_path):
+    # Regression (a helper's audit): a bare RecursionError from deep inside the planner.
+    state = {"w": torch.ones(2), "children": []}
+    state["children"].append(state)
+    with pytest.raises(xlakit.CheckpointSerializationError, match="a container inside itself"):
+        xlakit.save(state, tmp_path / "c.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_what_torch_load_weights_only_cannot_read_back_is_refused(tmp_path):
     # Regression: a frozenset was saved, and then torch.load(weights_only=True) (and Lightning's
     # load_from_checkpoint) could not read the file.

@@ -17,6 +17,8 @@ refused here, naming its path, before a byte is written.
 
 from __future__ import annotations
 
+import sys
+
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -227,7 +229,11 @@ class _Planner:
 def plan(state: object) -> Plan:
     """Every tensor of `state` and the storages they live on; raises on what cannot be saved."""
     planner = _Planner()
-    planner.walk(state, "")
+    try:
+        planner.walk(state, "")
+    except RecursionError:
+        raise refuse("", state, f"it holds a container inside itself (a cycle), or nests containers deeper than "
+                                f"Python's recursion limit ({sys.getrecursionlimit()}); save a tree of them") from None
     return Plan(planner.tensors, planner.storages)
 
 

@@ -102,6 +102,7 @@ class Operation:
         self.background = False  # an asynchronous save's write: waited for at exit
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.cancel_reason: str | None = None  # why this rank gave it up first, for the worker's Cancelled
         self.result: Any = None
         self._temps: list[Path] = []  # scratch: never named by any commit
         self._pending: list[Path] = []  # complete parts a commit (another rank's) may name
@@ -131,7 +132,10 @@ class Operation:
     # -- worker side ------------------------------------------------------------------------
     def check(self) -> None:
         if self.cancelled:
-            raise Cancelled(self.stage)
+            raise self._cancelled_in(self.stage)
+
+    def _cancelled_in(self, stage: str) -> Cancelled:
+        return Cancelled(f"the {self.kind} was cancelled ({self.cancel_reason or 'given up'}) in stage {stage!r}")
 
     def enter(self, stage: str, tensor: str | None = None) -> None:
         self.check()
@@ -187,7 +191,7 @@ class Operation:
                         f"The deadline had passed when the {self.kind} reached its commit, so it did not "
                         f"commit: nothing was committed, {self.untouched}; its temporary files are removed.")
             if not self.gate.claim_commit():
-                raise Cancelled("commit")
+                raise self._cancelled_in("commit")
             yield
 
     @contextlib.contextmanager
@@ -212,6 +216,7 @@ class Operation:
         finally:
             self.gate.lock.release()
         if outcome == CANCEL:
+            self.cancel_reason = self.cancel_reason or reason
             self.discard_temps()
         return outcome
 

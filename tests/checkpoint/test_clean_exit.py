@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.support import fakes
+
 RUNS = {"async": 20, "manager": 10, "sync": 2, "cancelled": 2, "ctrl-c": 3}  # issue 19: the abort over at least 20 runs
 PARALLEL = 4
 
@@ -101,12 +103,7 @@ def test_ctrl_c_during_an_asynchronous_save_exits_like_python(tmp_path):
 # Ctrl-C comes while the manager's exit hook waits for it.
 LATE_MANAGER_SAVE = """
     import os, signal, threading, time
-    from xlakit.checkpoint.core import operation
-    original = operation.Operation.commit_point
-    def late(self):
-        time.sleep(max(self.deadline - time.monotonic(), 0.0) + 0.05)
-        return original(self)
-    operation.Operation.commit_point = late
+""" + fakes.LATE_COMMIT + """
     mgr = xlakit.CheckpointManager(folder / "run", asynchronous=True, options=xlakit.SaveOptions(timeout_s=3))
     mgr.save(1, {"w": torch.ones(4)})
     if sys.argv[2] == "ctrl-c":

@@ -15,6 +15,7 @@ import time
 import pytest
 
 import xlakit
+from tests.support import fakes
 
 HEAD = """
     import sys, time, torch, xlakit
@@ -77,13 +78,7 @@ SLOW_REMOVALS = """
 
 
 # The commit is reached after the deadline (and so refused).
-LOST_SAVE = """
-    from xlakit.checkpoint.core import operation
-    original = operation.Operation.commit_point
-    def late(self):
-        time.sleep(max(self.deadline - time.monotonic(), 0.0) + 0.05)
-        return original(self)
-    operation.Operation.commit_point = late
+LOST_SAVE = fakes.LATE_COMMIT + """
     h = xlakit.save(state, url, asynchronous=True, timeout_s=3)
 """
 

@@ -104,6 +104,18 @@ def slow_disk(monkeypatch, delay_s: float) -> None:
     monkeypatch.setattr(pipeline, "write_batch", slow_write)
 
 
+# Script text (for a child interpreter) of a fake: every operation reaches its commit just after its deadline, so
+# the commit is refused. Needs `time` imported before it.
+LATE_COMMIT = """
+    from xlakit.checkpoint.core import operation
+    original = operation.Operation.commit_point
+    def late(self):
+        time.sleep(max(self.deadline - time.monotonic(), 0.0) + 0.05)
+        return original(self)
+    operation.Operation.commit_point = late
+"""
+
+
 def install(monkeypatch, backend: HostTransfer) -> None:
     from xlakit.checkpoint.file import transfer
 

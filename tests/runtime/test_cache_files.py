@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,6 +194,37 @@ def test_an_empty_path_is_refused_not_read_as_the_current_folder(cache, monkeypa
 def test_missing_folder_is_one_line_error(tmp_path, capsys):
     assert main(["cache", "ls", str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def _as_a_user() -> list[str]:
+    """The command prefix that takes root's permission bypass away (a user's view of a folder), or skip."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("root lists any folder; taking that away needs setpriv")
+    caps = "-dac_override,-dac_read_search"
+    return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
+
+
+@pytest.mark.parametrize("action", ["ls", "verify", "prune", "explain"])
+def test_a_folder_you_cannot_list_is_one_line_and_its_fix_exit_2(tmp_path, action):
+    # Regression: ls, verify and prune printed a PermissionError traceback and exited 1 (from verify: "an entry
+    # is not loadable"); explain exited 0 with "no key records to compare".
+    folder = tmp_path / "c4"
+    folder.mkdir()
+    (folder / "111").write_bytes(_entry())
+    env = {**os.environ, "PYTHONPATH": str(Path(xlakit.__file__).parents[1])}
+    folder.chmod(0)
+    try:
+        run = subprocess.run([*_as_a_user(), sys.executable, "-m", "xlakit", "cache", action, str(folder)], env=env,
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        folder.chmod(0o700)
+    first, *hints = run.stderr.splitlines()
+    assert run.returncode == 2 and "Traceback" not in run.stderr and run.stdout == "", run.stderr
+    assert first == f"xlakit cache: {folder}: permission denied: you cannot list this folder", run.stderr
+    assert hints == [f"  chmod u+rx {folder} (u+rwx to prune it), or run this as its owner"], run.stderr
+    assert (folder / "111").exists()
 
 
 def test_partial_identity_is_an_error(cache, capsys):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,6 +171,21 @@ def test_unknown_profile_names_the_known_ones():
 def test_missing_pins_file_says_how_to_fix(tmp_path):
     with pytest.raises(xlakit.PinsError, match="reinstall xlakit"):
         pins.load(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("command", ["manifest", "doctor"])
+def test_pins_that_are_binary_or_a_folder_are_one_line_exit_2(tmp_path, command):
+    # Regression: `--pins a.pt` (not UTF-8) ended in a UnicodeDecodeError traceback, `--pins DIR` in an
+    # IsADirectoryError one, exit 1.
+    binary = tmp_path / "a.pt"
+    binary.write_bytes(b"PK\x03\x04\x80\x81 not text")
+    env = {**os.environ, "PYTHONPATH": str(Path(xlakit.__file__).parents[1])}
+    for given, says in ((binary, "found binary data"), (tmp_path, "found a folder")):
+        run = subprocess.run([sys.executable, "-m", "xlakit", command, "--pins", str(given)], env=env,
+                             capture_output=True, text=True, timeout=240)
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.startswith(f"xlakit {command}: {given}: expected a TOML pins file, {says}"), run.stderr
+        assert len(run.stderr.splitlines()) == 1 and "Traceback" not in run.stderr, run.stderr
 
 
 def test_the_package_reads_its_baked_pins_not_the_checkout(monkeypatch, tmp_path):

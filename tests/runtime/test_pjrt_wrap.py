@@ -543,6 +543,19 @@ def test_pjrt_env_quotes_what_it_prints_and_refuses_wrong_paths(tmp_path):
         assert bad.returncode == 2 and says in bad.stderr, (args, bad.stderr)
 
 
+def test_pjrt_env_of_a_symbolic_link_loop_is_one_line_exit_2(tmp_path):
+    # Regression: pathlib's RuntimeError("Symlink loop from ...") reached the user as a traceback, exit 1.
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    (tmp_path / "loop1").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop1")
+    for given in (tmp_path / "loop1", tmp_path / "loop1" / "x"):
+        run = subprocess.run([sys.executable, "-m", "xlakit", "pjrt", "env", str(given), "--plugin",
+                              pjrt_job.lammps_plugin()], env=env, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and run.stdout == "" and "Traceback" not in run.stderr, run.stderr
+        assert len(run.stderr.splitlines()) == 1, run.stderr
+        assert run.stderr.startswith(f"xlakit pjrt: {given}: a symbolic link loop"), run.stderr
+
+
 def test_a_shared_scratch_folder_is_refused_with_a_fix_that_spares_it():
     # The fix for a world-writable sticky cache folder was `chmod 700 /tmp`.
     verdict = pjrt_wrap.cache_trust.judge("/tmp")

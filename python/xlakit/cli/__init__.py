@@ -8,12 +8,22 @@ exit status 2. Stdout is the report's: the commands that read files (`ckpt`,
 imports no device backend (torch-tpu's import prints, and aborts a process
 without libtpu or TPU_LIBRARY_PATH), and the runtime's commands import torch
 with stdout sent to stderr (`runtime/torchtpu.py`).
+
+What the user gave that cannot be read is a wrong argument too, whichever
+command met it: an OSError (a folder you cannot list, a symbolic link loop), a
+file that is not text where text was expected (UnicodeDecodeError) and
+pathlib's "Symlink loop" RuntimeError are one line naming the path, and how to
+fix it, with exit status 2. Any other exception is a bug, and keeps its
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
+import re
 import sys
 
 from xlakit._version import describe
@@ -62,6 +72,48 @@ def main(argv: list[str] | None = None) -> int:
     except XlakitError as e:
         print(with_hints(f"xlakit {args.command}: {e}", e), file=sys.stderr)
         return 2
+    except (OSError, UnicodeDecodeError, RuntimeError) as e:
+        line = _unreadable(e)
+        if line is None:
+            raise  # a bug: its traceback
+        print(f"xlakit {args.command}: {line}", file=sys.stderr)
+        return 2
+
+
+_SYMLINK_LOOP = re.compile(r"Symlink loop from (?P<path>.+)")  # pathlib's resolve() before Python 3.13
+
+
+def _unreadable(e: BaseException) -> str | None:
+    """What a path the user gave that cannot be used is, and its fix, as one line; None for anything else."""
+    if isinstance(e, UnicodeDecodeError):
+        return (f"expected a text file, found binary data ({e.reason} at byte {e.start}); pass the text file "
+                "the option asks for")
+    if isinstance(e, RuntimeError):
+        found = _SYMLINK_LOOP.fullmatch(str(e))
+        return None if found is None else _loop(found["path"].strip("'\""))
+    if not isinstance(e, OSError) or e.strerror is None:  # a client library's OSError with no errno: a bug
+        return None
+    if e.filename is None:
+        return e.strerror
+    name = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
+    if e.errno == errno.ELOOP:
+        return _loop(name)
+    if e.errno in (errno.EACCES, errno.EPERM):
+        if os.path.isdir(e.filename):
+            fix = f"chmod u+rx {e.filename} (u+rwx to write in it)"
+        elif os.path.lexists(e.filename):
+            fix = f"chmod u+r {e.filename} (u+rw to write it)"
+        else:
+            fix = "make each folder on its path searchable by you (ls -ld each)"
+        return f"{name}: permission denied; {fix}, or run this as its owner"
+    if str(e.filename) in e.strerror:  # xlakit's own messages name the path
+        return e.strerror
+    return f"{name}: {e.strerror}"
+
+
+def _loop(path: str) -> str:
+    return (f"{path}: a symbolic link loop (links that lead to each other); point it at a real file or folder "
+            f"(ls -l shows where each link leads), or pass another path")
 
 
 if __name__ == "__main__":

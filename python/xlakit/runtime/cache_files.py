@@ -206,6 +206,13 @@ def require_folder(directory: str | os.PathLike) -> Path:
     path = Path(directory)
     if not path.is_dir():
         raise XlakitError(f"{path}: not a directory (expected an XLA_PERSISTENT_CACHE_PATH folder)")
+    try:
+        with os.scandir(path):
+            pass
+    except PermissionError:
+        err = XlakitError(f"{path}: permission denied: you cannot list this folder")
+        err.add_note(f"chmod u+rx {path} (u+rwx to prune it), or run this as its owner")
+        raise err from None
     return path
 
 

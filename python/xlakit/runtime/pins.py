@@ -43,6 +43,12 @@ def _load_cached(path: str) -> dict:
             f"expected the pins file at {p}, found nothing; reinstall xlakit "
             "(the build copies VERSIONS.toml into the package) or pass another pins file"
         ) from None
+    except IsADirectoryError:
+        raise PinsError(f"{p}: expected a TOML pins file, found a folder; pass the file (such as "
+                        "VERSIONS.toml)") from None
+    except UnicodeDecodeError as e:
+        raise PinsError(f"{p}: expected a TOML pins file, found binary data ({e.reason} at byte {e.start}); pass "
+                        "the text file (such as VERSIONS.toml)") from None
     except tomllib.TOMLDecodeError as e:
         raise PinsError(f"{p}: expected TOML, found a syntax error: {e}") from e
     if data.get("schema") != 1:

@@ -112,6 +112,19 @@ def test_the_deadline_knob_reaches_the_cache_probe(monkeypatch):
     assert seen == [7.5, 2.0]
 
 
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "-inf"])
+def test_a_deadline_that_is_not_a_positive_number_of_seconds_is_a_wrong_argument(monkeypatch, capsys, value):
+    # Regression: `doctor --timeout-s -5` ran, and reported the runtime as hung ("the probe timed out after
+    # -5 s"), exit 1; `selftest --timeout-s` refuses the same values with exit 2.
+    from xlakit import cli
+
+    monkeypatch.setattr(doctor, "run", lambda **kw: pytest.fail(f"doctor ran with {kw}"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["doctor", f"--timeout-s={value}"])
+    assert exited.value.code == 2
+    assert f"argument --timeout-s: expected a positive number of seconds, found {value}" in capsys.readouterr().err
+
+
 def test_the_cache_folder_probe_says_who_can_write_it(monkeypatch, tmp_path):
     monkeypatch.delenv("XLAKIT_CACHE_KEY", raising=False)
     monkeypatch.delenv("XLAKIT_CACHE_TRUST_SHARED", raising=False)

@@ -158,6 +158,16 @@ def _add_memory(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_memory)
 
 
+def _timeout_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):  # as `selftest --timeout-s`
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, found {text}")
+    return value
+
+
 def _doctor(args: argparse.Namespace) -> int:
     return doctor.run(profile=args.profile, pins=args.pins, timeout_s=args.timeout_s)
 
@@ -166,7 +176,7 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("doctor", help="probe the stack, contract, compile cache, memory telemetry")
     p.add_argument("--profile", help="VERSIONS.toml profile to check the stack against")
     p.add_argument("--pins", help="a pins file instead of the one baked into xlakit")
-    p.add_argument("--timeout-s", type=float, default=None,
+    p.add_argument("--timeout-s", type=_timeout_s, default=None,
                    help=f"deadline for the cache probe's subprocesses (default ${_knobs.DOCTOR_TIMEOUT_S} or "
                         f"{_knobs.DEFAULTS[_knobs.DOCTOR_TIMEOUT_S]:g})")
     p.set_defaults(func=_doctor)

@@ -658,6 +658,17 @@ def test_convert_never_replaces_silently_nor_writes_from_a_damaged_source(files,
     assert [n for n in os.listdir(tmp_path) if n.endswith(".xlakit-tmp")] == []
 
 
+@pytest.mark.parametrize("to", ["safetensors", "xlakit"])
+def test_convert_never_replaces_a_dangling_link_without_force(files, tmp_path, capsys, to):
+    # Regression: OUT.exists() follows the link, so a link to a file not made yet was replaced by the output
+    # without --force ("an existing output is replaced only with --force").
+    out = tmp_path / "link.out"
+    out.symlink_to(tmp_path / "not-yet" / "target")
+    code, _, err = ckpt(capsys, "convert", files["xlakit"], "--to", to, out)
+    assert code == 2 and f"{out} exists; pass --force" in err, err
+    assert out.is_symlink() and os.readlink(out) == str(tmp_path / "not-yet" / "target")
+
+
 def test_help_documents_the_exit_codes(capsys):
     with pytest.raises(SystemExit):
         cli.main(["ckpt", "verify", "--help"])

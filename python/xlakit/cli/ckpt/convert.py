@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         _check_url_target(args)
     else:
         out = Path(args.out)
-        if out.exists() and not args.force:
+        if os.path.lexists(out) and not args.force:  # a dangling link too: exists() follows it
             raise FileExistsError(17, f"{out} exists; pass --force to replace it", str(out))
     with about(args.path):
         state, kind = read_state(args.path, with_kind=True)

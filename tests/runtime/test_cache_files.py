@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from xlakit import _C
 from xlakit.runtime import cache_files, compile_cache
 from xlakit.runtime.compile_cache import KEY_FILE
 from xlakit.cli import main
+from tests.support.cli import as_a_user
 
 IDENTITY = dict(platform_name="tpu", platform_version="v1", patch_series_id="xlakit1:abc")
 ARGS = ["--platform-name", "tpu", "--platform-version", "v1", "--patch-series-id", "xlakit1:abc"]
@@ -196,16 +196,6 @@ def test_missing_folder_is_one_line_error(tmp_path, capsys):
     assert "not a directory" in capsys.readouterr().err
 
 
-def _as_a_user() -> list[str]:
-    """The command prefix that takes root's permission bypass away (a user's view of a folder), or skip."""
-    if os.geteuid() != 0:
-        return []
-    if shutil.which("setpriv") is None:
-        pytest.skip("root lists any folder; taking that away needs setpriv")
-    caps = "-dac_override,-dac_read_search"
-    return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
-
-
 @pytest.mark.parametrize("action", ["ls", "verify", "prune", "explain"])
 def test_a_folder_you_cannot_list_is_one_line_and_its_fix_exit_2(tmp_path, action):
     # Regression: ls, verify and prune printed a PermissionError traceback and exited 1 (from verify: "an entry
@@ -216,7 +206,7 @@ def test_a_folder_you_cannot_list_is_one_line_and_its_fix_exit_2(tmp_path, actio
     env = {**os.environ, "PYTHONPATH": str(Path(xlakit.__file__).parents[1])}
     folder.chmod(0)
     try:
-        run = subprocess.run([*_as_a_user(), sys.executable, "-m", "xlakit", "cache", action, str(folder)], env=env,
+        run = subprocess.run([*as_a_user(), sys.executable, "-m", "xlakit", "cache", action, str(folder)], env=env,
                              capture_output=True, text=True, timeout=120)
     finally:
         folder.chmod(0o700)

@@ -14,7 +14,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+import xlakit
 from tests.support import REPO
+from tests.support.cli import as_a_user
 from xlakit import cli, selftest
 from xlakit.cli import selftest as cli_selftest
 from xlakit.selftest import check_ranks, children, environment, pcie, report
@@ -156,16 +158,38 @@ def test_wrong_arguments_exit_2_naming_what_is_wrong(args, says, capsys):
     assert code == 2 and says in capsys.readouterr().err
 
 
-def test_an_unwritable_temporary_folder_is_a_named_fail_for_each_check(tmp_path, capsys):
+def test_an_unwritable_temporary_folder_is_a_named_fail_for_each_check(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    code = cli.main(["selftest", "--json", "--tmpdir", str(blocker / "sub")])
-    out = capsys.readouterr().out
-    found = json.loads(out)
+    found = selftest.run(selftest.Options(tmpdir=str(blocker / "sub")))  # `xlakit selftest` refuses it first
     VALIDATOR.validate(found)
-    assert code == 1 and {c["status"] for c in found["checks"]} == {"fail"}
+    assert found["status"] == report.FAIL and {c["status"] for c in found["checks"]} == {"fail"}
     assert all(c["reason"].startswith(f"cannot make a temporary folder in {blocker / 'sub'}: NotADirectoryError")
                and "--tmpdir" in c["fix"] for c in found["checks"])
+
+
+@pytest.mark.parametrize("where, says", [("missing", "no such folder"), ("a-file", "not a folder"),
+                                         ("a-file/sub", "no such folder")])
+def test_a_tmpdir_that_is_no_folder_is_a_wrong_argument_before_any_check_runs(tmp_path, monkeypatch, capsys, where,
+                                                                              says):
+    # Regression: `selftest --tmpdir /nonexistent` ran, and reported each check as failed (exit 1).
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setattr(selftest, "run", lambda *a, **kw: pytest.fail("the checks ran"))
+    code = cli.main(["selftest", "--json", "--tmpdir", str(tmp_path / where)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"xlakit selftest: --tmpdir {tmp_path / where}: {says}"), err
+
+
+def test_a_tmpdir_you_cannot_write_in_is_a_wrong_argument(tmp_path):
+    readonly = tmp_path / "ro"
+    readonly.mkdir(mode=0o500)
+    env = {**os.environ, "PYTHONPATH": str(Path(xlakit.__file__).parents[1])}
+    run = subprocess.run([*as_a_user(), sys.executable, "-m", "xlakit", "selftest", "--tmpdir", str(readonly)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == "", run.stderr
+    assert run.stderr == f"xlakit selftest: --tmpdir {readonly}: you cannot write in it; pass a folder you can " \
+                         "write, on a local disk (without --tmpdir: TMPDIR, else /tmp)\n"
 
 
 @pytest.mark.slow

@@ -59,6 +59,19 @@ def _checks(text: str) -> tuple[str, ...]:
     return names
 
 
+def _unusable_folder(given: str) -> str | None:
+    """Why `--tmpdir` cannot hold the self-test's temporary folder, or None."""
+    path = Path(given).expanduser()
+    fix = "pass a folder you can write, on a local disk (without --tmpdir: TMPDIR, else /tmp)"
+    if not path.exists():
+        return f"no such folder; create it (mkdir -p {given}) or {fix}"
+    if not path.is_dir():
+        return f"not a folder; {fix}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"you cannot write in it; {fix}"
+    return None
+
+
 def _cmd(args: argparse.Namespace) -> int:
     try:
         options = selftest.Options(quick=args.quick, checks=args.checks, backend=args.backend, profile=args.profile,
@@ -66,6 +79,9 @@ def _cmd(args: argparse.Namespace) -> int:
                                    timeout_s=args.timeout_s)
     except ValueError as e:
         print(f"xlakit selftest: {e}", file=sys.stderr)
+        return 2
+    if args.tmpdir and (problem := _unusable_folder(args.tmpdir)):  # a wrong argument, not a failed check
+        print(f"xlakit selftest: --tmpdir {args.tmpdir}: {problem}", file=sys.stderr)
         return 2
     say = lambda line: print(f"xlakit selftest: {line}", file=sys.stderr, flush=True)  # noqa: E731
     # A launcher stops its ranks with SIGTERM: unwind as for Ctrl-C, so that the child (in a session of its own,

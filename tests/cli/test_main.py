@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
+import xlakit
 from xlakit import cli
 from xlakit.cli import pjrt
 
@@ -45,3 +51,23 @@ def test_a_bug_keeps_its_traceback(monkeypatch, error):
     _failing(monkeypatch, error)
     with pytest.raises(type(error)):
         cli.main(["pjrt", "path"])
+
+
+@pytest.mark.parametrize("args", [["cache", "ls", "{folder}"], ["pjrt", "path"], ["ckpt", "inspect", "{file}"],
+                                  ["doctor", "--profile", "cpu-dev"]], ids=lambda a: " ".join(a[:2]))
+def test_a_reader_that_went_away_ends_the_command_quietly(tmp_path, args):
+    # Regression: `xlakit doctor | head -3` ended in a BrokenPipeError traceback (after a first fix, in the line
+    # "xlakit doctor: Broken pipe" and exit 2; `ckpt` blamed the checkpoint: "a.pt: Broken pipe").
+    for n in range(200):
+        (tmp_path / f"f{n}").write_text("")
+    xlakit.save({"w": torch.ones(3)}, tmp_path / "a.pt")
+    args = [a.format(folder=tmp_path, file=tmp_path / "a.pt") for a in args]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes: its first write meets a closed pipe
+    env = {**os.environ, "PYTHONPATH": str(Path(xlakit.__file__).parents[1])}
+    try:
+        run = subprocess.run([sys.executable, "-m", "xlakit", *args], stdout=write, stderr=subprocess.PIPE,
+                             env=env, text=True, timeout=240)
+    finally:
+        os.close(write)
+    assert (run.returncode, run.stderr) == (141, ""), run.stderr  # 128 + SIGPIPE, as a shell's tools

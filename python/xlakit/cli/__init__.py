@@ -14,7 +14,8 @@ command met it: an OSError (a folder you cannot list, a symbolic link loop), a
 file that is not text where text was expected (UnicodeDecodeError) and
 pathlib's "Symlink loop" RuntimeError are one line naming the path, and how to
 fix it, with exit status 2. Any other exception is a bug, and keeps its
-traceback.
+traceback. A reader of stdout that went away ends the command quietly
+(`pipe.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import re
 import sys
 
 from xlakit._version import describe
+from xlakit.cli import pipe
 from xlakit.errors import XlakitError, with_hints
 from xlakit.runtime import torchtpu
 
@@ -63,6 +65,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            pipe.flush()
+    except BrokenPipeError:
+        if not pipe.stdout_gone():
+            raise
+        return pipe.quiet()  # the reader went away (`xlakit doctor | head -3`): 141, as a shell's tools
+
+
+def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.command in _NO_DEVICE:
@@ -73,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         print(with_hints(f"xlakit {args.command}: {e}", e), file=sys.stderr)
         return 2
     except (OSError, UnicodeDecodeError, RuntimeError) as e:
-        line = _unreadable(e)
+        line = None if isinstance(e, BrokenPipeError) and pipe.stdout_gone() else _unreadable(e)
         if line is None:
-            raise  # a bug: its traceback
+            raise  # a bug: its traceback (or stdout's reader gone: `main` ends quietly)
         print(f"xlakit {args.command}: {line}", file=sys.stderr)
         return 2
 

@@ -28,6 +28,7 @@ import argparse
 import sys
 from typing import Any
 
+from xlakit.cli import pipe
 from xlakit.cli.ckpt.common import EPILOG, ERROR, allowing
 from xlakit.cli.ckpt.convert import cmd_convert
 from xlakit.cli.ckpt.diff import cmd_diff
@@ -55,6 +56,8 @@ def _guarded(func):
             print(f"xlakit ckpt {args.ckpt_command}: interrupted; nothing was changed", file=sys.stderr)
             return 130
         except Exception as e:  # noqa: BLE001 - a client library's own error too: one line, never a traceback
+            if isinstance(e, BrokenPipeError) and pipe.stdout_gone():
+                raise  # the reader went away: `xlakit.cli.main` ends quietly
             print(f"xlakit ckpt {args.ckpt_command}: {_error_message(e, args.ckpt_command)}", file=sys.stderr)
             return ERROR
     return run

@@ -394,6 +394,32 @@ def test_verify_names_the_damaged_zip_structure(files, capsys):
     assert ckpt(capsys, "verify", path)[0] == 0
 
 
+@pytest.mark.parametrize("field, at", [("signature", 0), ("name", 30 + len("archive/"))])
+def test_a_damaged_local_header_of_the_checksums_record_is_damage_like_any_other(files, tmp_path, capsys, field, at):
+    # Regression: verify read the checksums record through torch's reader before checking the zip structure,
+    # so damage to its local header was "RuntimeError: PytorchStreamReader failed reading file
+    # xlakit/checksums.json: invalid header or archive is corrupted", exit 2, where the same damage to any other
+    # record's header is DAMAGED naming it, exit 1.
+    import zipfile
+
+    path = files["xlakit"]
+    with zipfile.ZipFile(path) as z:
+        (name,) = [n for n in z.namelist() if n.endswith("/xlakit/checksums.json")]
+        header = z.getinfo(name).header_offset
+    flip_byte(path, header + at)
+    code, out, err = ckpt(capsys, "verify", path)
+    assert code == 1 and out.startswith("DAMAGED: ") and "the zip structure is damaged" in out, (out, err)
+    assert f"the local header of entry" in out and repr(name) in out and "RuntimeError" not in out + err, out
+    code, data = ckpt_json(capsys, "verify", path)
+    assert code == 1 and data["status"] == "damaged" and repr(name) in data["message"]
+    for command in (["inspect", path], ["diff", path, path], ["convert", path, "--to", "xlakit", tmp_path / "o.pt"]):
+        code, _, err = ckpt(capsys, *command)
+        assert "RuntimeError" not in err, (command, err)
+        if field == "signature":  # torch's reader cannot read the record: each stops, naming the damage
+            assert code == 2 and repr(name) in err, (command, err)
+    assert torch.equal(xlakit.load(path)["model"]["w"], xlakit_state()["model"]["w"])  # as before: it loads
+
+
 def test_verify_of_a_plain_torch_file_exits_3_saying_there_is_nothing_to_verify(files, capsys):
     code, out, _ = ckpt(capsys, "verify", files["plain"])
     assert code == 3 and "no xlakit checksums" in out and "nothing to verify" in out

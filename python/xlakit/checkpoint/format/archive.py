@@ -29,11 +29,13 @@ import sys
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 import torch
 import xxhash
 
+from xlakit.checkpoint.format import zip_structure
 from xlakit.checkpoint.format.state import StorageEntry
 from xlakit.errors import CheckpointCorruptError, CheckpointFormatError
 
@@ -370,7 +372,13 @@ def read_index(path: str) -> tuple[dict, torch._C.PyTorchFileReader]:
             f"by xlakit.save, so its integrity cannot be verified")
         err.add_note(NO_CHECKSUMS_NOTE)
         raise err
-    return parse_index(bytes(reader.get_record(CHECKSUMS_RECORD)), path), reader
+    try:
+        blob = bytes(reader.get_record(CHECKSUMS_RECORD))
+    except RuntimeError as e:  # its local header is damaged: name it as for any other record
+        zip_structure.check(Path(path))
+        raise CheckpointCorruptError(f"{path}: the record {CHECKSUMS_RECORD!r} cannot be read ({e}); the file "
+                                     f"is damaged. Load the previous checkpoint.") from e
+    return parse_index(blob, path), reader
 
 
 def is_zip(path) -> bool:

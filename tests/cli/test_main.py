@@ -6,6 +6,7 @@ import errno
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,37 @@ def test_a_reader_that_went_away_ends_the_command_quietly(tmp_path, args):
     finally:
         os.close(write)
     assert (run.returncode, run.stderr) == (141, ""), run.stderr  # 128 + SIGPIPE, as a shell's tools
+
+
+def test_gcsfs_logs_one_line_per_record_in_the_command_and_nothing_changes_for_library_users(tmp_path):
+    # Regression: gcsfs logs each request it gives up on with `logger.exception` ("_request out of retries on
+    # exception: ..."), and its tracebacks reached the command's stderr, six of them for one `ckpt ls gs://...`.
+    script = textwrap.dedent("""
+        import logging, sys
+        from xlakit import cli
+        from xlakit.cli import pjrt
+
+        def cmd(args):
+            try:
+                raise ConnectionError("Cannot connect to host storage.googleapis.com:443")
+            except ConnectionError as e:
+                logging.getLogger("gcsfs").exception(f"_request out of retries on exception: {e}")
+            return 0
+
+        pjrt._cmd_path = cmd
+        logging.basicConfig()  # as torch_xla's first logging.warning does: a handler on the root logger
+        code = cli.main(["pjrt", "path"])
+        print("-- after", file=sys.stderr)
+        try:
+            raise ValueError("a library user's")
+        except ValueError:
+            logging.getLogger("gcsfs").exception("the record")  # theirs: as gcsfs and their logging make it
+        sys.exit(code)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(xlakit.__file__).parents[1])}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    during, after = run.stderr.split("-- after\n")
+    assert during == "gcsfs: _request out of retries on exception: Cannot connect to host " \
+                     "storage.googleapis.com:443\n", run.stderr
+    assert after.startswith("ERROR:gcsfs:the record\nTraceback") and "ValueError: a library user's" in after

@@ -238,6 +238,23 @@ def test_an_endpoint_that_cannot_be_reached_is_one_line_within_the_request_timeo
     assert time.monotonic() - start < 3 + 5
 
 
+def test_a_request_past_its_deadline_names_the_variable_that_bounds_it(bucket, monkeypatch, capsys):
+    # Regression: the fix offered was "or raise timeout_s", an argument of the Python API that the command has
+    # no flag for; the command's bound is XLAKIT_OBJECT_REQUEST_TIMEOUT_S.
+    import os
+
+    from tests.support.ranks import private_port
+
+    monkeypatch.setenv("XLAKIT_OBJECT_REQUEST_TIMEOUT_S", "2")
+    for name in ("STORAGE_EMULATOR_HOST", "AWS_ENDPOINT_URL"):
+        if name in os.environ:
+            monkeypatch.setenv(name, f"http://127.0.0.1:{private_port()}")  # nothing listens there
+    for action in ("ls", "verify"):
+        code, out, err = ckpt(capsys, action, f"{bucket}/run")
+        assert code == 2 and out == "" and "Traceback" not in err, err
+        assert "timeout_s" not in err and "raise XLAKIT_OBJECT_REQUEST_TIMEOUT_S (seconds" in err, err
+
+
 @pytest.mark.parametrize("edit", ["hash", "item removed"])
 def test_verify_of_a_dcp_checkpoint_in_a_bucket_checks_each_item_hash_of_its_record(bucket, capsys, edit):
     # Regression: `ckpt verify` read each object whole against its own hash only, so an item list edited in the

@@ -15,7 +15,8 @@ file that is not text where text was expected (UnicodeDecodeError) and
 pathlib's "Symlink loop" RuntimeError are one line naming the path, and how to
 fix it, with exit status 2. Any other exception is a bug, and keeps its
 traceback. A reader of stdout that went away ends the command quietly
-(`pipe.py`).
+(`pipe.py`). Hints that give the Python API's fix, and client libraries' log
+records, are said the command's way (`hints.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import re
 import sys
 
 from xlakit._version import describe
-from xlakit.cli import pipe
+from xlakit.cli import hints, pipe
 from xlakit.errors import XlakitError, with_hints
 from xlakit.runtime import torchtpu
 
@@ -79,12 +80,13 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
-        if args.command in _NO_DEVICE:
-            with torchtpu.without_device_backends():
-                return int(args.func(args) or 0)
-        return int(args.func(args) or 0)
+        with hints.one_line_client_logs():
+            if args.command in _NO_DEVICE:
+                with torchtpu.without_device_backends():
+                    return int(args.func(args) or 0)
+            return int(args.func(args) or 0)
     except XlakitError as e:
-        print(with_hints(f"xlakit {args.command}: {e}", e), file=sys.stderr)
+        print(with_hints(f"xlakit {args.command}: {e}", hints.for_the_command(e)), file=sys.stderr)
         return 2
     except (OSError, UnicodeDecodeError, RuntimeError) as e:
         line = None if isinstance(e, BrokenPipeError) and pipe.stdout_gone() else _unreadable(e)

@@ -28,7 +28,7 @@ import argparse
 import sys
 from typing import Any
 
-from xlakit.cli import pipe
+from xlakit.cli import hints, pipe
 from xlakit.cli.ckpt.common import EPILOG, ERROR, allowing
 from xlakit.cli.ckpt.convert import cmd_convert
 from xlakit.cli.ckpt.diff import cmd_diff
@@ -72,7 +72,7 @@ def _error_message(e: Exception, command: str) -> str:
         refused = pickled.named_refused(line)
         if refused:  # the command's own way to allow it, in place of the Python one its hint gives
             return f"{line}; if you trust it, pass --allow-global {refused}"
-    return with_hints(line, e)
+    return with_hints(line, hints.for_the_command(e))
 
 
 def _line(e: Exception) -> str:

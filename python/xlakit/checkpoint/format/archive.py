@@ -374,10 +374,9 @@ def read_index(path: str) -> tuple[dict, torch._C.PyTorchFileReader]:
         raise err
     try:
         blob = bytes(reader.get_record(CHECKSUMS_RECORD))
-    except RuntimeError as e:  # its local header is damaged: name it as for any other record
+    except RuntimeError:  # its local header damaged: named as for any other record (an I/O error is no damage)
         zip_structure.check(Path(path))
-        raise CheckpointCorruptError(f"{path}: the record {CHECKSUMS_RECORD!r} cannot be read ({e}); the file "
-                                     f"is damaged. Load the previous checkpoint.") from e
+        raise
     return parse_index(blob, path), reader
 
 

@@ -167,6 +167,18 @@ def test_inspect_an_xlakit_file_lists_tensors_storages_and_checksums(files, caps
     assert data["values"] == {"step": 7, "name": "run"}
 
 
+def test_names_and_values_of_a_checkpoint_are_printed_escaped(tmp_path, capsys):
+    # Regression (a helper's audit): inspect and diff printed a checkpoint's names and values raw: a newline
+    # forged a line of the listing and an escape sequence rewrote the user's terminal.
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    xlakit.save({"\x1b[31mred": torch.ones(2), "a\nFAKE LINE": torch.zeros(1), "s": "x\x1b[2Jy"}, a)
+    xlakit.save({"\x1b[31mred": torch.ones(2), "a\nFAKE LINE": torch.ones(1), "s": "x\x1b[2Jz"}, b)
+    for args in (("inspect", str(a)), ("diff", str(a), str(b))):
+        _, out, _ = ckpt(capsys, *args)
+        assert "\x1b" not in out and not any(line.startswith("FAKE LINE") for line in out.splitlines()), out
+        assert "a\\nFAKE LINE" in out and "x\\x1b[2J" in out, out
+
+
 def test_inspect_a_plain_torch_file_says_it_has_no_checksums(files, capsys):
     code, data = ckpt_json(capsys, "inspect", files["plain"])
     assert code == 0 and data["kind"] == "torch-file" and data["checksums"] is False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,13 +70,22 @@ def size(n: float) -> str:
     return human_bytes(n)
 
 
+# A checkpoint's names and values are its author's: printed raw, a newline forges a line and an escape
+# sequence rewrites the terminal. Shown escaped, as Python writes them.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(line: str) -> str:
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], line)
+
+
 def emit(args: argparse.Namespace, data: dict, text: list[str]) -> None:
     if args.json:
         from xlakit.checkpoint.inspect.describe import json_safe
 
         print(json.dumps(json_safe(data), indent=1, default=str, allow_nan=False))
     else:
-        print("\n".join(text))
+        print("\n".join(printable(line) for line in text))
 
 
 @contextlib.contextmanager

@@ -179,6 +179,26 @@ def test_names_and_values_of_a_checkpoint_are_printed_escaped(tmp_path, capsys):
         assert "a\\nFAKE LINE" in out and "x\\x1b[2J" in out, out
 
 
+class _RunsAShellCommand:  # what an attacker's pickle holds: os.system at load time
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickle_that_runs_code_is_never_offered_nor_allowed_through_allow_global(tmp_path, capsys):
+    # Regression (a helper's audit): the refusal of a pickle calling os.system said "if you trust it, pass
+    # --allow-global posix.system", and that flag was accepted: the tool told the user how to run the payload.
+    marker, path = tmp_path / "pwned", tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": _RunsAShellCommand(marker)}, path)
+    code, _, err = ckpt(capsys, "inspect", str(path))
+    assert code == 2 and "runs code or reaches the system" in err and "--allow-global posix" not in err, err
+    code, _, err = ckpt(capsys, "inspect", str(path), "--allow-global", f"{os.system.__module__}.system")
+    assert code == 2 and "never allows it" in err, err
+    assert not marker.exists()
+
+
 def test_inspect_a_plain_torch_file_says_it_has_no_checksums(files, capsys):
     code, data = ckpt_json(capsys, "inspect", files["plain"])
     assert code == 0 and data["kind"] == "torch-file" and data["checksums"] is False
@@ -832,7 +852,7 @@ def test_allow_global_takes_the_name_the_error_gave_and_refuses_what_is_no_class
     code, _, err = ckpt(capsys, "inspect", tmp_path / "t.pt", "--allow-global", "collections.OrderedDict.fromkeys",
                         "--allow-global", "argparse.Namespace")
     assert code == 0, err
-    for name in ("os.path", "math.pi"):
+    for name in ("json.decoder", "math.pi"):
         code, _, err = ckpt(capsys, "inspect", tmp_path / "t.pt", "--allow-global", name)
         assert code == 2 and f"--allow-global {name}: " in err and "not a class or function" in err, err
         assert "damaged" not in err and "Traceback" not in err, err

@@ -29,7 +29,7 @@ import sys
 from typing import Any
 
 from xlakit.cli import hints, pipe
-from xlakit.cli.ckpt.common import EPILOG, ERROR, allowing
+from xlakit.cli.ckpt.common import EPILOG, ERROR, allowing, code_refusal, runs_code
 from xlakit.cli.ckpt.convert import cmd_convert
 from xlakit.cli.ckpt.diff import cmd_diff
 from xlakit.cli.ckpt.inspect import cmd_inspect
@@ -70,6 +70,8 @@ def _error_message(e: Exception, command: str) -> str:
         from xlakit.checkpoint.format import pickled
 
         refused = pickled.named_refused(line)
+        if refused and runs_code(refused):
+            return f"{line}; {code_refusal(refused)}"
         if refused:  # the command's own way to allow it, in place of the Python one its hint gives
             return f"{line}; if you trust it, pass --allow-global {refused}"
     return with_hints(line, hints.for_the_command(e))

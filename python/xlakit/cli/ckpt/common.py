@@ -20,6 +20,27 @@ EPILOG = ("exit codes: 0 success; 1 verify found damage, or diff found differenc
            "no committed step); 130 interrupted")
 
 
+# What a pickle names to run code, not to rebuild a value: never allowed through --allow-global, never offered.
+_RUNS_CODE_MODULES = ("os", "posix", "nt", "subprocess", "sys", "importlib", "runpy", "pickle", "_pickle", "shutil",
+                      "socket", "code", "codeop", "pty", "ctypes", "marshal", "types", "multiprocessing", "webbrowser",
+                      "torch._C", "torch.ops")
+_RUNS_CODE_BUILTINS = {"eval", "exec", "compile", "__import__", "getattr", "setattr", "delattr", "open", "input",
+                       "breakpoint", "globals", "locals", "vars", "exit", "quit", "help", "memoryview"}
+
+
+def runs_code(name: str) -> bool:
+    """Whether `module.Name` is a way to run code or reach the system (os.system, builtins.eval, ...)."""
+    module, _, attr = name.rpartition(".")
+    if module in ("builtins", "__builtin__"):
+        return attr in _RUNS_CODE_BUILTINS
+    return any(module == m or module.startswith(m + ".") for m in _RUNS_CODE_MODULES)
+
+
+def code_refusal(name: str) -> str:
+    return (f"{name} runs code or reaches the system: a pickle that calls it is an attack, not a value, and "
+            f"xlakit never allows it; do not load this file")
+
+
 @contextlib.contextmanager
 def allowing(names: list[str] | None) -> Iterator[None]:
     """Inside, a weights-only load also accepts the classes `names` (`--allow-global module.Name`), as
@@ -39,6 +60,8 @@ def _resolve(name: str) -> Any:
     """The class or function `module.Name` (or `module.Outer.Inner`) names; ValueError saying why not."""
     import importlib
 
+    if runs_code(name):
+        raise ValueError(f"--allow-global {name}: {code_refusal(name)}")
     module, obj, problem = name, None, "it is not MODULE.NAME"
     while "." in module and obj is None and all(name.split(".")):
         module = module.rpartition(".")[0]
